@@ -1,0 +1,1 @@
+"""distrain: communication-efficient distributed training over slow, uneven or shared networks."""

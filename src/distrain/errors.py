@@ -1,0 +1,33 @@
+"""Errors distrain raises for bad input; each carries the setting it is about."""
+
+from __future__ import annotations
+
+
+class DistrainError(Exception):
+    """Base class for errors that the command line reports in one line."""
+
+
+class ConfigError(DistrainError, ValueError):
+    """A setting has a value that is not allowed.
+
+    Args:
+        setting: the flag or field name, e.g. ``--lr`` or ``lr``.
+        message: what is allowed, e.g. ``"must be a finite number > 0, got -1"``.
+    """
+
+    def __init__(self, setting: str, message: str) -> None:
+        self.setting = setting
+        self.message = message
+        super().__init__(f"{setting}: {message}")
+
+
+class DataError(DistrainError, ValueError):
+    """A data set or data file cannot be used (missing arrays, bad format, empty)."""
+
+
+class CheckpointError(DistrainError, RuntimeError):
+    """A checkpoint file is missing, truncated, corrupted or belongs to another run."""
+
+
+class WorkerFailure(DistrainError, RuntimeError):
+    """A peer stopped answering or a worker process failed."""
