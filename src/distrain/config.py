@@ -1,0 +1,319 @@
+"""Typed, validated run configuration; every leaf field is one command-line flag.
+
+A ``TrainConfig`` is made of small sections (data, model, optim, run, cluster, algo). Each leaf
+field ``foo_bar`` is the flag ``--foo-bar``; field names are unique across sections so the
+mapping stays one-to-one. Validation raises :class:`~distrain.errors.ConfigError` naming the
+flag and what is allowed.
+
+Example::
+
+    from distrain.config import TrainConfig
+    cfg = TrainConfig.from_dict({"workers": 2, "epochs": 3, "model": "mlp"})
+    cfg.validate()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distrain.errors import ConfigError
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a config field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def check_positive(name: str, value: float, *, integer: bool = False, allow_zero: bool = False) -> None:
+    """Raise ConfigError unless ``value`` is a finite number > 0 (or >= 0 with allow_zero)."""
+    kind = "an integer" if integer else "a finite number"
+    bound = ">= 0" if allow_zero else "> 0"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if integer:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise ConfigError(flag(name), f"must be {kind} {bound}, got {value!r}")
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ConfigError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(flag(name), f"unknown value {value!r}; choose one of: {', '.join(choices)}")
+
+
+@dataclass
+class DataConfig:
+    """Which data set, how it is split among workers, and the per-worker batch size."""
+
+    dataset: str = _opt("mnist1d", "data set: mnist1d, digits, synthetic, npz, idx, shards")
+    data_path: str | None = _opt(None, "file or directory for npz / idx / shards data sets")
+    num_samples: int = _opt(20000, "samples to generate for mnist1d / synthetic (train + test)")
+    partition: str = _opt("iid", "how training data is split among workers", ("iid", "dirichlet"))
+    dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration for --partition dirichlet (small = skewed)")
+    batch_size: int = _opt(64, "samples per worker per step")
+
+    def validate(self) -> None:
+        from distrain.data import DATASETS
+
+        check_choice("dataset", self.dataset, tuple(DATASETS))
+        if self.dataset in ("npz", "idx", "shards") and not self.data_path:
+            raise ConfigError("--data-path", f"is required for --dataset {self.dataset}")
+        check_positive("num_samples", self.num_samples, integer=True)
+        check_choice("partition", self.partition, ("iid", "dirichlet"))
+        check_positive("dirichlet_alpha", self.dirichlet_alpha)
+        check_positive("batch_size", self.batch_size, integer=True)
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train."""
+
+    model: str = _opt("cnn1d", "mlp, cnn1d, cnn2d, or a user factory 'package.module:function'")
+    model_width: int | None = _opt(None, "hidden units (mlp) or channels (cnn); model default if unset")
+    model_depth: int | None = _opt(None, "hidden layers (mlp) or conv layers (cnn); model default if unset")
+
+    def validate(self) -> None:
+        from distrain.models import MODELS
+
+        if ":" not in self.model:
+            check_choice("model", self.model, tuple(MODELS) + ("package.module:factory",))
+        for name in ("model_width", "model_depth"):
+            if getattr(self, name) is not None:
+                check_positive(name, getattr(self, name), integer=True)
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule (linear scaling rule with warm-up)."""
+
+    optimizer: str = _opt("sgd", "sgd (with momentum), adam, or lars", ("sgd", "adam", "lars"))
+    lr: float = _opt(0.1, "learning rate for --reference-batch samples per step")
+    momentum: float = _opt(0.9, "momentum (sgd, lars); beta1 for adam")
+    weight_decay: float = _opt(0.0, "L2 weight decay")
+    lr_scaling: bool = _opt(True, "linear scaling rule: lr x global batch / --reference-batch")
+    reference_batch: int = _opt(64, "global batch size at which --lr applies unscaled")
+    warmup_epochs: float = _opt(1.0, "epochs of linear warm-up from --lr to the scaled lr (0 = none)")
+    lr_decay: str = _opt("cosine", "decay after warm-up", ("cosine", "step", "none"))
+
+    def validate(self) -> None:
+        check_choice("optimizer", self.optimizer, ("sgd", "adam", "lars"))
+        check_positive("lr", self.lr)
+        check_positive("momentum", self.momentum, allow_zero=True)
+        if self.momentum >= 1:
+            raise ConfigError("--momentum", f"must be in [0, 1), got {self.momentum!r}")
+        check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        check_positive("reference_batch", self.reference_batch, integer=True)
+        check_positive("warmup_epochs", self.warmup_epochs, allow_zero=True)
+        check_choice("lr_decay", self.lr_decay, ("cosine", "step", "none"))
+
+
+@dataclass
+class RunConfig:
+    """How long to train, where results go, evaluation, checkpoints."""
+
+    epochs: float = _opt(15, "passes over the training data (global samples / total training samples)")
+    seed: int = _opt(0, "random seed; worker r seeds its data order with seed + r")
+    run_dir: str | None = _opt(None, "run directory (default: runs/<name>)")
+    name: str | None = _opt(None, "run name (default: <algorithm>-<dataset>-<time>)")
+    eval_every: float = _opt(1.0, "evaluate the test accuracy every this many epochs")
+    target_accuracy: float = _opt(0.95, "test accuracy whose first crossing gives time_to_target_s")
+    checkpoint_every: int = _opt(0, "save a checkpoint every this many steps (0 = only at the end)")
+    resume: str = _opt("none", "'auto' (newest valid checkpoint in --run-dir), 'none', or a checkpoint step directory")
+    progress: bool = _opt(True, "show a progress bar")
+    threads: int = _opt(1, "torch intra-op threads per worker process")
+
+    def validate(self) -> None:
+        check_positive("epochs", self.epochs)
+        check_positive("eval_every", self.eval_every)
+        if not (0 < self.target_accuracy <= 1):
+            raise ConfigError("--target-accuracy", f"must be in (0, 1], got {self.target_accuracy!r}")
+        check_positive("checkpoint_every", self.checkpoint_every, integer=True, allow_zero=True)
+        check_positive("threads", self.threads, integer=True)
+        if self.seed < 0:
+            raise ConfigError("--seed", f"must be an integer >= 0, got {self.seed!r}")
+
+
+@dataclass
+class ClusterConfig:
+    """How many workers, where they meet, and how long any wait may last."""
+
+    workers: int = _opt(4, "worker processes (local launch); under torchrun WORLD_SIZE decides")
+    backend: str = _opt("auto", "torch.distributed backend: gloo, nccl, or auto", ("auto", "gloo", "nccl"))
+    device: str = _opt("cpu", "cpu or cuda", ("cpu", "cuda"))
+    master_addr: str = _opt("127.0.0.1", "address of rank 0 (local runs bind loopback)")
+    master_port: int = _opt(0, "port of rank 0 (0 = pick a free one)")
+    timeout: float = _opt(120.0, "seconds any collective or peer may take before the run fails")
+
+    def validate(self) -> None:
+        check_positive("workers", self.workers, integer=True)
+        check_choice("backend", self.backend, ("auto", "gloo", "nccl"))
+        check_choice("device", self.device, ("cpu", "cuda"))
+        if not (0 <= self.master_port <= 65535):
+            raise ConfigError("--master-port", f"must be in 0..65535, got {self.master_port!r}")
+        check_positive("timeout", self.timeout)
+
+
+@dataclass
+class AlgoConfig:
+    """Which training algorithm and its knobs."""
+
+    algorithm: str = _opt("allreduce", "training algorithm")
+    bucket_mb: float = _opt(25.0, "gradient bucket size in MB for allreduce (communication overlaps backward)")
+    ring: str = _opt("gloo", "all-reduce implementation: gloo's native collective or our ring over point-to-point", ("gloo", "own"))
+
+    def validate(self) -> None:
+        from distrain.algorithms import ALGORITHMS
+
+        check_choice("algorithm", self.algorithm, tuple(sorted(ALGORITHMS)))
+        check_positive("bucket_mb", self.bucket_mb)
+        check_choice("ring", self.ring, ("gloo", "own"))
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "optim": OptimConfig,
+    "run": RunConfig,
+    "cluster": ClusterConfig,
+    "algo": AlgoConfig,
+}
+
+
+@dataclass
+class TrainConfig:
+    """The whole run configuration: one section per component."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+
+    def validate(self) -> TrainConfig:
+        """Check every section; raise ConfigError naming the first bad flag."""
+        for section in SECTIONS:
+            getattr(self, section).validate()
+        return self
+
+    # Flat access keeps call sites short: cfg.get("lr") == cfg.optim.lr.
+    def get(self, name: str) -> Any:
+        return getattr(getattr(self, section_of(name)), name)
+
+    def set(self, name: str, value: Any) -> None:
+        setattr(getattr(self, section_of(name)), name, value)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """Build from a flat ``{field: value}`` or sectioned ``{section: {field: value}}`` dict."""
+        cfg = cls()
+        for key, value in values.items():
+            if key in SECTIONS and isinstance(value, dict):
+                for name, inner in value.items():
+                    if section_of(name, missing_ok=True) != key:
+                        raise ConfigError(key, f"unknown setting {name!r} in section [{key}]")
+                    cfg.set(name, coerce(name, inner))
+            else:
+                cfg.set(key, coerce(key, value))
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TrainConfig:
+        """Load a JSON, TOML or YAML config file (flat or sectioned)."""
+        return cls.from_dict(read_config_file(path))
+
+
+def leaf_fields() -> list[tuple[str, dataclasses.Field, type]]:
+    """(section, field, python type) for every leaf setting, in declaration order."""
+    out = []
+    for section, klass in SECTIONS.items():
+        hints = typing.get_type_hints(klass)
+        for f in dataclasses.fields(klass):
+            out.append((section, f, hints[f.name]))
+    return out
+
+
+_SECTION_OF = {f.name: section for section, f, _ in leaf_fields()}
+_TYPE_OF = {f.name: t for _, f, t in leaf_fields()}
+
+
+def section_of(name: str, *, missing_ok: bool = False) -> str:
+    if name not in _SECTION_OF:
+        if missing_ok:
+            return ""
+        raise ConfigError(name, f"unknown setting; known settings: {', '.join(sorted(_SECTION_OF))}")
+    return _SECTION_OF[name]
+
+
+def base_type(annotation: Any) -> type:
+    """``int | None`` -> ``int``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Convert a value from a config file to the field's type, with a one-line error."""
+    section_of(name)
+    kind = base_type(_TYPE_OF[name])
+    if value is None:
+        return None
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() in ("true", "yes", "on", "1"):
+                    return True
+                if value.lower() in ("false", "no", "off", "0"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(flag(name), f"expected {kind.__name__}, got {value!r}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse ``--config FILE`` by extension: .json, .toml, .yaml/.yml."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--config", f"file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml  # optional dependency
+
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError("--config", f"unsupported file type {path.suffix!r}; use .json, .toml or .yaml")
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as exc:
+        raise ConfigError("--config", f"reading {path.suffix} files needs the '{exc.name}' package") from None
+    except Exception as exc:  # parse errors differ per format
+        raise ConfigError("--config", f"cannot parse {str(path)!r}: {exc}".splitlines()[0]) from None
+    if not isinstance(data, dict):
+        raise ConfigError("--config", f"{str(path)!r} must hold a table of settings")
+    return data

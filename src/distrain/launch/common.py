@@ -1,0 +1,71 @@
+"""What every launcher does: pick a run directory, open the process group, run the loop."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distrain.config import TrainConfig
+from distrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def default_run_dir(cfg: TrainConfig, stamp: float) -> Path:
+    """``runs/<name>`` with a name from the algorithm, data set and start time."""
+    if cfg.run.run_dir:
+        return Path(cfg.run.run_dir)
+    name = cfg.run.name or "{}-{}-{}".format(
+        cfg.algo.algorithm, cfg.data.dataset, datetime.datetime.fromtimestamp(stamp).strftime("%Y%m%d-%H%M%S"))
+    return Path("runs") / name
+
+
+def backend_for(cfg: TrainConfig) -> str:
+    if cfg.cluster.backend != "auto":
+        return cfg.cluster.backend
+    return "nccl" if cfg.cluster.device == "cuda" else "gloo"
+
+
+def check_device(cfg: TrainConfig) -> None:
+    if cfg.cluster.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", "cuda was asked for but this machine has no CUDA device; use --device cpu")
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A port that is free right now on ``addr``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(addr: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+        except OSError as exc:
+            raise ConfigError("--master-port", f"{addr}:{port} is not available ({exc.strerror}); pick another port or 0 for a free one") from None
+
+
+def init_group(cfg: TrainConfig, rank: int, world: int, init_method: str | None = None) -> None:
+    """Open the default process group with the run's timeout (a world of 1 needs no network)."""
+    if cfg.cluster.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    store = dist.HashStore() if init_method is None else None
+    dist.init_process_group(backend_for(cfg), init_method=init_method, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
+
+
+def close_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def configure_worker_logging(rank: int) -> None:
+    logging.basicConfig(level=os.environ.get("DISTRAIN_LOG", "WARNING").upper(),
+                        format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")

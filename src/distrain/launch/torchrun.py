@@ -1,0 +1,55 @@
+"""Run as one worker of a job started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT set)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distrain.config import TrainConfig
+from distrain.launch.common import (
+    check_device,
+    close_group,
+    configure_worker_logging,
+    default_run_dir,
+    init_group,
+)
+
+
+def in_torchrun() -> bool:
+    """True when this process was started by torchrun (or an equivalent launcher)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _shared_run_dir(cfg: TrainConfig) -> Path:
+    """A run directory every rank agrees on, stable across torchrun restarts."""
+    if cfg.run.run_dir or cfg.run.name:
+        return default_run_dir(cfg, 0.0)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return default_run_dir(replace(cfg, run=replace(cfg.run, name=f"{cfg.algo.algorithm}-{cfg.data.dataset}-{run_id}")), 0.0)
+    stamp = torch.tensor([time.time()], dtype=torch.float64)
+    dist.broadcast(stamp, src=0)  # rank 0's clock names the run
+    return default_run_dir(cfg, float(stamp.item()))
+
+
+def run_torchrun_worker(cfg: TrainConfig, **user: Any) -> dict[str, Any] | None:
+    """Train as the worker torchrun made this process; returns the summary on rank 0."""
+    from distrain.train.loop import train
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    configure_worker_logging(rank)
+    check_device(cfg)
+    cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world))
+    init_group(cfg, rank, world, "env://")
+    try:
+        run_dir = _shared_run_dir(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return train(cfg, run_dir, **user)
+    finally:
+        close_group()

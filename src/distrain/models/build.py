@@ -1,0 +1,102 @@
+"""Turn a ``--model`` value into a module: a built-in name or a user's ``package.module:factory``."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from distrain.errors import ConfigError
+from distrain.models.zoo import MLP, CNN1d, CNN2d
+
+__all__ = ["MODELS", "build_model"]
+
+_BUILTINS: dict[str, Callable[..., nn.Module]] = {"cnn1d": CNN1d, "cnn2d": CNN2d, "mlp": MLP}
+
+MODELS: tuple[str, ...] = tuple(sorted(_BUILTINS))
+"""Names of the built-in models."""
+
+
+def build_model(
+    name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    width: int | None = None,
+    depth: int | None = None,
+) -> nn.Module:
+    """Build a freshly initialised model; the weights depend only on the torch seed.
+
+    ``name`` is one of :data:`MODELS` or ``"package.module:factory"``. A factory is called with
+    whichever of ``input_shape``, ``num_classes``, ``width`` and ``depth`` its signature names
+    (``width`` and ``depth`` only when given), or with no arguments, and must return an
+    ``nn.Module``.
+
+    Args:
+        name: a built-in name or ``"package.module:factory"``.
+        input_shape: shape of one sample, without the batch dimension, e.g. ``(40,)``.
+        num_classes: number of outputs.
+        width: hidden units (mlp) or channels (CNNs); ``None`` keeps the model's default.
+        depth: hidden layers (mlp) or convolutions (CNNs); ``None`` keeps the model's default.
+
+    Example::
+
+        >>> torch.manual_seed(0)
+        >>> model = build_model("cnn1d", (40,), 10)
+        >>> big = build_model("mlp", (40,), 10, width=974)  # 999,334 parameters
+        >>> mine = build_model("my_pkg.nets:make_net", (1, 28, 28), 10)
+    """
+    sizes = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
+    if name in _BUILTINS:
+        return _BUILTINS[name](tuple(input_shape), num_classes, **sizes)
+    if ":" in name:
+        return _build_user_model(name, tuple(input_shape), num_classes, sizes)
+    raise ConfigError(
+        "--model",
+        f"unknown model {name!r}; choose one of: {', '.join(MODELS)}, or package.module:factory",
+    )
+
+
+def _build_user_model(
+    spec: str, input_shape: tuple[int, ...], num_classes: int, sizes: dict[str, int]
+) -> nn.Module:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError("--model", f"{spec!r} must look like package.module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError("--model", f"cannot import module {module_name!r} ({exc})") from exc
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ConfigError("--model", f"module {module_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise ConfigError("--model", f"{spec!r} is a {type(factory).__name__}, not a callable")
+
+    accepted = _keyword_names(factory)
+    for key in sizes:
+        if key not in accepted:
+            raise ConfigError(f"--model-{key}", f"{spec!r} takes no {key!r} argument")
+    offered: dict[str, Any] = {"input_shape": input_shape, "num_classes": num_classes, **sizes}
+    model = factory(**{k: v for k, v in offered.items() if k in accepted})
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            "--model", f"{spec!r} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
+
+
+def _keyword_names(factory: Callable[..., Any]) -> set[str]:
+    """Names from ``input_shape, num_classes, width, depth`` that ``factory`` accepts by keyword."""
+    wanted = {"input_shape", "num_classes", "width", "depth"}
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no introspectable signature
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return wanted
+    keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in params if p.kind in keyword_kinds and p.name in wanted}

@@ -1,0 +1,1 @@
+"""The worker loop and what it needs: schedules, optimizers, checkpoints, metrics."""

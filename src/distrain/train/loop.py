@@ -1,0 +1,245 @@
+"""The worker loop: the same code on one CPU process, local spawn, or torchrun.
+
+Read it top to bottom: set up data, model, optimizer, algorithm; then per step forward,
+backward, let the algorithm aggregate, update, let the algorithm average; evaluate every
+``--eval-every`` epochs; checkpoint every ``--checkpoint-every`` steps; gather a summary.
+
+The process group must already exist (launchers create it; see ``distrain.launch``)::
+
+    # one machine, 4 workers, spawned by distrain itself
+    distrain train --workers 4
+    # one machine under torchrun
+    torchrun --nproc-per-node 4 -m distrain train
+    # two machines, 2 workers each (run on both, --node-rank 0 and 1)
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -m distrain train
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from distrain.algorithms import StepContext, build_algorithm
+from distrain.comm.transport import Transport
+from distrain.config import TrainConfig
+from distrain.data import (
+    ArrayDataset,
+    load_dataset,
+    load_shard_dir_test,
+    load_worker_shards,
+    partition_indices,
+)
+from distrain.data.sampler import ShardSampler
+from distrain.errors import ConfigError, DataError
+from distrain.models import build_model
+from distrain.train.checkpoint import CheckpointStore, check_compatible
+from distrain.train.metrics import MetricsWriter, batches_of, evaluate, write_json_atomic
+from distrain.train.optim import build_optimizer
+from distrain.train.schedule import LRSchedule, scaled_lr
+
+log = logging.getLogger(__name__)
+
+ModelFactory = Callable[[], torch.nn.Module]
+
+
+def labels_of(dataset: Dataset) -> np.ndarray:
+    """All labels of a data set, as an int array."""
+    if isinstance(dataset, ArrayDataset):
+        return dataset.y.numpy()
+    return np.array([int(dataset[i][1]) for i in range(len(dataset))])  # type: ignore[arg-type]
+
+
+def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | None,
+                test_set: Dataset | None) -> tuple[Dataset, np.ndarray, Dataset]:
+    """This worker's view of the data: the training set, its shard's indices, the test set."""
+    d = cfg.data
+    if train_set is None and d.dataset == "shards":
+        # Shard files on shared storage: each worker reads only the files it owns.
+        own = load_worker_shards(d.data_path, rank, world)
+        return own, np.arange(len(own)), load_shard_dir_test(d.data_path)
+    if train_set is None:
+        train_set, test_set = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed)
+    if test_set is None:
+        raise DataError("a test set is required to evaluate the model")
+    n = len(train_set)  # type: ignore[arg-type]
+    if n == 0:
+        raise DataError("the training set is empty")
+    if world > n:
+        raise ConfigError("--workers", f"must be at most the number of training samples ({n}), got {world}")
+    labels = labels_of(train_set) if d.partition != "iid" else np.zeros(n, dtype=np.int64)
+    parts = partition_indices(labels, world, d.partition, alpha=d.dirichlet_alpha, seed=cfg.run.seed)
+    return train_set, parts[rank], test_set
+
+
+def shard_report(transport: Transport, dataset: Dataset, shard: np.ndarray, num_classes: int) -> list[dict[str, Any]]:
+    """Every worker's shard size and label histogram (gathered; each worker knows only its own)."""
+    labels = labels_of(dataset)[shard] if len(shard) else np.zeros(0, dtype=np.int64)
+    mine = torch.tensor([len(shard), *np.bincount(labels, minlength=num_classes)[:num_classes]], dtype=torch.int64)
+    rows = transport.control_all_gather(mine)
+    return [{"rank": r, "size": int(row[0]), "label_histogram": [int(v) for v in row[1:]]} for r, row in enumerate(rows)]
+
+
+def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | None = None,
+          train_set: Dataset | None = None, test_set: Dataset | None = None) -> dict[str, Any] | None:
+    """Run the training loop on this worker; returns the summary on rank 0, None elsewhere."""
+    run_dir = Path(run_dir)
+    torch.set_num_threads(cfg.run.threads)
+    transport = Transport()
+    rank, world = transport.rank, transport.world_size
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
+
+    # --- data: each worker trains on its own shard ----------------------------------------------
+    train_set, shard, test_set = worker_data(cfg, rank, world, train_set, test_set)
+    num_classes = int(max(labels_of(test_set).max(), labels_of(train_set).max())) + 1
+    shards = shard_report(transport, train_set, shard, num_classes)
+    if min(s["size"] for s in shards) < cfg.data.batch_size:
+        small = min(shards, key=lambda s: s["size"])
+        raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
+    total_train = sum(s["size"] for s in shards)
+    steps_per_epoch = max(1, total_train // (world * cfg.data.batch_size))
+    total_steps = max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
+    sampler = ShardSampler(shard, cfg.data.batch_size, cfg.run.seed, rank)
+
+    # --- model: identical initial parameters on every worker ------------------------------------
+    torch.manual_seed(cfg.run.seed)
+    sample_shape = tuple(batches_of(train_set, torch.tensor([0]))[0].shape[1:])
+    if model_fn is not None:
+        model = model_fn()
+    else:
+        model = build_model(cfg.model.model, sample_shape, num_classes,
+                            width=cfg.model.model_width, depth=cfg.model.model_depth)
+    model.to(device)
+    torch.manual_seed(cfg.run.seed + rank)
+
+    # --- optimizer and learning rate: linear scaling rule with warm-up --------------------------
+    o = cfg.optim
+    global_batch = world * cfg.data.batch_size
+    peak = scaled_lr(o.lr, global_batch, o.reference_batch, enabled=o.lr_scaling)
+    schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=round(o.warmup_epochs * steps_per_epoch),
+                          total_steps=total_steps, decay=o.lr_decay)
+    optimizer = build_optimizer(o.optimizer, model.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
+    algorithm = build_algorithm(cfg.algo.algorithm, cfg)
+    algorithm.setup(model, optimizer, transport)
+
+    # --- resume ---------------------------------------------------------------------------------
+    store = CheckpointStore(run_dir, rank, world)
+    start_step = 0
+    resume_step = store.resolve(cfg.run.resume)
+    if resume_step is not None:
+        state = store.load(resume_step)
+        check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=world)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        algorithm.load_state_dict(state["algorithm"])
+        start_step = int(state["step"])
+        log.info("worker %d resumed from step %d", rank, start_step)
+
+    if rank == 0:
+        write_json_atomic(run_dir / "config.json", {
+            **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+            "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": resume_step,
+        })
+
+    def save(step: int) -> None:
+        store.save(step, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "algorithm": algorithm.state_dict(),
+            "step": step, "model_name": cfg.model.model, "algorithm_name": cfg.algo.algorithm, "world_size": world,
+        })
+
+    # --- the loop -------------------------------------------------------------------------------
+    metrics = MetricsWriter(run_dir, rank, append=resume_step is not None)
+    eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
+    progress = _progress_bar(cfg, rank, total_steps, start_step)
+    time_to_target: float | None = None
+    accuracy = test_loss = float("nan")
+    eval_seconds = compute_seconds = 0.0
+    model.train()
+    transport.control_barrier()  # start the clock together
+    start = time.perf_counter()
+    for step in range(start_step, total_steps):
+        t0 = time.perf_counter()
+        x, y = batches_of(train_set, sampler.batch(step))
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        loss = losses.mean()
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        ctx = StepContext(step=step, epoch=(step + 1) / steps_per_epoch, batch_size=len(y),
+                          per_sample_losses=losses.detach(), compute_seconds=time.perf_counter() - t0)
+        compute_seconds += ctx.compute_seconds
+        algorithm.after_backward(ctx)
+        lr = schedule.apply(optimizer, step)
+        algorithm.apply_update(ctx)
+        algorithm.after_update(ctx)
+
+        record: dict[str, Any] = {
+            "step": step + 1, "epoch": ctx.epoch, "time": time.perf_counter() - start - eval_seconds,
+            "loss": loss.item(), "lr": lr, "bytes_sent": transport.stats.bytes_sent,
+            "bytes_received": transport.stats.bytes_received, "compute_s": ctx.compute_seconds,
+            "comm_s": transport.stats.comm_seconds, **algorithm.metrics(),
+        }
+        if (step + 1) % eval_interval == 0 or step + 1 == total_steps:
+            t_eval = time.perf_counter()
+            eval_model = algorithm.eval_model()  # collective for decentralized algorithms
+            if rank == 0:
+                accuracy, test_loss = evaluate(eval_model, test_set, device)
+                record.update(test_accuracy=accuracy, test_loss=test_loss)
+                if time_to_target is None and accuracy >= cfg.run.target_accuracy:
+                    time_to_target = record["time"]
+                if progress is not None:
+                    progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{accuracy:.3f}")
+            eval_seconds += time.perf_counter() - t_eval
+        metrics.write(record)
+        if progress is not None:
+            progress.update(1)
+        if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
+            save(step + 1)
+    wall = time.perf_counter() - start - eval_seconds
+    if progress is not None:
+        progress.close()
+    metrics.close()
+    if total_steps > start_step and not (cfg.run.checkpoint_every and total_steps % cfg.run.checkpoint_every == 0):
+        save(total_steps)
+    algorithm.close()
+
+    # --- summary: every worker's counters, gathered on rank 0 -----------------------------------
+    steps_done = total_steps - start_step
+    mine = torch.tensor([steps_done, steps_done * cfg.data.batch_size, wall, compute_seconds, transport.stats.comm_seconds,
+                         *transport.stats.sent, *transport.stats.received], dtype=torch.float64)
+    rows = [r.tolist() for r in transport.control_all_gather(mine)]
+    if rank != 0:
+        return None
+    samples = sum(r[1] for r in rows)
+    summary = {
+        "algorithm": cfg.algo.algorithm, "workers": world, "epochs": cfg.run.epochs, "steps": total_steps,
+        "dataset": cfg.data.dataset, "model": cfg.model.model, "global_batch": global_batch,
+        "final_test_accuracy": accuracy, "final_test_loss": test_loss,
+        "target_accuracy": cfg.run.target_accuracy, "time_to_target_s": time_to_target,
+        "wall_time_s": wall, "eval_time_s": eval_seconds, "samples_per_s": samples / wall if wall > 0 else None,
+        "samples_per_s_per_worker": [r[1] / r[2] if r[2] > 0 else None for r in rows],
+        "bytes_sent_per_worker": [int(sum(r[5 : 5 + world])) for r in rows],
+        "bytes_received_per_worker": [int(sum(r[5 + world :])) for r in rows],
+        "bytes_sent_per_peer": [[int(v) for v in r[5 : 5 + world]] for r in rows],
+        "compute_s_per_worker": [r[3] for r in rows], "comm_s_per_worker": [r[4] for r in rows],
+        "resumed_from_step": resume_step, "run_dir": str(run_dir),
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    return summary
+
+
+def _progress_bar(cfg: TrainConfig, rank: int, total: int, initial: int) -> Any:
+    if rank != 0 or not cfg.run.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", desc=f"{cfg.algo.algorithm}",
+                dynamic_ncols=True, leave=False)

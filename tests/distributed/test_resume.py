@@ -1,0 +1,37 @@
+"""A resumed run reaches the same parameters as an uninterrupted one."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from distrain.launch import launch_local
+from distrain.train.checkpoint import CheckpointStore
+from tests.conftest import small_config
+
+
+@pytest.mark.timeout(180)
+def test_resume_matches_uninterrupted_run(tmp_path):
+    full = tmp_path / "full"
+    settings = {"workers": 2, "epochs": 2, "checkpoint_every": 7, "lr_decay": "cosine", "warmup_epochs": 0.5}
+    summary = launch_local(small_config(str(full), **settings))
+    total = summary["steps"]
+    assert total % 7 != 0  # the final checkpoint is an extra one, after the periodic ones
+    periodic = min(CheckpointStore(full, 0, 2).steps())  # the oldest set pruning kept
+    assert 0 < periodic < total
+
+    # Pretend the run died right after that checkpoint: keep only it.
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    for step_dir in (cut / "checkpoints").iterdir():
+        if step_dir.name != f"step-{periodic:08d}":
+            shutil.rmtree(step_dir)
+    resumed = launch_local(small_config(str(cut), resume="auto", **settings))
+    assert resumed["resumed_from_step"] == periodic
+    for rank in range(2):
+        want = CheckpointStore(full, rank, 2).load(total)
+        got = CheckpointStore(cut, rank, 2).load(total)
+        for name, tensor in want["model"].items():
+            torch.testing.assert_close(got["model"][name], tensor, rtol=0, atol=0)

@@ -1,0 +1,488 @@
+"""Checkpoint files and per-run checkpoint sets: round trip, damage detection, resume, pruning."""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing as mp
+import os
+import random
+import signal
+import struct
+import sys
+import time
+from hashlib import sha256
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from distrain.errors import CheckpointError, ConfigError
+from distrain.train.checkpoint import (
+    HEADER_SIZE,
+    MAGIC,
+    CheckpointStore,
+    check_compatible,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+
+LOGGER = "distrain.train.checkpoint"
+
+
+def _training_state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    model(torch.randn(4, 6)).sum().backward()
+    optimizer.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "algorithm": {"residual": [torch.randn(3), torch.zeros(2, dtype=torch.bfloat16)]},
+        "step": 120,
+        "epoch": 2.5,
+        "model_name": "mlp",
+        "algorithm_name": "allreduce",
+        "world_size": 4,
+        "config_digest": "0f3a9c",
+        "rng": torch.get_rng_state(),
+        "dtype": torch.float16,
+        "shape": torch.Size([2, 3]),
+        "note": None,
+    }
+
+
+def _assert_same(actual: Any, expected: Any, where: str = "state") -> None:
+    """Exact, type-preserving equality of nested containers of tensors and scalars."""
+    assert type(actual) is type(expected), f"{where}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, where
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=where)
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), where
+        for key in expected:
+            _assert_same(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)) and not isinstance(expected, torch.Size):
+        assert len(actual) == len(expected), where
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            _assert_same(a, e, f"{where}[{index}]")
+    else:
+        assert actual == expected, where
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# --- single files ----------------------------------------------------------------------------
+
+
+def test_round_trip_keeps_tensors_and_scalars(tmp_path: Path) -> None:
+    state = _training_state()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, state)
+    loaded = load_checkpoint(path)
+    _assert_same(loaded, state)
+    assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+
+
+def test_file_layout_is_header_then_torch_save_payload(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"w": torch.arange(10.0), "step": 3})
+    data = path.read_bytes()
+    magic, length, digest = struct.unpack(">8sQ32s", data[:HEADER_SIZE])
+    payload = data[HEADER_SIZE:]
+    assert (magic, length, digest) == (MAGIC, len(payload), sha256(payload).digest())
+    plain = torch.load(io.BytesIO(payload), weights_only=True)
+    assert plain["step"] == 3
+    assert torch.equal(plain["w"], torch.arange(10.0))
+
+
+def test_save_leaves_no_temporary_files(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "ckpt.pt"
+    for step in range(3):
+        save_checkpoint(path, {"w": torch.full((100,), float(step)), "step": step})
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.pt"]
+    assert load_checkpoint(path)["step"] == 2
+
+
+def test_failed_write_keeps_previous_file_and_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"step": 1})
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(CheckpointError, match="No space left on device") as info:
+        save_checkpoint(path, {"step": 2})
+    assert str(path) in str(info.value)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_truncated_payload_is_reported_with_sizes(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"w": torch.zeros(1000)})
+    expected = path.stat().st_size - HEADER_SIZE
+    with open(path, "r+b") as file:
+        file.truncate(HEADER_SIZE + 99)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert str(info.value) == (
+        f"checkpoint {path} is truncated (expected {expected} bytes of data, found 99)"
+    )
+
+
+def test_truncated_header_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"step": 1})
+    with open(path, "r+b") as file:
+        file.truncate(20)
+    with pytest.raises(
+        CheckpointError, match=r"is truncated \(header has 20 of 48 bytes\)"
+    ) as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
+
+
+def test_trailing_bytes_are_reported(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"step": 1})
+    with open(path, "ab") as file:
+        file.write(b"junk")
+    with pytest.raises(CheckpointError, match="has 4 unexpected bytes after its data"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("where", ["digest", "payload start", "payload middle", "last byte"])
+def test_flipped_byte_is_a_checksum_mismatch(tmp_path: Path, where: str) -> None:
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"w": torch.randn(500), "step": 7})
+    size = path.stat().st_size
+    offset = {
+        "digest": 16 + 5,
+        "payload start": HEADER_SIZE,
+        "payload middle": (HEADER_SIZE + size) // 2,
+        "last byte": size - 1,
+    }[where]
+    _flip_byte(path, offset)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert str(info.value) == f"checkpoint {path} has a checksum mismatch (corrupted)"
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        verify_checkpoint(path)
+
+
+def test_plain_torch_save_and_text_files_are_not_checkpoints(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.zeros(3)}, plain)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(plain)
+    assert str(info.value) == (
+        f"checkpoint {plain} is not a distrain checkpoint (it looks like a plain torch.save file)"
+    )
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, this is not a checkpoint at all\n")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(text)
+    assert str(info.value) == f"checkpoint {text} is not a distrain checkpoint"
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=f"checkpoint {empty} is empty"):
+        load_checkpoint(empty)
+
+
+def test_missing_file_and_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "runs" / "x" / "ckpt.pt"
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(missing)
+    assert str(info.value) == f"checkpoint {missing} does not exist"
+    with pytest.raises(CheckpointError, match="is a directory"):
+        load_checkpoint(tmp_path)
+
+
+class _Opaque:
+    """An arbitrary Python class: weights-only loading must never rebuild it."""
+
+
+_UNPICKLE_CALLS: list[str] = []
+
+
+def _record_unpickle(tag: str) -> str:
+    _UNPICKLE_CALLS.append(tag)
+    return tag
+
+
+class _RunsCodeOnLoad:
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (_record_unpickle, ("code ran",))
+
+
+@pytest.mark.parametrize(
+    ("value", "type_name"),
+    [(_Opaque(), "_Opaque"), (np.float64(1.5), "numpy.float64"), (np.zeros(3), "numpy.ndarray")],
+)
+def test_save_refuses_objects_weights_only_loading_cannot_rebuild(
+    tmp_path: Path, value: Any, type_name: str
+) -> None:
+    path = tmp_path / "ckpt.pt"
+    state = {"model": {"w": torch.zeros(2)}, "extra": {"items": [1, value]}}
+    with pytest.raises(CheckpointError, match=type_name) as info:
+        save_checkpoint(path, state)
+    assert "state['extra']['items'][1]" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_refuses_pickled_code_even_with_a_valid_checksum(tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save({"step": 1, "evil": _RunsCodeOnLoad()}, buffer)
+    payload = buffer.getvalue()
+    path = tmp_path / "evil.pt"
+    path.write_bytes(
+        struct.pack(">8sQ32s", MAGIC, len(payload), sha256(payload).digest()) + payload
+    )
+    verify_checkpoint(path)  # intact as a file
+    _UNPICKLE_CALLS.clear()
+    with pytest.raises(CheckpointError, match="weights-only loading refuses") as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
+    assert "_record_unpickle" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert _UNPICKLE_CALLS == []
+
+
+# --- compatibility ---------------------------------------------------------------------------
+
+
+def test_check_compatible_accepts_matching_run() -> None:
+    state = {"model_name": "mlp", "algorithm_name": "allreduce", "world_size": 4}
+    check_compatible(state, model="mlp", algorithm="allreduce", world_size=4)
+    check_compatible(state, model="mlp", algorithm="allreduce")
+
+
+def test_check_compatible_names_both_sides() -> None:
+    state = {"model_name": "mlp", "algorithm_name": "allreduce", "world_size": 4}
+    with pytest.raises(CheckpointError) as info:
+        check_compatible(state, model="cnn1d", algorithm="allreduce")
+    assert str(info.value) == (
+        "checkpoint was written by model 'mlp' / algorithm 'allreduce'; "
+        "this run uses model 'cnn1d' / algorithm 'allreduce'"
+    )
+    with pytest.raises(CheckpointError) as info:
+        check_compatible(state, model="mlp", algorithm="allreduce", world_size=8)
+    assert str(info.value) == (
+        "checkpoint was written by model 'mlp' / algorithm 'allreduce' / world size 4; "
+        "this run uses model 'mlp' / algorithm 'allreduce' / world size 8"
+    )
+    with pytest.raises(CheckpointError, match="'algorithm_name'"):
+        check_compatible({"model_name": "mlp"}, model="mlp", algorithm="dpsgd")
+
+
+# --- checkpoint sets -------------------------------------------------------------------------
+
+
+def _stores(run_dir: Path, world_size: int, keep: int = 3) -> list[CheckpointStore]:
+    return [CheckpointStore(run_dir, rank, world_size, keep=keep) for rank in range(world_size)]
+
+
+def _save_set(stores: list[CheckpointStore], step: int, ranks: list[int] | None = None) -> None:
+    # Rank 0 last, so that its pruning sees the set complete, as in a run where it is slowest.
+    order = ranks if ranks is not None else list(range(1, len(stores))) + [0]
+    for rank in order:
+        stores[rank].save(step, {"step": step, "rank": rank, "w": torch.full((8,), float(step))})
+
+
+def test_store_layout_and_complete_versus_incomplete_sets(tmp_path: Path) -> None:
+    stores = _stores(tmp_path, world_size=3)
+    assert stores[0].latest_complete() is None
+    path = stores[2].save(10, {"step": 10, "rank": 2, "w": torch.full((8,), 10.0)})
+    assert path == tmp_path / "checkpoints" / "step-00000010" / "rank-0002.pt"
+    _save_set(stores, 10, ranks=[0])
+    assert stores[1].latest_complete() is None
+    _save_set(stores, 10, ranks=[1])
+    assert stores[1].latest_complete() == 10
+    _save_set(stores, 20, ranks=[0, 2])
+    assert stores[0].steps() == [10, 20]
+    assert stores[0].latest_complete() == 10
+    loaded = stores[1].load(10)
+    assert (sorted(loaded), loaded["step"], loaded["rank"]) == (["rank", "step", "w"], 10, 1)
+    torch.testing.assert_close(stores[2].load(10)["w"], torch.full((8,), 10.0))
+
+
+def test_resolve_auto_falls_back_past_damaged_newest_sets(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stores = _stores(tmp_path, world_size=2, keep=10)
+    for step in (100, 200, 300, 400):
+        _save_set(stores, step)
+    _save_set(stores, 500, ranks=[0])  # incomplete: rank 1 has not written yet
+    corrupted = stores[0].rank_file(400, rank=1)
+    _flip_byte(corrupted, corrupted.stat().st_size // 2)
+    truncated = stores[0].rank_file(300, rank=0)
+    with open(truncated, "r+b") as file:
+        file.truncate(HEADER_SIZE + 10)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert stores[1].resolve("auto") == 200
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    missing = stores[0].rank_file(500, rank=1)
+    assert any(str(missing) in m and "does not exist" in m for m in warnings), warnings
+    assert any(str(corrupted) in m and "checksum mismatch" in m for m in warnings), warnings
+    assert any(str(truncated) in m and "truncated" in m for m in warnings), warnings
+    assert stores[1].load(200)["rank"] == 1
+
+
+def test_resolve_none_explicit_step_and_directory(tmp_path: Path) -> None:
+    stores = _stores(tmp_path, world_size=2)
+    for step in (5, 6):
+        _save_set(stores, step)
+    store = stores[1]
+    assert store.resolve("none") is None
+    assert store.resolve("") is None
+    assert store.resolve("5") == 5
+    assert store.resolve(str(store.step_dir(6))) == 6
+    assert store.resolve(str(store.rank_file(5, rank=0))) == 5
+    assert store.resolve("auto") == 6
+
+    bad = store.rank_file(6, rank=0)
+    _flip_byte(bad, bad.stat().st_size - 1)
+    with pytest.raises(CheckpointError) as info:
+        store.resolve(str(store.step_dir(6)))
+    assert str(info.value) == (
+        f"cannot resume from step 6: checkpoint {bad} has a checksum mismatch (corrupted)"
+    )
+    with pytest.raises(CheckpointError, match=r"rank-0000\.pt does not exist"):
+        store.resolve("7")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        store.resolve(str(tmp_path / "checkpoints" / "step-00000009"))
+    with pytest.raises(CheckpointError, match="is not a checkpoint step directory"):
+        store.resolve(str(tmp_path))
+    other = _stores(tmp_path / "other-run", world_size=2)
+    _save_set(other, 5)
+    with pytest.raises(CheckpointError, match="is not one of this run's"):
+        store.resolve(str(other[0].step_dir(5)))
+
+
+def test_pruning_keeps_newest_complete_sets(tmp_path: Path) -> None:
+    stores = _stores(tmp_path, world_size=2, keep=2)
+    for step in range(1, 6):
+        _save_set(stores, step)
+    assert stores[0].steps() == [4, 5]
+    # Rank 0 runs ahead: step 6 is incomplete, so 4 and 5 stay the kept pair.
+    _save_set(stores, 6, ranks=[0])
+    assert stores[0].steps() == [4, 5, 6]
+    _save_set(stores, 6, ranks=[1])
+    assert stores[0].steps() == [4, 5, 6]  # only rank 0 prunes
+    assert stores[1].prune() == []
+    assert stores[0].prune() == [4]
+    assert stores[0].steps() == [5, 6]
+    assert all(stores[0].rank_file(6, r).exists() for r in range(2))
+
+
+def test_pruning_never_removes_the_only_complete_set(tmp_path: Path) -> None:
+    stores = _stores(tmp_path, world_size=2, keep=1)
+    _save_set(stores, 1)
+    _save_set(stores, 2, ranks=[0])
+    _save_set(stores, 3, ranks=[0])
+    assert stores[0].steps() == [1, 2, 3]
+    assert stores[0].latest_complete() == 1
+
+    _save_set(stores, 2, ranks=[1])
+    assert stores[0].prune() == [1]
+    damaged = stores[0].rank_file(2, rank=1)
+    _flip_byte(damaged, HEADER_SIZE + 1)
+    _save_set(stores, 3, ranks=[1])  # complete 3 exists only for a moment: damage it too
+    damaged3 = stores[0].rank_file(3, rank=0)
+    _flip_byte(damaged3, HEADER_SIZE + 1)
+    assert stores[0].prune() == []
+    assert stores[0].steps() == [2, 3]
+    assert stores[0].latest_complete() is None
+
+
+def test_store_rejects_bad_settings(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="keep"):
+        CheckpointStore(tmp_path, 0, 2, keep=0)
+    with pytest.raises(ConfigError, match="rank"):
+        CheckpointStore(tmp_path, 2, 2)
+    with pytest.raises(ConfigError, match="world_size"):
+        CheckpointStore(tmp_path, 0, 0)
+    with pytest.raises(ConfigError, match="step"):
+        CheckpointStore(tmp_path, 0, 1).save(-1, {})
+
+
+# --- crash safety ----------------------------------------------------------------------------
+
+_KILL_ELEMENTS = 256 * 1024  # two float32 tensors of 1 MiB each per version
+
+
+def _kill_version(step: int) -> dict[str, Any]:
+    """What the child writes at ``step``: two alternating versions whose bytes all differ."""
+    version = step % 2
+    base = torch.arange(_KILL_ELEMENTS, dtype=torch.float32)
+    return {
+        "step": step,
+        "version": f"v{version}",
+        "a": base * (version + 2),
+        "b": (base + 0.5) * -(version + 1),
+    }
+
+
+def _save_until_killed(path: str, ready: Any) -> None:
+    """Child process: save alternating versions forever, saying so after the first one lands."""
+    deadline = time.monotonic() + 60  # never outlive a parent that died without killing it
+    versions = [_kill_version(0), _kill_version(1)]
+    step = 0
+    while time.monotonic() < deadline:
+        save_checkpoint(path, dict(versions[step % 2], step=step))
+        if step == 0:
+            ready.send_bytes(b"saved")
+            ready.close()
+        step += 1
+
+
+@pytest.mark.skipif(
+    sys.platform == "win32" or "forkserver" not in mp.get_all_start_methods(),
+    reason="needs SIGKILL and the forkserver start method",
+)
+def test_sigkill_during_saves_always_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
+    # Forkserver children fork from a server that has already imported torch and this module,
+    # so each of the 50 trials starts in milliseconds instead of re-importing torch.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "distrain.train.checkpoint", __name__])
+    rng = random.Random(20240611)
+    expected = {0: _kill_version(0), 1: _kill_version(1)}
+    killed_mid_write = 0
+    for trial in range(50):
+        path = tmp_path / f"trial-{trial:02d}" / "ckpt.pt"
+        receiver, sender = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_save_until_killed, args=(str(path), sender), daemon=True)
+        child.start()
+        sender.close()
+        try:
+            assert receiver.poll(timeout=30), f"trial {trial}: child never finished a first save"
+            assert receiver.recv_bytes() == b"saved"
+            time.sleep(rng.uniform(0.0, 0.04))
+            os.kill(child.pid, signal.SIGKILL)
+        finally:
+            if child.is_alive():
+                child.kill()
+            child.join(timeout=10)
+            receiver.close()
+        assert child.exitcode == -signal.SIGKILL, f"trial {trial}: exit code {child.exitcode}"
+        killed_mid_write += any(p.name.endswith(".tmp") for p in path.parent.iterdir())
+
+        state = load_checkpoint(path)
+        reference = dict(expected[state["step"] % 2], step=state["step"])
+        _assert_same(state, reference)
+    # The kills must land during writes, or the test proves nothing about atomicity.
+    assert killed_mid_write >= 5, killed_mid_write
