@@ -180,6 +180,26 @@ class AlgoConfig:
         check_choice("ring", self.ring, ("gloo", "own"))
 
 
+@dataclass
+class NetworkConfig:
+    """The network the workers see: real, or emulated (in-process link model or shaped namespaces)."""
+
+    network: str = _opt("none", "emulated network preset ('none' = the real network)")
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class CompressConfig:
+    """Gradient compression: what is sent instead of dense tensors."""
+
+    compress: str = _opt("none", "compressor spec, e.g. none, fp16, topk:0.01, group_topk:0.01:group=1024")
+
+    def validate(self) -> None:
+        pass
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -187,6 +207,8 @@ SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "cluster": ClusterConfig,
     "algo": AlgoConfig,
+    "network": NetworkConfig,
+    "compress": CompressConfig,
 }
 
 
@@ -200,6 +222,8 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
 
     def validate(self) -> TrainConfig:
         """Check every section; raise ConfigError naming the first bad flag."""

@@ -1,0 +1,83 @@
+"""Run a function on N real gloo processes on 127.0.0.1, with a timeout, always reaping them.
+
+Example::
+
+    def body(rank, world, scale):           # module-level, so spawn can import it
+        t = torch.full((4,), float(rank))
+        dist.all_reduce(t)
+        return {"sum": t * scale}           # tensors / dicts of tensors / numbers
+
+    results = run_group(body, world=4, args=(2.0,))
+    assert results[3]["sum"][0] == 12.0
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distrain.launch.common import free_port
+
+
+def _child(fn: Callable, rank: int, world: int, port: int, out: str, args: tuple, timeout: float) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    except BaseException:
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_group(fn: Callable, world: int, args: tuple = (), timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result.
+
+    Raises AssertionError (with the failing rank's traceback) when a process fails or the whole
+    group does not finish within ``timeout`` seconds; every child is reaped either way.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [ctx.Process(target=_child, args=(fn, r, world, port, out, args, timeout)) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            pending = list(procs)
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"group of {world} did not finish within {timeout} s")
+                ready = multiprocessing.connection.wait([p.sentinel for p in pending], timeout=left)
+                for p in [p for p in pending if p.sentinel in ready]:
+                    p.join()
+                    pending.remove(p)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(10)
+        errors = sorted(Path(out).glob("*.err"))
+        if errors:
+            raise AssertionError(errors[0].read_text())
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"processes exited with {bad}")
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(world)]
