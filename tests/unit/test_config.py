@@ -1,0 +1,78 @@
+"""Configuration: flags map one-to-one to fields, files load, bad values name their flag."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from distrain.cli import build_parser, config_from_args
+from distrain.config import TrainConfig, flag, leaf_fields
+from distrain.errors import ConfigError
+
+
+def test_every_leaf_field_has_a_unique_flag():
+    names = [f.name for _, f, _ in leaf_fields()]
+    assert len(names) == len(set(names))
+    parser = build_parser()
+    args = parser.parse_args(["train", "--lr", "0.3", "--no-progress", "--workers", "3"])
+    cfg = config_from_args(args)
+    assert (cfg.optim.lr, cfg.run.progress, cfg.cluster.workers) == (0.3, False, 3)
+    assert cfg.data.batch_size == TrainConfig().data.batch_size  # untouched flags keep defaults
+
+
+def test_flat_and_sectioned_dicts_are_equivalent():
+    a = TrainConfig.from_dict({"lr": 0.2, "workers": 2, "model": "mlp"})
+    b = TrainConfig.from_dict({"optim": {"lr": 0.2}, "cluster": {"workers": 2}, "model": {"model": "mlp"}})
+    assert a == b
+    assert a.get("lr") == 0.2
+
+
+@pytest.mark.parametrize("suffix,text", [
+    (".json", json.dumps({"optim": {"lr": 0.07}, "epochs": 3})),
+    (".toml", "epochs = 3\n[optim]\nlr = 0.07\n"),
+])
+def test_config_file_then_flags_override(tmp_path, suffix, text):
+    path = tmp_path / f"run{suffix}"
+    path.write_text(text)
+    args = build_parser().parse_args(["train", "--config", str(path), "--epochs", "5"])
+    cfg = config_from_args(args)
+    assert cfg.optim.lr == 0.07 and cfg.run.epochs == 5
+
+
+def test_config_file_errors_name_the_setting(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"learning_rate": 1}))
+    with pytest.raises(ConfigError, match="learning_rate"):
+        TrainConfig.from_file(bad)
+    bad.write_text(json.dumps({"workers": "many"}))
+    with pytest.raises(ConfigError, match="--workers"):
+        TrainConfig.from_file(bad)
+    with pytest.raises(ConfigError, match="--config"):
+        TrainConfig.from_file(tmp_path / "missing.json")
+    odd = tmp_path / "x.ini"
+    odd.write_text("")
+    with pytest.raises(ConfigError, match="--config"):
+        TrainConfig.from_file(odd)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("lr", 0.0), ("lr", -1.0), ("lr", math.nan), ("lr", math.inf), ("epochs", 0), ("batch_size", 0),
+    ("workers", 0), ("momentum", 1.0), ("target_accuracy", 1.5), ("timeout", 0), ("eval_every", -1),
+    ("dirichlet_alpha", 0), ("master_port", 70000), ("threads", 0), ("bucket_mb", 0),
+    ("algorithm", "sgd9"), ("model", "resnet"), ("dataset", "cifar"), ("partition", "half"),
+    ("lr_decay", "linear"), ("optimizer", "rmsprop"), ("ring", "star"), ("model_width", 0),
+])
+def test_validation_names_the_flag(name, value):
+    cfg = TrainConfig()
+    cfg.set(name, value)
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    assert info.value.setting == flag(name)
+    assert "\n" not in str(info.value)
+
+
+def test_defaults_are_valid_and_round_trip():
+    cfg = TrainConfig().validate()
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
