@@ -216,8 +216,17 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     mine = torch.tensor([steps_done, steps_done * cfg.data.batch_size, wall, compute_seconds, transport.stats.comm_seconds,
                          *transport.stats.sent, *transport.stats.received], dtype=torch.float64)
     rows = [r.tolist() for r in transport.control_all_gather(mine)]
-    if rank != 0:
-        return None
+    summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
+                        time_to_target, eval_seconds, resume_step) if rank == 0 else None
+    transport.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
+    return summary
+
+
+def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: int, total_steps: int,
+              global_batch: int, accuracy: float, test_loss: float, time_to_target: float | None,
+              eval_seconds: float, resume_step: int | None) -> dict[str, Any]:
+    """Write summary.json from every worker's counters (rows gathered from all ranks)."""
+    wall = rows[0][2]
     samples = sum(r[1] for r in rows)
     summary = {
         "algorithm": cfg.algo.algorithm, "workers": world, "epochs": cfg.run.epochs, "steps": total_steps,
