@@ -20,11 +20,13 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"distrain: {message} (see '{self.prog} --help')\n")
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig leaf field, grouped by section; unset flags stay absent."""
+def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig leaf field (but those in ``exclude``), grouped by section; unset flags stay absent."""
     groups = {name: parser.add_argument_group(f"{name} settings") for name in SECTIONS}
     defaults = TrainConfig()
     for section, field, annotation in leaf_fields():
+        if field.name in exclude:
+            continue
         kind = base_type(annotation)
         meta = field.metadata
         default = getattr(getattr(defaults, section), field.name)
@@ -63,6 +65,71 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# Settings that `distrain compare` varies (as lists) or sets per run, instead of single flags.
+COMPARE_OWN = ("algorithm", "compress", "network", "run_dir", "name")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from distrain.compare import (
+        Grid,
+        command_line,
+        default_out,
+        load_scenario,
+        run_comparison,
+        split_list,
+    )
+
+    # Shared settings: defaults (no progress bars), then the scenario's [train], --config FILE, flags.
+    grid, settings, name = load_scenario(args.scenario) if args.scenario else (Grid(), {}, "compare")
+    if args.config:
+        from distrain.config import read_config_file
+
+        settings = {**flat_settings(settings), **flat_settings(read_config_file(args.config))}
+    cfg = TrainConfig.from_dict({"progress": False, **flat_settings(settings)})
+    for _, field, _ in leaf_fields():
+        if hasattr(args, field.name) and field.name not in COMPARE_OWN:
+            cfg.set(field.name, getattr(args, field.name))
+    for dest, attr, flag_name in (("algorithms", "algorithms", "--algorithms"), ("compressors", "compress", "--compress"),
+                                  ("networks", "networks", "--network"), ("baselines", "baselines", "--baselines")):
+        if getattr(args, dest) is not None:
+            setattr(grid, attr, split_list(getattr(args, dest), flag_name))
+    if args.algorithms is not None:
+        grid.skip_unknown = False  # names typed on the command line must exist
+    grid.repeats = args.repeats if args.repeats is not None else grid.repeats
+    grid.baseline = args.baseline or grid.baseline
+    grid.keep_checkpoints = args.keep_checkpoints
+    grid.out = args.out or default_out(name)
+    comparison = run_comparison(grid, cfg, echo=lambda line: print(line, flush=True), command=command_line())
+    print()
+    print(comparison["table"])
+    print()
+    for path in comparison["files"]:
+        print(f"wrote {path}")
+    return 0 if any(row["repeats_ok"] for row in comparison["configs"]) else 1  # 1: nothing ran
+
+
+def flat_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """``{section: {field: v}}`` and ``{field: v}`` alike -> ``{field: v}``, so files can be merged."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in SECTIONS and isinstance(value, dict):
+            out.update(value)
+        else:
+            out[key] = value
+    return out
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from distrain.report import report
+
+    files, table = report(args.runs, out_dir=args.out, baseline=args.baseline)
+    print(table)
+    print()
+    for path in files:
+        print(f"wrote {path}")
+    return 0
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
@@ -98,6 +165,34 @@ def build_parser() -> Parser:
     train.add_argument("--config", default=None, metavar="FILE", help="JSON, TOML or YAML file of settings; flags override it")
     add_config_flags(train)
     train.set_defaults(func=cmd_train)
+    compare = sub.add_parser("compare", help="run a grid of algorithms x compressors x networks (and PyTorch baselines) and compare",
+                             description="Run every configuration of the grid on the same model, data and seed, one after "
+                             "another, each in its own run directory under --out; then print a table and write "
+                             "comparison.json, comparison.csv and plots. Every train flag is accepted and shared.")
+    compare.add_argument("--algorithms", default=None, metavar="LIST", help="comma-separated algorithms (default: allreduce)")
+    compare.add_argument("--compress", default=None, metavar="LIST", dest="compressors", help="comma-separated compressor specs tried with every algorithm (default: none)")
+    compare.add_argument("--network", default=None, metavar="LIST", dest="networks", help="comma-separated network presets (default: none)")
+    compare.add_argument("--baselines", default=None, metavar="LIST", help="PyTorch baselines, run once per network: ddp, ddp-fp16, "
+                         "ddp-powersgd[:RANK], localsgd[:PERIOD]")
+    compare.add_argument("--repeats", type=int, default=None, metavar="R", help="runs per configuration; repeat k uses --seed + k (default: 1)")
+    compare.add_argument("--baseline", default=None, metavar="NAME", help="configuration the speed-ups are measured against (default: the first)")
+    compare.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/<scenario or compare>-<time>)")
+    compare.add_argument("--scenario", default=None, metavar="FILE", help="a scenario file (benchmarks/scenarios/*.toml); flags override it")
+    compare.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint (removed by default)")
+    compare.add_argument("--config", default=None, metavar="FILE", help="JSON, TOML or YAML file of shared settings; flags override it")
+    add_config_flags(compare, exclude=COMPARE_OWN)
+    compare.set_defaults(func=cmd_compare)
+    rep = sub.add_parser("report", help="plot finished runs: accuracy, bytes, throughput, compression ratio, consensus",
+                         description="Write PNG plots (and print a table) for run directories, compare output "
+                         "directories, or directories holding runs; repeats of one configuration are aggregated.")
+    rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or a compare --out directory)")
+    rep.add_argument("--out", default=None, metavar="DIR", help="where to write the plots (default: a compare directory "
+                     "itself, else report/ next to the first run)")
+    rep.add_argument("--baseline", default=None, metavar="NAME", help="configuration the speed-ups are measured against (default: the first)")
+    rep.set_defaults(func=cmd_report)
+    from distrain.bench import add_bench_parser  # distrain bench link (emulation benchmarks)
+
+    add_bench_parser(sub)
     return parser
 
 

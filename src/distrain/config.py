@@ -171,33 +171,120 @@ class AlgoConfig:
     algorithm: str = _opt("allreduce", "training algorithm")
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for allreduce (communication overlaps backward)")
     ring: str = _opt("gloo", "all-reduce implementation: gloo's native collective or our ring over point-to-point", ("gloo", "own"))
+    workers_per_node: int = _opt(0, "hierarchical all-reduce: ranks per node (reduce inside a node, all-reduce among "
+                                 "node leaders, broadcast inside the node); 0 = flat")
+    topology: str = _opt("ring", "decentralized algorithms (dpsgd, d2, adpsgd): who exchanges models with whom",
+                         ("ring", "torus", "exponential", "complete", "bipartite"))
+    mixing: str = _opt("lazy", "gossip weights: uniform over neighbours and self (regular graphs only), "
+                       "Metropolis-Hastings (any graph), or lazy = (I + Metropolis) / 2 (no negative eigenvalues, "
+                       "which cost accuracy with momentum)", ("uniform", "metropolis", "lazy"))
+    gossip_order: str = _opt("cta", "dpsgd: cta = x <- W x - lr g (Lian et al. 2017; the exchange overlaps forward and "
+                             "backward), atc = x <- W (x - lr g) (exchange after the update)", ("cta", "atc"))
 
     def validate(self) -> None:
         from distrain.algorithms import ALGORITHMS
+        from distrain.topology import MIXINGS, TOPOLOGIES
 
         check_choice("algorithm", self.algorithm, tuple(sorted(ALGORITHMS)))
         check_positive("bucket_mb", self.bucket_mb)
         check_choice("ring", self.ring, ("gloo", "own"))
+        check_positive("workers_per_node", self.workers_per_node, integer=True, allow_zero=True)
+        check_choice("topology", self.topology, tuple(TOPOLOGIES))
+        check_choice("mixing", self.mixing, tuple(MIXINGS))
+        check_choice("gossip_order", self.gossip_order, ("cta", "atc"))
+
+
+@dataclass
+class ServerConfig:
+    """Parameter-server layout for --algorithm ps."""
+
+    servers: int = _opt(1, "server processes besides the workers (--algorithm ps); each owns one shard")
+    ps_mode: str = _opt("sync", "sync: each step waits for all workers; async: servers apply pushes as they arrive", ("sync", "async"))
+    max_staleness: int = _opt(0, "async: how many pushes a worker may run ahead of the slowest (0 = lockstep)")
+
+    def validate(self) -> None:
+        check_positive("servers", self.servers, integer=True)
+        check_choice("ps_mode", self.ps_mode, ("sync", "async"))
+        check_positive("max_staleness", self.max_staleness, integer=True, allow_zero=True)
 
 
 @dataclass
 class NetworkConfig:
-    """The network the workers see: real, or emulated (in-process link model or shaped namespaces)."""
+    """The network the workers see: real, or emulated (in-process link model or shaped namespaces).
 
-    network: str = _opt("none", "emulated network preset ('none' = the real network)")
+    A preset (``--network``) sets several fields at once; explicit flags override it field by
+    field. See ``distrain.emulation`` for the model and the bandwidth-trace file format.
+    """
+
+    network: str = _opt("none", "emulated network preset ('none' = the real network)",
+                        ("none", "lan", "wan", "edge", "straggler", "slow-link", "fluctuating"))
+    bandwidth: str | None = _opt(None, "every worker's link bandwidth, e.g. 100mbit, 1gbit, 500kbit; None: the preset's, or unlimited")
+    latency: str | None = _opt(None, "one-way latency of every message, e.g. 5ms, 100us; None: the preset's, or 0")
+    jitter: str | None = _opt(None, "latency varies uniformly by +- this much per message, e.g. 1ms")
+    slow_worker: str | None = _opt(None, "compute slowdown RANK:FACTOR, comma-separated, e.g. 2:4x or last:4x")
+    slow_link: str | None = _opt(None, "a worker's own link bandwidth RANK:BANDWIDTH, comma-separated, e.g. 3:10mbit")
+    bandwidth_trace: str | None = _opt(None, "CSV (time_s,worker,bandwidth) or JSON file: bandwidth per worker over time")
+    emulation: str = _opt("model", "how the network is emulated: in-process link model, or shaped network namespaces (Linux, root)",
+                          ("model", "netns"))
 
     def validate(self) -> None:
-        pass
+        from distrain.emulation import NetworkSettings
+
+        NetworkSettings.from_config(self)  # raises ConfigError naming the flag (or the trace file's line)
 
 
 @dataclass
 class CompressConfig:
-    """Gradient compression: what is sent instead of dense tensors."""
+    """Gradient compression: what is sent instead of dense tensors (see ``distrain.compress``).
 
-    compress: str = _opt("none", "compressor spec, e.g. none, fp16, topk:0.01, group_topk:0.01:group=1024")
+    With a density warm-up the run is dense for ``density_warmup_epochs``, then the kept ratio
+    falls exponentially from 1 to the spec's ratio over ``density_decay_epochs``.
+    """
+
+    compress: str = _opt("none", "compressor spec: none, fp16, bf16, topk:RATIO, randomk:RATIO, "
+                         "group_topk:RATIO[:group=N], qsgd:8bit|4bit (RATIO = kept fraction in (0, 1])")
+    error_feedback: str = _opt("on", "keep what a lossy compressor dropped and add it to the next step", ("on", "off"))
+    sparse_collective: str = _opt("ring", "how sparse payloads (topk, group_topk) are summed: sparse ring "
+                                  "reduce-scatter + all-gather, or all-gather of every worker's payload", ("ring", "allgather"))
+    momentum_correction: str = _opt("on", "with a sparsifier and SGD, apply momentum on each worker before compressing "
+                                    "(Deep Gradient Compression)", ("on", "off"))
+    density_warmup_epochs: float = _opt(0.0, "epochs of dense all-reduce before compression starts")
+    density_decay_epochs: float = _opt(0.0, "epochs after the warm-up over which the kept ratio falls exponentially from 1 to RATIO")
 
     def validate(self) -> None:
-        pass
+        from distrain.compress import validate_spec
+
+        validate_spec(self.compress)
+        check_choice("error_feedback", self.error_feedback, ("on", "off"))
+        check_choice("sparse_collective", self.sparse_collective, ("ring", "allgather"))
+        check_choice("momentum_correction", self.momentum_correction, ("on", "off"))
+        check_positive("density_warmup_epochs", self.density_warmup_epochs, allow_zero=True)
+        check_positive("density_decay_epochs", self.density_decay_epochs, allow_zero=True)
+
+
+@dataclass
+class GossipConfig:
+    """Asynchronous gossip (--algorithm adpsgd, prague): how long each worker trains, groups,
+    timeouts, and the snapshots the consensus is evaluated from (see ``algorithms/gossip.py``)."""
+
+    budget: str = _opt("global", "when an asynchronous worker stops: global = all workers together make --epochs passes "
+                       "(faster workers take more steps), local = --epochs passes over its own shard, time = "
+                       "--time-budget seconds", ("global", "local", "time"))
+    time_budget: float = _opt(60.0, "seconds each worker trains with --budget time")
+    group_size: int = _opt(0, "prague: workers per partial all-reduce group (0 = 3, but at most workers // 2 so that "
+                           "two groups fit)")
+    peer_timeout: float = _opt(120.0, "seconds a gossip exchange or a wait for a group may take before the run fails")
+    snapshot_every: float = _opt(1.0, "seconds between copies of every worker's model; their averages (the consensus "
+                                 "over time) are evaluated after training")
+
+    def validate(self) -> None:
+        check_choice("budget", self.budget, ("global", "local", "time"))
+        check_positive("time_budget", self.time_budget)
+        check_positive("group_size", self.group_size, integer=True, allow_zero=True)
+        if self.group_size == 1:
+            raise ConfigError("--group-size", "must be 0 (automatic) or an integer >= 2, got 1")
+        check_positive("peer_timeout", self.peer_timeout)
+        check_positive("snapshot_every", self.snapshot_every)
 
 
 SECTIONS: dict[str, type] = {
@@ -207,8 +294,10 @@ SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "cluster": ClusterConfig,
     "algo": AlgoConfig,
+    "ps": ServerConfig,
     "network": NetworkConfig,
     "compress": CompressConfig,
+    "gossip": GossipConfig,
 }
 
 
@@ -222,13 +311,18 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    ps: ServerConfig = field(default_factory=ServerConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)
 
     def validate(self) -> TrainConfig:
         """Check every section; raise ConfigError naming the first bad flag."""
+        from distrain.algorithms import ALGORITHMS
+
         for section in SECTIONS:
             getattr(self, section).validate()
+        ALGORITHMS[self.algo.algorithm].check_config(self)
         return self
 
     # Flat access keeps call sites short: cfg.get("lr") == cfg.optim.lr.

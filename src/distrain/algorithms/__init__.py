@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from distrain.algorithms.adpsgd import ADPSGD
 from distrain.algorithms.allreduce import AllReduce
 from distrain.algorithms.base import Algorithm, StepContext
+from distrain.algorithms.d2 import D2
+from distrain.algorithms.dpsgd import DPSGD
+from distrain.algorithms.parameter_server import ParameterServer
+from distrain.algorithms.prague import Prague
 from distrain.errors import ConfigError
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     AllReduce.name: AllReduce,
+    DPSGD.name: DPSGD,
+    D2.name: D2,
+    ParameterServer.name: ParameterServer,
+    ADPSGD.name: ADPSGD,
+    Prague.name: Prague,
 }
 
 
@@ -20,4 +30,4 @@ def build_algorithm(name: str, config: object) -> Algorithm:
     return klass(config)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "AllReduce", "StepContext", "build_algorithm"]
+__all__ = ["ADPSGD", "ALGORITHMS", "Algorithm", "AllReduce", "D2", "DPSGD", "ParameterServer", "Prague", "StepContext", "build_algorithm"]

@@ -4,17 +4,25 @@ Buckets are filled in reverse parameter order (the order backward produces gradi
 gloo's collective each bucket's all-reduce starts from a gradient hook as soon as the bucket is
 full, so communication overlaps the rest of the backward pass, as PyTorch DDP does. With
 ``--ring own`` the buckets go through our ring over point-to-point after backward.
+
+With ``--compress`` (other than ``none``) the gradients are averaged after backward by
+:class:`~distrain.compress.gradients.GradientCompression`: flattened, compressed with error
+feedback, summed through the collective the compressor calls for (``--sparse-collective``), and
+dense during a density warm-up.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from distrain.algorithms.base import Algorithm, StepContext
+from distrain.algorithms.hierarchical import build_hierarchy
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
+from distrain.compress.gradients import GradientCompression
 
 
 @dataclass
@@ -26,13 +34,38 @@ class Bucket:
     sizes: list[int]
     ready: int = 0
     handle: Handle | None = None
+    views: list[torch.Tensor] | None = None  # set by bind_grads
+
+    def bind_grads(self) -> None:
+        """Make every parameter's ``.grad`` a view into ``flat`` (DDP's gradient_as_bucket_view):
+        backward then accumulates straight into the bucket, and gather/scatter copy nothing."""
+        self.views = [chunk.view_as(p) for p, chunk in zip(self.params, self.flat.split(self.sizes), strict=True)]
+        for p, view in zip(self.params, self.views, strict=True):
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def _grads_are_views(self) -> bool:
+        # zero_grad(set_to_none=True), or anyone assigning .grad, replaces a view by a new tensor
+        return self.views is not None and all(
+            p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(self.params, self.views, strict=True))
 
     def gather_grads(self) -> None:
+        if self._grads_are_views():
+            return
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=self.flat.dtype)
                  for p in self.params]
         torch.cat(grads, out=self.flat)
 
     def scatter_grads(self) -> None:
+        if self._grads_are_views():
+            return
+        if self.views is not None:  # views were replaced: bind again (flat holds the result)
+            for p, view in zip(self.params, self.views, strict=True):
+                p.grad = view
+            return
         for p, chunk in zip(self.params, self.flat.split(self.sizes), strict=True):
             if p.grad is None:
                 p.grad = chunk.view_as(p).clone()
@@ -40,14 +73,20 @@ class Bucket:
                 p.grad.copy_(chunk.view_as(p))
 
 
-def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: float) -> list[Bucket]:
-    """Group parameters, last layer first, into buckets of about ``bucket_bytes``."""
+#: As DDP: the first bucket (the last layers) is small, so its all-reduce starts early in backward.
+FIRST_BUCKET_BYTES = 2**20
+
+
+def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: float,
+                 first_bucket_bytes: float = FIRST_BUCKET_BYTES) -> list[Bucket]:
+    """Group parameters, last layer first, into buckets of about ``bucket_bytes`` (the first
+    one of about ``min(first_bucket_bytes, bucket_bytes)``)."""
     if not params:
         return []
     groups: list[list[torch.nn.Parameter]] = [[]]
     size = 0
     for p in reversed(params):
-        if size >= bucket_bytes:
+        if size >= (min(first_bucket_bytes, bucket_bytes) if len(groups) == 1 else bucket_bytes):
             groups.append([])
             size = 0
         groups[-1].append(p)
@@ -64,14 +103,22 @@ class AllReduce(Algorithm):
     """Average gradients over all workers each step (the DDP / C-PSGD baseline)."""
 
     name = "allreduce"
+    compresses = True
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = make_buckets(params, self.config.algo.bucket_mb * 2**20)
         self.own_ring = self.config.algo.ring == "own"
+        # --workers-per-node: sum inside nodes, then across node leaders (None: flat all-reduce)
+        self.hierarchy = build_hierarchy(self.config, transport) if transport.world_size > 1 else None
+        self.compression = (GradientCompression.from_config(self.config, params, optimizer, own_ring=self.own_ring)
+                            if transport.world_size > 1 else None)  # one worker has nothing to send
         self._hooks = []
-        if transport.world_size > 1 and not self.own_ring:
+        if transport.world_size > 1 and self.compression is None:
+            for bucket in self.buckets:
+                bucket.bind_grads()
+        if transport.world_size > 1 and not self.own_ring and self.compression is None:
             for bucket in self.buckets:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(bucket)))
@@ -86,11 +133,15 @@ class AllReduce(Algorithm):
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.gather_grads()
-        bucket.handle = self.transport.all_reduce(bucket.flat)
+        bucket.handle = (self.hierarchy or self.transport).all_reduce(bucket.flat)
 
     def after_backward(self, ctx: StepContext) -> None:
         world = self.transport.world_size
         if world == 1:
+            return
+        if self.compression is not None:
+            # ctx.epoch counts the step being finished; the schedule wants the epochs done before it.
+            self.compression.average(self.transport, step=ctx.step, epochs_done=ctx.epoch * ctx.step / (ctx.step + 1))
             return
         for bucket in self.buckets:
             if self.own_ring:
@@ -105,7 +156,19 @@ class AllReduce(Algorithm):
             bucket.scatter_grads()
             bucket.ready, bucket.handle = 0, None
 
+    def metrics(self) -> dict[str, float]:
+        return {} if self.compression is None else {"compress_ratio": self.compression.ratio}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.compression is None else {"compressor": self.compression.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.compression is not None and "compressor" in state:
+            self.compression.load_state_dict(state["compressor"])
+
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self.hierarchy is not None:
+            self.hierarchy.close()

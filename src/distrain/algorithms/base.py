@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,16 @@ class Algorithm:
     name: str = "base"
     #: True when every worker holds the same model after each step (synchronous data parallel).
     replicated: bool = True
+    #: True when the algorithm sends its traffic through ``--compress`` (others ignore it).
+    compresses: bool = False
+    #: False when workers never wait for one another (AD-PSGD, Prague): each runs to its own
+    #: budget (``keep_going``), the loop evaluates only once training is over, and the consensus
+    #: over time comes from ``consensus_history``.
+    synchronous: bool = True
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Refuse settings this algorithm cannot honour (ConfigError), before any worker starts."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -58,8 +69,38 @@ class Algorithm:
         assert self.model is not None
         return self.model
 
+    def start(self, total_steps: int, steps_per_epoch: int) -> None:
+        """Called once before the first step (after any resume, as the workers start together),
+        with the run's length."""
+
+    # -- asynchronous algorithms (synchronous = False) change these ---------------------------
+
+    def keep_going(self, step: int, total_steps: int) -> bool:
+        """Whether this worker takes step ``step`` (0-based); may block at the end of an
+        asynchronous run until every worker is done."""
+        return step < total_steps
+
+    def schedule_step(self, step: int) -> int:
+        """Where the learning-rate schedule stands at ``step`` (asynchronous budgets follow the
+        workers' joint progress or the clock)."""
+        return step
+
+    def transports(self) -> list[Transport]:
+        """Transports besides the loop's (an algorithm's own process groups, over the same
+        ranks): their traffic counts as this worker's."""
+        return []
+
+    def consensus_history(self) -> Iterator[tuple[dict[str, float], torch.nn.Module]]:
+        """After training, asynchronous algorithms: ``({"time": s, ...}, consensus model)`` at
+        points during the run (collective: every worker iterates to the end)."""
+        return iter(())
+
     def metrics(self) -> dict[str, float]:
         """Algorithm-specific numbers for metrics.jsonl (e.g. consensus distance)."""
+        return {}
+
+    def info(self) -> dict[str, Any]:
+        """Facts about this run's setup for config.json (e.g. a mixing matrix's spectral gap)."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

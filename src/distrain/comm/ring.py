@@ -15,10 +15,12 @@ from distrain.comm.transport import Transport
 def _swap(transport: Transport, outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
     """Send to the successor while receiving from the predecessor; both sides know the sizes."""
     handles = []
-    if outgoing.numel():
-        handles.append(transport.send(outgoing, transport.next_rank))
+    # Receive first: with gloo, when both ends of a pair post their send before their receive,
+    # the two directions take turns (a 2-worker ring on a capped link took twice its bound).
     if incoming.numel():
         handles.append(transport.recv(incoming, transport.prev_rank))
+    if outgoing.numel():
+        handles.append(transport.send(outgoing, transport.next_rank))
     for handle in handles:
         handle.wait()
 

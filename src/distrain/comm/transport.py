@@ -5,19 +5,34 @@ and time every exchange. Collectives run by the backend (gloo, NCCL) are charged
 per-link traffic of a ring, the algorithm gloo and NCCL use for large tensors: for an
 all-reduce of M bytes over n workers each worker sends 2(n-1)/n * M bytes to its successor and
 receives as much from its predecessor.
+
+With a link model (``distrain.emulation``) every message and collective is handed to the
+backend only at its emulated release time (latency + bytes / bandwidth of its link, queued
+behind earlier messages on the worker's uplink), by one dispatcher thread per Transport that
+keeps the order in which they were started. So the delay measured by ``Handle.wait`` includes
+the emulated one, and anything that reads ``stats.exchanges`` sees the emulated network.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from distrain.emulation.link import LinkModel, sleep_until
+from distrain.errors import WorkerFailure
+
 log = logging.getLogger(__name__)
+
+# How long past its release time a delayed message may take to be handed to the backend.
+ISSUE_GRACE_S = 300.0
 
 
 @dataclass
@@ -49,22 +64,46 @@ class TransportStats:
 
 
 class Handle:
-    """A pending exchange; ``wait()`` blocks until it is done and records its delay."""
+    """A pending exchange; ``wait()`` blocks until it is done and records its delay.
 
-    def __init__(self, transport: Transport, op: str, work: dist.Work | None, sent: int, received: int) -> None:
+    ``work`` is the backend's work object (or a list of them, or None when nothing is pending).
+    With a link model, part of the work may be started later by the Transport's dispatcher
+    (``delayed``); ``after`` runs once the backend is done (the receiver's downlink queue).
+    """
+
+    def __init__(self, transport: Transport, op: str, work: dist.Work | list[dist.Work] | None, sent: int,
+                 received: int, *, delayed: bool = False, after: Callable[[], None] | None = None) -> None:
         self._transport = transport
         self._op = op
-        self._work = work
+        self._works = [] if work is None else list(work) if isinstance(work, list) else [work]
         self._sent = sent
         self._received = received
         self._start = time.perf_counter()
         self._done = False
+        self._issued = threading.Event() if delayed else None
+        self._release = self._start
+        self._error: BaseException | None = None
+        self._after = after
+
+    def _set_issued(self, works: list[dist.Work], error: BaseException | None) -> None:
+        self._works.extend(works)
+        self._error = error
+        assert self._issued is not None
+        self._issued.set()
 
     def wait(self) -> None:
         if self._done:
             return
-        if self._work is not None:
-            self._work.wait()
+        if self._issued is not None:
+            limit = max(0.0, self._release - time.perf_counter()) + ISSUE_GRACE_S
+            if not self._issued.wait(limit):
+                raise WorkerFailure(f"{self._op}: the emulated link did not release the message within {limit:.0f} s")
+            if self._error is not None:
+                raise self._error
+        for work in self._works:
+            work.wait()
+        if self._after is not None:
+            self._after()
         self._done = True
         self._transport._record(self._op, self._sent, self._received, time.perf_counter() - self._start)
 
@@ -76,11 +115,54 @@ def ring_share(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Dispatcher:
+    """Hands delayed operations to the backend at their release times, in the order started."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="distrain-link-model", daemon=True)
+        self._thread.start()
+
+    def submit(self, release: float, issue: Callable[[], list[dist.Work]], handle: Handle) -> None:
+        handle._release = release
+        self._queue.put((release, issue, handle))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            release, issue, handle = item
+            try:
+                sleep_until(release)
+                handle._set_issued(issue(), None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                handle._set_issued([], exc)
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until everything submitted so far has been handed to the backend."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+
+
 class Transport:
     """Counts and times every tensor a worker exchanges.
 
     Args:
         process_group: the group to talk in; ``None`` means the default (world) group.
+        link_model: an emulated network (``distrain.emulation.LinkModel``) that delays each
+            message by its link's latency and bandwidth; ``None`` for the real network.
 
     Example::
 
@@ -89,11 +171,15 @@ class Transport:
         print(transport.stats.bytes_sent)
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None, link_model: LinkModel | None = None) -> None:
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.stats = TransportStats(sent=[0] * self.world_size, received=[0] * self.world_size)
+        delays = link_model is not None and link_model.delays_messages and self.world_size > 1
+        self.link_model = link_model if delays else None
+        self._dispatcher = _Dispatcher() if delays else None
+        self._ring = [self._global(r) for r in range(self.world_size)]
 
     @property
     def next_rank(self) -> int:
@@ -119,59 +205,171 @@ class Transport:
             self.stats.received[peer] += n
         return sum(peer_sent.values()), sum(peer_received.values())
 
+    def _start(self, op: str, sent: int, received: int, issue: Callable[[], list[dist.Work]],
+               release: Callable[[LinkModel], float], *, now: list[dist.Work] | None = None,
+               after: Callable[[], None] | None = None) -> Handle:
+        """Issue ``issue()`` now, or, with a link model, at its release time; ``now`` is work
+        already started (a receive), ``after`` runs when the backend is done."""
+        if self._dispatcher is None or self.link_model is None:
+            return Handle(self, op, [*(now or []), *issue()], sent, received)
+        handle = Handle(self, op, now, sent, received, delayed=True, after=after)
+        self._dispatcher.submit(release(self.link_model), issue, handle)
+        return handle
+
+    def _delivery(self, src: int, nbytes: int) -> Callable[[], None] | None:
+        """The receiver's side of a message from ``src``: wait for the downlink queue."""
+        model = self.link_model
+        if model is None or not model.shapes_bandwidth:
+            return None
+        return lambda: sleep_until(model.receive(self._global(src), nbytes))
+
+    def _ring_release(self, op: str, nbytes: int) -> Callable[[LinkModel], float]:
+        return lambda model: model.collective(op, nbytes, self._ring)
+
     # -- collectives -------------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
         """Start an in-place all-reduce of ``tensor``; charged as a ring."""
-        share = ring_share(tensor.numel() * tensor.element_size(), self.world_size)
+        share = ring_share(_nbytes(tensor), self.world_size)
         sent, received = self._charge({self.next_rank: share}, {self.prev_rank: share})
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        return Handle(self, "all_reduce", work, sent, received)
+        return self._start("all_reduce", sent, received,
+                           lambda: [dist.all_reduce(tensor, op=op, group=self.group, async_op=True)],
+                           self._ring_release("all_reduce", _nbytes(tensor)))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         """Start a broadcast from group rank ``src``; charged as a pipeline along the ring."""
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = _nbytes(tensor)
         last = (src - 1) % self.world_size
         sent_to = {} if self.rank == last or self.world_size == 1 else {self.next_rank: nbytes}
         got_from = {} if self.rank == src else {self.prev_rank: nbytes}
         sent, received = self._charge(sent_to, got_from)
-        work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
-        return Handle(self, "broadcast", work, sent, received)
+        return self._start("broadcast", sent, received,
+                           lambda: [dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)],
+                           self._ring_release("broadcast", nbytes))
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
+        """Start a reduce of ``tensor`` into group rank ``dst`` (others' copies are scratch);
+        charged as a pipeline along the ring ending at ``dst``, the reverse of a broadcast."""
+        nbytes = _nbytes(tensor)
+        first = (dst + 1) % self.world_size
+        sent_to = {} if self.rank == dst else {self.next_rank: nbytes}
+        got_from = {} if self.rank == first or self.world_size == 1 else {self.prev_rank: nbytes}
+        sent, received = self._charge(sent_to, got_from)
+        return self._start("reduce", sent, received,
+                           lambda: [dist.reduce(tensor, dst=self._global(dst), op=op, group=self.group, async_op=True)],
+                           self._ring_release("broadcast", nbytes))  # same pipeline, reversed
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Handle:
         """Start an all-gather of equal-sized tensors; charged as a ring (n-1 pieces each way)."""
-        nbytes = tensor.numel() * tensor.element_size() * (self.world_size - 1)
-        sent, received = self._charge({self.next_rank: nbytes}, {self.prev_rank: nbytes})
         if self.world_size == 1:
             outputs[0].copy_(tensor)
             return Handle(self, "all_gather", None, 0, 0)
-        work = dist.all_gather(outputs, tensor, group=self.group, async_op=True)
-        return Handle(self, "all_gather", work, sent, received)
+        nbytes = _nbytes(tensor) * (self.world_size - 1)
+        sent, received = self._charge({self.next_rank: nbytes}, {self.prev_rank: nbytes})
+        return self._start("all_gather", sent, received,
+                           lambda: [dist.all_gather(outputs, tensor, group=self.group, async_op=True)],
+                           self._ring_release("all_gather", _nbytes(tensor)))
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor],
+                       op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
+        """Start a reduce-scatter: ``output`` gets the reduction of every worker's ``inputs[rank]``.
+
+        Charged as a ring: n-1 rounds, each sending one output-sized piece to the successor.
+        """
+        if len(inputs) != self.world_size:
+            raise ValueError(f"reduce_scatter needs one input per worker ({self.world_size}), got {len(inputs)}")
+        if self.world_size == 1:
+            output.copy_(inputs[0])
+            return Handle(self, "reduce_scatter", None, 0, 0)
+        nbytes = _nbytes(output) * (self.world_size - 1)
+        sent, received = self._charge({self.next_rank: nbytes}, {self.prev_rank: nbytes})
+        return self._start("reduce_scatter", sent, received,
+                           lambda: [dist.reduce_scatter(output, inputs, op=op, group=self.group, async_op=True)],
+                           self._ring_release("reduce_scatter", _nbytes(output)))
 
     # -- point to point ----------------------------------------------------------------------
 
     def send(self, tensor: torch.Tensor, dst: int) -> Handle:
         """Start sending ``tensor`` to group rank ``dst``."""
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = _nbytes(tensor)
         sent, received = self._charge({dst: nbytes}, {})
-        work = dist.isend(tensor, dst=self._global(dst), group=self.group)
-        return Handle(self, "send", work, sent, received)
+        return self._start("send", sent, received,
+                           lambda: [dist.isend(tensor, dst=self._global(dst), group=self.group)],
+                           lambda model: model.send(self._global(dst), nbytes))
 
     def recv(self, tensor: torch.Tensor, src: int) -> Handle:
         """Start receiving into ``tensor`` from group rank ``src``."""
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = _nbytes(tensor)
         sent, received = self._charge({}, {src: nbytes})
         work = dist.irecv(tensor, src=self._global(src), group=self.group)
-        return Handle(self, "recv", work, sent, received)
+        return Handle(self, "recv", work, sent, received, after=self._delivery(src, nbytes))
+
+    def recv_any(self, tensor: torch.Tensor) -> int:
+        """Receive into ``tensor`` from whichever peer sends first; blocks; returns its group rank."""
+        start = time.perf_counter()
+        work = dist.irecv(tensor, src=None, group=self.group)
+        work.wait()
+        # The sender's rank in ``self.group`` (not a global rank); ``_source_rank`` is what
+        # torch.distributed.recv uses, without the deprecation warning of ``source_rank``.
+        src = work._source_rank()
+        nbytes = _nbytes(tensor)
+        self._charge({}, {src: nbytes})
+        delivery = self._delivery(src, nbytes)
+        if delivery is not None:
+            delivery()
+        self._record("recv_any", 0, nbytes, time.perf_counter() - start)
+        return src
+
+    def exchange(self, outgoing: torch.Tensor, incoming: torch.Tensor, peer: int) -> Handle:
+        """Send ``outgoing`` to group rank ``peer`` while receiving ``incoming`` from it.
+
+        Both sides call it with each other's rank; sizes must match across the pair
+        (``outgoing`` here has the shape of ``incoming`` there). One handle waits for both.
+
+        Example::
+
+            mine, theirs = model_vector.clone(), torch.empty_like(model_vector)
+            transport.exchange(mine, theirs, peer).wait()
+            model_vector.copy_((mine + theirs) / 2)
+        """
+        sent, received = self._charge({peer: _nbytes(outgoing)}, {peer: _nbytes(incoming)})
+        recv = dist.irecv(incoming, src=self._global(peer), group=self.group)
+        return self._start("exchange", sent, received,
+                           lambda: [dist.isend(outgoing, dst=self._global(peer), group=self.group)],
+                           lambda model: model.send(self._global(peer), _nbytes(outgoing)),
+                           now=[recv], after=self._delivery(peer, _nbytes(incoming)))
 
     # -- control traffic ---------------------------------------------------------------------
 
     def control_all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gather a small bookkeeping tensor (metrics, summaries); not counted as training traffic."""
+        self.flush()
         outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(outputs, tensor, group=self.group)
         return outputs
 
+    def control_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a bookkeeping tensor in place over all workers (e.g. the consensus model at
+        evaluation points); not counted as training traffic."""
+        self.flush()
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
     def control_barrier(self) -> None:
         """Wait for every worker; bookkeeping only, not counted."""
+        self.flush()
         dist.barrier(group=self.group)
+
+    def flush(self) -> None:
+        """Hand every delayed message to the backend now-ish (after its release time), so that
+        a collective issued directly afterwards comes after them on every worker."""
+        if self._dispatcher is not None:
+            self._dispatcher.drain()
+
+    def close(self) -> None:
+        """Stop the link model's dispatcher thread (if any); the Transport is done."""
+        if self._dispatcher is not None:
+            self._dispatcher.drain()
+            self._dispatcher.close()
+            self._dispatcher = None
+            self.link_model = None

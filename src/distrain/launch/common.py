@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,3 +70,28 @@ def close_group() -> None:
 def configure_worker_logging(rank: int) -> None:
     logging.basicConfig(level=os.environ.get("DISTRAIN_LOG", "WARNING").upper(),
                         format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
+
+
+def server_count(cfg: TrainConfig) -> int:
+    """Processes besides the training workers: the parameter servers of --algorithm ps."""
+    return cfg.ps.servers if cfg.algo.algorithm == "ps" else 0
+
+
+def run_role(cfg: TrainConfig, rank: int, world: int, run_dir: str | Path, **user: Any) -> dict[str, Any] | None:
+    """Run this process's part: a training worker, or (the last --servers ranks) a parameter server.
+
+    Every process must call this after the default group exists: creating the workers' group is
+    collective.
+    """
+    from distrain.algorithms.parameter_server import serve
+    from distrain.train.loop import train
+
+    servers = server_count(cfg)
+    workers = world - servers
+    if workers < 1:
+        raise ConfigError("--servers", f"leaves no training workers in a world of {world} processes")
+    group = dist.new_group(list(range(workers))) if servers else None
+    if rank >= workers:
+        serve(cfg, run_dir)
+        return None
+    return train(cfg, run_dir, workers_group=group, **user)

@@ -24,6 +24,8 @@ from distrain.launch.common import (
     default_run_dir,
     free_port,
     init_group,
+    run_role,
+    server_count,
 )
 
 log = logging.getLogger(__name__)
@@ -55,13 +57,11 @@ def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
 
 
 def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: str, user: dict[str, Any]) -> None:
-    from distrain.train.loop import train
-
     configure_worker_logging(rank)
     code = 0
     try:
         init_group(cfg, rank, world, init_method)
-        train(cfg, run_dir, **user)
+        run_role(cfg, rank, world, run_dir, **user)
     except (ConfigError, DataError) as exc:
         if rank == 0:
             print(f"distrain: {exc}", file=sys.stderr)
@@ -121,11 +121,16 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     Workers are started with the ``spawn`` method, so ``model_fn`` and the data sets must be
     picklable (module-level functions, not lambdas) when there is more than one worker.
     """
+    if cfg.network.emulation == "netns":  # emulation: each worker in its own shaped network namespace
+        from distrain.launch.netns import launch_netns
+
+        return launch_netns(cfg, model_fn=model_fn, train_set=train_set, test_set=test_set)
     check_device(cfg)
     run_dir = default_run_dir(cfg, time.time())
     run_dir.mkdir(parents=True, exist_ok=True)
     user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set}
-    if cfg.cluster.workers == 1:
+    nprocs = cfg.cluster.workers + server_count(cfg)
+    if nprocs == 1:
         return run_in_process(cfg, run_dir, **user)
     preflight(cfg, train_set)
     addr = cfg.cluster.master_addr
@@ -134,8 +139,8 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     port = cfg.cluster.master_port or free_port(addr)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, name=f"distrain-worker-{rank}",
-                         args=(rank, cfg.cluster.workers, cfg, f"tcp://{addr}:{port}", str(run_dir), user))
-             for rank in range(cfg.cluster.workers)]
+                         args=(rank, nprocs, cfg, f"tcp://{addr}:{port}", str(run_dir), user))
+             for rank in range(nprocs)]
     for p in procs:
         p.start()
     try:

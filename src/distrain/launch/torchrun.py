@@ -18,6 +18,8 @@ from distrain.launch.common import (
     configure_worker_logging,
     default_run_dir,
     init_group,
+    run_role,
+    server_count,
 )
 
 
@@ -40,16 +42,14 @@ def _shared_run_dir(cfg: TrainConfig) -> Path:
 
 def run_torchrun_worker(cfg: TrainConfig, **user: Any) -> dict[str, Any] | None:
     """Train as the worker torchrun made this process; returns the summary on rank 0."""
-    from distrain.train.loop import train
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     configure_worker_logging(rank)
     check_device(cfg)
-    cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world))
+    cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world - server_count(cfg)))
     init_group(cfg, rank, world, "env://")
     try:
         run_dir = _shared_run_dir(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
-        return train(cfg, run_dir, **user)
+        return run_role(cfg, rank, world, run_dir, **user)
     finally:
         close_group()

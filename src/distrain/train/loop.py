@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
@@ -39,6 +40,7 @@ from distrain.data import (
     partition_indices,
 )
 from distrain.data.sampler import ShardSampler
+from distrain.emulation import Emulation
 from distrain.errors import ConfigError, DataError
 from distrain.models import build_model
 from distrain.train.checkpoint import CheckpointStore, check_compatible
@@ -80,27 +82,40 @@ def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | No
     return train_set, parts[rank], test_set
 
 
-def shard_report(transport: Transport, dataset: Dataset, shard: np.ndarray, num_classes: int) -> list[dict[str, Any]]:
+def control_all_gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Gather a small bookkeeping tensor from every member of ``group`` (not training traffic)."""
+    outputs = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(outputs, tensor, group=group)
+    return outputs
+
+
+def shard_report(dataset: Dataset, shard: np.ndarray, num_classes: int, group: Any = None) -> list[dict[str, Any]]:
     """Every worker's shard size and label histogram (gathered; each worker knows only its own)."""
     labels = labels_of(dataset)[shard] if len(shard) else np.zeros(0, dtype=np.int64)
     mine = torch.tensor([len(shard), *np.bincount(labels, minlength=num_classes)[:num_classes]], dtype=torch.int64)
-    rows = transport.control_all_gather(mine)
+    rows = control_all_gather(mine, group)
     return [{"rank": r, "size": int(row[0]), "label_histogram": [int(v) for v in row[1:]]} for r, row in enumerate(rows)]
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | None = None,
-          train_set: Dataset | None = None, test_set: Dataset | None = None) -> dict[str, Any] | None:
-    """Run the training loop on this worker; returns the summary on rank 0, None elsewhere."""
+          train_set: Dataset | None = None, test_set: Dataset | None = None,
+          workers_group: Any = None) -> dict[str, Any] | None:
+    """Run the training loop on this worker; returns the summary on rank 0, None elsewhere.
+
+    ``workers_group`` is the group of training workers when the world also holds other
+    processes (parameter servers); None when every process is a worker.
+    """
     run_dir = Path(run_dir)
     torch.set_num_threads(cfg.run.threads)
-    transport = Transport()
-    rank, world = transport.rank, transport.world_size
+    emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers)  # emulated links, compute speed
+    transport = Transport(link_model=emulation.link_model)
+    rank, world = transport.rank, dist.get_world_size(workers_group)  # world: training workers only
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
 
     # --- data: each worker trains on its own shard ----------------------------------------------
     train_set, shard, test_set = worker_data(cfg, rank, world, train_set, test_set)
     num_classes = int(max(labels_of(test_set).max(), labels_of(train_set).max())) + 1
-    shards = shard_report(transport, train_set, shard, num_classes)
+    shards = shard_report(train_set, shard, num_classes, workers_group)
     if min(s["size"] for s in shards) < cfg.data.batch_size:
         small = min(shards, key=lambda s: s["size"])
         raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
@@ -129,9 +144,10 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     optimizer = build_optimizer(o.optimizer, model.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
     algorithm = build_algorithm(cfg.algo.algorithm, cfg)
     algorithm.setup(model, optimizer, transport)
+    transports = [transport, *algorithm.transports()]  # an algorithm's own groups' traffic is this worker's too
 
     # --- resume ---------------------------------------------------------------------------------
-    store = CheckpointStore(run_dir, rank, world)
+    store = CheckpointStore(run_dir, rank, transport.world_size)  # servers save their shards too
     start_step = 0
     resume_step = store.resolve(cfg.run.resume)
     if resume_step is not None:
@@ -147,6 +163,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
         write_json_atomic(run_dir / "config.json", {
             **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
             "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": resume_step,
+            "algorithm_info": algorithm.info(),
         })
 
     def save(step: int) -> None:
@@ -163,9 +180,15 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     accuracy = test_loss = float("nan")
     eval_seconds = compute_seconds = 0.0
     model.train()
-    transport.control_barrier()  # start the clock together
+    dist.barrier(group=workers_group)  # start the clock together
+    emulation.start()  # emulation: bandwidth traces start now, on every worker
+    algorithm.start(total_steps, steps_per_epoch)  # after the barrier: asynchronous algorithms start their clocks
     start = time.perf_counter()
-    for step in range(start_step, total_steps):
+    # Asynchronous algorithms (AD-PSGD, Prague) decide when a worker stops (its own budget; faster
+    # workers take more steps), evaluate only at the end, and give the consensus over time after it.
+    step = start_step
+    running = algorithm.keep_going(step, total_steps)
+    while running:
         t0 = time.perf_counter()
         x, y = batches_of(train_set, sampler.batch(step))
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -173,21 +196,23 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
         loss = losses.mean()
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
+        emulation.after_compute(time.perf_counter() - t0)  # emulation: a slow worker takes factor x as long
         ctx = StepContext(step=step, epoch=(step + 1) / steps_per_epoch, batch_size=len(y),
                           per_sample_losses=losses.detach(), compute_seconds=time.perf_counter() - t0)
         compute_seconds += ctx.compute_seconds
         algorithm.after_backward(ctx)
-        lr = schedule.apply(optimizer, step)
+        lr = schedule.apply(optimizer, algorithm.schedule_step(step))
         algorithm.apply_update(ctx)
         algorithm.after_update(ctx)
+        running = algorithm.keep_going(step + 1, total_steps)  # asynchronous: the last one waits for the others
 
+        sent, received, comm_s = traffic(transports)
         record: dict[str, Any] = {
             "step": step + 1, "epoch": ctx.epoch, "time": time.perf_counter() - start - eval_seconds,
-            "loss": loss.item(), "lr": lr, "bytes_sent": transport.stats.bytes_sent,
-            "bytes_received": transport.stats.bytes_received, "compute_s": ctx.compute_seconds,
-            "comm_s": transport.stats.comm_seconds, **algorithm.metrics(),
+            "loss": loss.item(), "lr": lr, "bytes_sent": sum(sent), "bytes_received": sum(received),
+            "compute_s": ctx.compute_seconds, "comm_s": comm_s,
         }
-        if (step + 1) % eval_interval == 0 or step + 1 == total_steps:
+        if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
             t_eval = time.perf_counter()
             eval_model = algorithm.eval_model()  # collective for decentralized algorithms
             if rank == 0:
@@ -198,23 +223,34 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
                 if progress is not None:
                     progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{accuracy:.3f}")
             eval_seconds += time.perf_counter() - t_eval
+        record.update(algorithm.metrics())  # after evaluation: includes what eval_model() measured
         metrics.write(record)
         if progress is not None:
             progress.update(1)
         if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
             save(step + 1)
+        step += 1
     wall = time.perf_counter() - start - eval_seconds
     if progress is not None:
         progress.close()
+    # Asynchronous algorithms: the consensus at points during the run (from copies every worker
+    # took then), evaluated only now, so that nobody paused for it.
+    for point, eval_model in algorithm.consensus_history():  # collective
+        if rank == 0:
+            point_accuracy, point_loss = evaluate(eval_model, test_set, device)
+            metrics.write({**point, "test_accuracy": point_accuracy, "test_loss": point_loss, "snapshot": True})
+            if point_accuracy >= cfg.run.target_accuracy and (time_to_target is None or point["time"] < time_to_target):
+                time_to_target = point["time"]
     metrics.close()
-    if total_steps > start_step and not (cfg.run.checkpoint_every and total_steps % cfg.run.checkpoint_every == 0):
-        save(total_steps)
+    if step > start_step and not (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
+        save(step)
     algorithm.close()
 
-    # --- summary: every worker's counters, gathered on rank 0 -----------------------------------
-    steps_done = total_steps - start_step
-    mine = torch.tensor([steps_done, steps_done * cfg.data.batch_size, wall, compute_seconds, transport.stats.comm_seconds,
-                         *transport.stats.sent, *transport.stats.received], dtype=torch.float64)
+    # --- summary: every process's counters (servers too), gathered on rank 0 ---------------------
+    steps_done = step - start_step
+    sent, received, comm_s = traffic(transports)
+    mine = torch.tensor([steps_done, steps_done * cfg.data.batch_size, wall, compute_seconds, comm_s, *sent, *received],
+                        dtype=torch.float64)
     rows = [r.tolist() for r in transport.control_all_gather(mine)]
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
                         time_to_target, eval_seconds, resume_step) if rank == 0 else None
@@ -222,23 +258,38 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     return summary
 
 
+def traffic(transports: list[Transport]) -> tuple[list[int], list[int], float]:
+    """Bytes sent and received per peer, and seconds in exchanges, over a worker's transports
+    (each over the same ranks)."""
+    sent, received = [0] * len(transports[0].stats.sent), [0] * len(transports[0].stats.received)
+    for t in transports:
+        sent = [a + b for a, b in zip(sent, t.stats.sent, strict=True)]
+        received = [a + b for a, b in zip(received, t.stats.received, strict=True)]
+    return sent, received, sum(t.stats.comm_seconds for t in transports)
+
+
 def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: int, total_steps: int,
               global_batch: int, accuracy: float, test_loss: float, time_to_target: float | None,
               eval_seconds: float, resume_step: int | None) -> dict[str, Any]:
-    """Write summary.json from every worker's counters (rows gathered from all ranks)."""
+    """Write summary.json from every process's counters: rows of the workers, then of any servers."""
     wall = rows[0][2]
-    samples = sum(r[1] for r in rows)
+    n = len(rows)
+    workers, servers = rows[:world], rows[world:]
+    samples = sum(r[1] for r in workers)
     summary = {
         "algorithm": cfg.algo.algorithm, "workers": world, "epochs": cfg.run.epochs, "steps": total_steps,
         "dataset": cfg.data.dataset, "model": cfg.model.model, "global_batch": global_batch,
+        "steps_per_worker": [int(r[0]) for r in workers],
         "final_test_accuracy": accuracy, "final_test_loss": test_loss,
         "target_accuracy": cfg.run.target_accuracy, "time_to_target_s": time_to_target,
         "wall_time_s": wall, "eval_time_s": eval_seconds, "samples_per_s": samples / wall if wall > 0 else None,
-        "samples_per_s_per_worker": [r[1] / r[2] if r[2] > 0 else None for r in rows],
-        "bytes_sent_per_worker": [int(sum(r[5 : 5 + world])) for r in rows],
-        "bytes_received_per_worker": [int(sum(r[5 + world :])) for r in rows],
-        "bytes_sent_per_peer": [[int(v) for v in r[5 : 5 + world]] for r in rows],
-        "compute_s_per_worker": [r[3] for r in rows], "comm_s_per_worker": [r[4] for r in rows],
+        "samples_per_s_per_worker": [r[1] / r[2] if r[2] > 0 else None for r in workers],
+        "bytes_sent_per_worker": [int(sum(r[5 : 5 + n])) for r in workers],
+        "bytes_received_per_worker": [int(sum(r[5 + n :])) for r in workers],
+        "bytes_sent_per_server": [int(sum(r[5 : 5 + n])) for r in servers],
+        "bytes_received_per_server": [int(sum(r[5 + n :])) for r in servers],
+        "bytes_sent_per_peer": [[int(v) for v in r[5 : 5 + n]] for r in rows],
+        "compute_s_per_worker": [r[3] for r in workers], "comm_s_per_worker": [r[4] for r in workers],
         "resumed_from_step": resume_step, "run_dir": str(run_dir),
     }
     write_json_atomic(run_dir / "summary.json", summary)

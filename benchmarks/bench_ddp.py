@@ -1,0 +1,132 @@
+"""distrain's all-reduce against PyTorch DistributedDataParallel: step time on the same job.
+
+Both sides train the same model on the same shards with the same schedule, 4 workers on
+loopback (gloo), one thread each; runs alternate (distrain, DDP, distrain, ...) so that drifting
+machine load hits both alike. The figure of merit is the median over repeats of the per-repeat ratio
+distrain / DDP (target <= 1.10, goal <= 1.0). A run's step time is the median of its steps'
+durations on rank 0 (the mean, wall time over steps, is recorded too).
+
+DDP is ``torch.nn.parallel.DistributedDataParallel`` with its built-in C++ all-reduce (no
+communication hook; default 25 MB buckets, 1 MB first bucket), run by the worker of
+:mod:`distrain.baselines` so data, model, schedule and run-directory format match
+``distrain train``. ``--ddp hooked`` runs the ``ddp`` baseline of ``distrain compare`` instead
+(DDP plus a Python hook that counts bytes).
+
+    python benchmarks/bench_ddp.py                         # both models, 5 repeats, 4 workers
+    python benchmarks/bench_ddp.py --models mlp --repeats 3 --epochs 1
+
+Writes ``benchmarks/results/ddp.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distrain.baselines import build_peer
+from distrain.baselines.common import Peer, launch_peer
+from distrain.config import TrainConfig
+from distrain.launch import launch_local
+from distrain.models import build_model, count_parameters
+from distrain.train.metrics import read_metrics
+
+RESULTS = Path(__file__).parent / "results"
+WARMUP = 5  # steps left out of the step time
+
+MODELS: dict[str, dict[str, Any]] = {
+    "cnn1d": {"model": "cnn1d"},  # 13,770 parameters: compute-bound
+    "mlp": {"model": "mlp", "model_width": 974},  # 999,334 parameters (4 MB of gradients): communication-bound
+}
+
+
+class NativeDDP(Peer):
+    """DDP exactly as PyTorch ships it: no communication hook, the C++ reducer all-reduces."""
+
+    name = "ddp-native"
+
+
+def job(model: str, workers: int, epochs: float, run_dir: Path, algorithm: str = "allreduce") -> TrainConfig:
+    settings = {**MODELS[model], "algorithm": algorithm, "workers": workers, "epochs": epochs,
+                "eval_every": 1000.0, "progress": False, "run_dir": str(run_dir)}
+    return TrainConfig.from_dict(settings).validate()
+
+
+def step_time(summary: dict[str, Any]) -> float:
+    """Median time of one training step on rank 0 (the first steps, warm-up, left out): on a
+    shared machine the median shrugs off bursts of load that the mean (wall / steps) absorbs."""
+    times = [r["time"] for r in read_metrics(summary["run_dir"], 0) if not r.get("snapshot")]
+    steps = [b - a for a, b in zip(times[WARMUP:], times[WARMUP + 1 :], strict=False)]
+    return statistics.median(steps)
+
+
+def run_pair(model: str, args: argparse.Namespace, repeat: int, tmp: Path) -> dict[str, float]:
+    peer = NativeDDP() if args.ddp == "native" else build_peer("ddp")
+    times = {}
+    order = ["distrain", "ddp"] if repeat % 2 == 0 else ["ddp", "distrain"]  # neither always goes first
+    for side in order:
+        cfg = job(model, args.workers, args.epochs, tmp / f"{model}-{side}-{repeat}")
+        summary = launch_local(cfg) if side == "distrain" else launch_peer(cfg, peer)
+        times[side] = step_time(summary)
+        times[f"{side}_mean"] = summary["wall_time_s"] / summary["steps"]
+        times[f"{side}_accuracy"] = summary["final_test_accuracy"]
+    times["ratio"] = times["distrain"] / times["ddp"]
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="cnn1d,mlp")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--epochs", type=float, default=3.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ddp", choices=("native", "hooked"), default="native")
+    parser.add_argument("--out", default=str(RESULTS / "ddp.json"))
+    args = parser.parse_args()
+
+    results: dict[str, Any] = {
+        "benchmark": "distrain allreduce vs torch DDP, step time", "workers": args.workers, "epochs": args.epochs,
+        "repeats": args.repeats, "ddp": args.ddp, "torch": torch.__version__, "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads available", "models": {},
+    }
+    print(f"{'model':<8}{'params':>10}{'repeat':>8}{'distrain ms':>13}{'DDP ms':>9}{'ratio':>8}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            params = count_parameters(build_model(MODELS[model]["model"], (40,), 10, width=MODELS[model].get("model_width")))
+            rows = []
+            for repeat in range(args.repeats):
+                row = run_pair(model, args, repeat, Path(tmp))
+                rows.append(row)
+                print(f"{model:<8}{params:>10}{repeat:>8}{row['distrain'] * 1e3:>13.2f}{row['ddp'] * 1e3:>9.2f}{row['ratio']:>8.3f}",
+                      flush=True)
+            ratios = [r["ratio"] for r in rows]
+            summary = {
+                "parameters": params, "runs": rows,
+                "median_step_s": {"distrain": statistics.median(r["distrain"] for r in rows),
+                                  "ddp": statistics.median(r["ddp"] for r in rows)},
+                "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
+            }
+            summary["ratio_of_medians"] = summary["median_step_s"]["distrain"] / summary["median_step_s"]["ddp"]
+            results["models"][model] = summary
+    print()
+    print(f"{'model':<8}{'median distrain ms':>20}{'median DDP ms':>15}{'median ratio':>14}{'target <= 1.10':>16}")
+    for model, s in results["models"].items():
+        ok = "yes" if s["median_ratio"] <= 1.10 else "NO"
+        print(f"{model:<8}{s['median_step_s']['distrain'] * 1e3:>20.2f}{s['median_step_s']['ddp'] * 1e3:>15.2f}"
+              f"{s['median_ratio']:>14.3f}{ok:>16}")
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

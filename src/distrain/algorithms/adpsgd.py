@@ -1,0 +1,188 @@
+"""AD-PSGD: asynchronous decentralized SGD with pairwise model averaging (Lian et al. 2018).
+
+Each worker keeps its own model and loops with no global barrier: read the model, compute a
+gradient on it, add the update (see ``gossip.py``: the gradient is computed outside the lock,
+reads and writes of the shared model are inside it). Meanwhile its communication thread
+averages the model with a random neighbour in ``--topology``: both end with ``(x_i + x_j) / 2``
+(plus whatever update each made while the exchange was in flight).
+
+No deadlock by construction: the topology must be bipartite (``ring`` on an even number of
+workers, or ``bipartite`` for any number); the side holding worker 0 is *active*, the other
+*passive*. Only active workers start exchanges, each time with a random passive neighbour;
+passive workers serve requests from any active neighbour, one at a time. No two workers can
+then wait on each other in a cycle. Active workers start at most one exchange per local step
+(so a fast worker averages more often), and exchanges overlap the next step's computation.
+
+Wire protocol, on a process group of its own (``gossip_group``; never interleaved with the main
+thread's collectives), through its own Transport (bytes, delays, emulated links), with headers
+``[kind, *counts, *done]`` (int64, ``1 + 2n`` values):
+
+    active -> passive   REQUEST header, then its model
+    passive -> active   REPLY header, then its model
+    active -> passive   DONE header (no model): this active worker will not call again
+
+Shutdown: a worker whose budget is used keeps averaging (an active one at about one exchange per
+step time) until it knows every worker is done; then an active worker sends DONE to each passive
+neighbour and stops, and a passive worker stops once every active neighbour has said DONE. An
+active worker only sends DONE once it knows all are done, and a passive one tells its callers
+what it knows, so the knowledge spreads until everyone stops; after that, nothing changes the
+models, and the loop takes the consensus (an all-reduce on the main group).
+
+Example::
+
+    distrain train --algorithm adpsgd                      # ring of 4: workers 0, 2 active
+    distrain train --algorithm adpsgd --network straggler  # the slow worker delays nobody
+    distrain train --algorithm adpsgd --workers 5 --topology bipartite --budget time --time-budget 60
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import torch
+
+from distrain.algorithms.gossip import AsyncGossip, GossipEngine, SharedModel, gossip_group
+from distrain.comm.transport import Transport
+from distrain.errors import ConfigError, WorkerFailure
+from distrain.topology import Graph, bipartite_sets, build_topology
+
+log = logging.getLogger(__name__)
+
+REQUEST, REPLY, DONE = 1, 2, 3
+
+
+def bipartite_graph(topology: str, n: int) -> Graph:
+    """The topology on ``n`` workers; ConfigError naming ``--topology`` unless it is bipartite."""
+    graph = build_topology(topology, n)
+    try:
+        bipartite_sets(graph)
+    except ValueError as exc:
+        raise ConfigError("--topology", f"adpsgd needs a bipartite topology (active and passive workers): {exc}; "
+                                        "use --topology bipartite") from None
+    return graph
+
+
+class PairwiseGossip(GossipEngine):
+    """The communication thread of one AD-PSGD worker (usable on its own, e.g. in tests).
+
+    Args:
+        state: the shared model and progress of this worker.
+        transport: a Transport on a process group of all workers, used by this engine only.
+        graph: a connected bipartite graph over the group's ranks.
+        seed: seeds the choice of partners (each worker draws its own sequence).
+
+    Example::
+
+        engine = PairwiseGossip(state, Transport(gossip_group(60)), build_topology("ring", 4), seed=0).start()
+        ...                      # state.apply_step(...) per local step
+        state.finish()           # this worker's budget is used
+        engine.join(timeout=60)  # returns once every worker is done
+    """
+
+    def __init__(self, state: SharedModel, transport: Transport, graph: Graph, seed: int = 0) -> None:
+        super().__init__(state)
+        if graph.n != transport.world_size:
+            raise ValueError(f"the graph has {graph.n} workers, the group {transport.world_size}")
+        self.transport = transport
+        self.transports = [transport]
+        active, _ = bipartite_sets(graph)
+        self.active = transport.rank in active
+        self.peers = list(graph.neighbors[transport.rank])  # all on the other side
+        self.rng = random.Random(seed * 1_000_003 + transport.rank)
+        numel = state.x.numel()
+        self.sent = torch.empty(numel, dtype=state.x.dtype)
+        self.theirs = torch.empty_like(self.sent)
+        self.header_len = 1 + 2 * state.world
+        self.exchanges = 0  # exchanges this worker started (active) or served (passive)
+
+    def _threads(self) -> list[tuple[str, Any]]:
+        if not self.peers:
+            return []
+        role = "active" if self.active else "passive"
+        return [(f"distrain-adpsgd-{role}", self._run_active if self.active else self._run_passive)]
+
+    # -- active side --
+
+    def _run_active(self) -> None:
+        gossiped = 0  # the first exchange follows the first step
+        while True:
+            gossiped, _ = self.wait_for_round(gossiped)
+            if self.state.all_done:
+                break
+            self._call(self.rng.choice(self.peers))
+        for peer in self.peers:
+            self.transport.send(self.state.progress_header(DONE), peer).wait()
+
+    def _call(self, peer: int) -> None:
+        t = self.transport
+        reply = torch.empty(self.header_len, dtype=torch.int64)
+        self.state.read(out=self.sent)
+        handles = [t.recv(reply, peer), t.recv(self.theirs, peer),  # receives first (see comm/ring.py)
+                   t.send(self.state.progress_header(REQUEST), peer), t.send(self.sent, peer)]
+        for handle in handles:
+            handle.wait()
+        if int(reply[0]) != REPLY:
+            raise WorkerFailure(f"worker {t.rank}: expected a reply from worker {peer}, got message kind {int(reply[0])}")
+        self.state.merge(reply[1:])
+        self._average()
+
+    def _average(self) -> None:
+        mean = self.theirs.add_(self.sent).mul_(0.5)
+        self.state.mix(self.sent, mean)
+        self.exchanges += 1
+
+    # -- passive side --
+
+    def _run_passive(self) -> None:
+        t = self.transport
+        calling = set(self.peers)  # active neighbours that have not said DONE
+        header = torch.empty(self.header_len, dtype=torch.int64)
+        while calling:
+            src = t.recv_any(header)
+            kind = int(header[0])
+            if src not in calling or kind not in (REQUEST, DONE):
+                raise WorkerFailure(f"worker {t.rank}: unexpected message kind {kind} from worker {src}")
+            self.state.merge(header[1:])
+            if kind == DONE:
+                calling.discard(src)
+                continue
+            self.state.read(out=self.sent)
+            handles = [t.recv(self.theirs, src), t.send(self.state.progress_header(REPLY), src), t.send(self.sent, src)]
+            for handle in handles:
+                handle.wait()
+            self._average()
+
+
+class ADPSGD(AsyncGossip):
+    """Asynchronous decentralized SGD (see the module docstring)."""
+
+    name = "adpsgd"
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        super().check_config(config)
+        bipartite_graph(config.algo.topology, config.cluster.workers)
+
+    def build_engine(self, transport: Transport) -> PairwiseGossip:
+        g = self.config.gossip
+        self.graph = bipartite_graph(self.config.algo.topology, transport.world_size)  # under torchrun: WORLD_SIZE
+        group = gossip_group(g.peer_timeout)
+        return PairwiseGossip(self.state, Transport(group, link_model=transport.link_model), self.graph,
+                              seed=self.config.run.seed)
+
+    def info(self) -> dict[str, Any]:
+        if self.engine is None:
+            return {"budget": self.config.gossip.budget}
+        active, passive = bipartite_sets(self.graph)
+        return {"topology": self.graph.name, "active": active, "passive": passive, "budget": self.config.gossip.budget}
+
+    def metrics(self) -> dict[str, float]:
+        out = super().metrics()
+        if isinstance(self.engine, PairwiseGossip):
+            out["exchanges"] = self.engine.exchanges
+        return out
+
+
+__all__ = ["ADPSGD", "PairwiseGossip"]

@@ -1,0 +1,505 @@
+"""Shared machinery of the asynchronous gossip algorithms, AD-PSGD and Prague.
+
+Each worker keeps its model as one flat CPU vector, :class:`SharedModel`, guarded by a lock. The
+main thread computes a gradient on a copy read at the start of its step (outside the lock) and
+adds its optimizer's update to the shared vector (inside it); a communication thread averages
+the shared vector with other workers' in the background. An averaging is applied as
+``x <- x + (mean - sent)``, where ``sent`` is the copy this worker put on the wire: an update
+that landed while the exchange was in flight is kept in full, and each averaging leaves the sum
+of the models of the workers taking part unchanged (so the global mean of the models moves
+only by gradient steps).
+
+Besides the model, a worker knows how many steps each worker has taken and which ones have
+finished training (``counts``, ``done``), as far as the gossip has told it: these travel in the
+fixed-format int64 headers of every exchange and are merged by maximum. They drive the budget
+(``--budget global`` stops once all workers together have made ``--epochs`` passes over the
+training set) and the shutdown: a worker that has finished keeps averaging until it knows that
+every worker has finished, so the models stop changing everywhere before the final consensus.
+
+Evaluation without a global barrier: every worker copies its model at the same wall-clock
+points, ``k * --snapshot-every`` seconds after the common start (at the first step boundary
+past each point). After training, the workers average their copies point by point (the
+consensus model as it was at that time) and rank 0 evaluates them, which gives accuracy over
+time without pausing anyone during the run (:meth:`AsyncGossip.consensus_history`).
+
+:class:`AsyncGossip` is the Algorithm the loop sees; AD-PSGD (``adpsgd.py``) and Prague
+(``prague.py``) supply its communication engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distrain.algorithms.base import Algorithm, StepContext
+from distrain.comm.transport import Transport
+from distrain.errors import ConfigError, WorkerFailure
+
+log = logging.getLogger(__name__)
+
+BUDGETS = ("global", "local", "time")
+#: Snapshots kept in memory at most (fewer for large models: about 1 GiB in all).
+MAX_SNAPSHOTS = 512
+SNAPSHOT_BYTES = 2**30
+
+
+# -- the shared model ------------------------------------------------------------------------
+
+
+class SharedModel:
+    """A worker's model as one flat CPU vector, with what it knows of every worker's progress.
+
+    ``lock`` (a Condition) guards ``x``, ``counts`` and ``done``; the communication thread
+    waits on it for new steps.
+
+    Example::
+
+        state = SharedModel(torch.zeros(10), rank=0, world=2)
+        sent = state.read()                      # what goes on the wire
+        theirs = torch.ones(10)                  # what came back
+        state.mix(sent, (sent + theirs) / 2)     # both sides end with the average
+    """
+
+    def __init__(self, x: torch.Tensor, rank: int, world: int) -> None:
+        self.x = x
+        self.rank, self.world = rank, world
+        self.lock = threading.Condition()
+        self.counts = [0] * world
+        self.done = [0] * world
+        self.rounds = 0  # averagings this worker took part in
+        self.step_seconds = 0.01  # moving average of this worker's step time (paces idle gossip)
+
+    # -- the model --
+
+    def read(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A consistent copy of the model."""
+        with self.lock:
+            return self.x.clone() if out is None else out.copy_(self.x)
+
+    def apply_step(self, delta: torch.Tensor, read_out: torch.Tensor) -> None:
+        """Add one step's update, count the step, and copy the result into ``read_out``."""
+        with self.lock:
+            self.x.add_(delta)
+            self.counts[self.rank] += 1
+            read_out.copy_(self.x)
+            self.lock.notify_all()
+
+    def mix(self, sent: torch.Tensor, mean: torch.Tensor) -> None:
+        """Averaging: ``x += mean - sent`` (``sent``: the copy this worker sent)."""
+        with self.lock:
+            self.x.add_(mean).sub_(sent)
+            self.rounds += 1
+
+    # -- progress --
+
+    def finish(self) -> None:
+        """This worker's training budget is used up: mark it done and wake the gossip."""
+        with self.lock:
+            self.done[self.rank] = 1
+            self.lock.notify_all()
+
+    @property
+    def own_steps(self) -> int:
+        return self.counts[self.rank]
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.done[self.rank])
+
+    @property
+    def all_done(self) -> bool:
+        return all(self.done)
+
+    def global_steps(self) -> int:
+        """Steps taken by all workers together, as far as this worker knows (a lower bound)."""
+        return sum(self.counts)
+
+    def progress_header(self, *prefix: int) -> torch.Tensor:
+        """``[*prefix, *counts, *done]`` as int64, for a message header."""
+        with self.lock:
+            return torch.tensor([*prefix, *self.counts, *self.done], dtype=torch.int64)
+
+    def merge(self, tail: torch.Tensor) -> None:
+        """Merge a header's ``[*counts, *done]`` (what another worker knows) into ours."""
+        values = tail.tolist()
+        n = self.world
+        if len(values) != 2 * n:
+            raise WorkerFailure(f"gossip header of {len(values)} progress values, expected {2 * n}")
+        with self.lock:
+            self.counts = [max(a, b) for a, b in zip(self.counts, values[:n], strict=True)]
+            self.done = [max(a, min(1, b)) for a, b in zip(self.done, values[n:], strict=True)]
+
+    def wait_for_round(self, gossiped: int) -> tuple[int, bool]:
+        """Block until this worker has a step newer than ``gossiped`` or has finished;
+        returns (steps now, finished)."""
+        with self.lock:
+            while not self.done[self.rank] and self.counts[self.rank] <= gossiped:
+                self.lock.wait(timeout=1.0)
+            return self.counts[self.rank], bool(self.done[self.rank])
+
+    def idle_seconds(self) -> float:
+        """Pause between averagings of a worker that has finished training (one step's time)."""
+        return min(0.05, max(0.002, self.step_seconds))
+
+
+# -- the communication engine ----------------------------------------------------------------
+
+
+class GossipEngine:
+    """Background threads that average a :class:`SharedModel` with other workers.
+
+    Subclasses implement ``_threads()`` (name, function) pairs; an exception in any thread is
+    kept in ``error`` for the main thread, and ``transports`` lists every Transport the engine
+    talks through (their traffic is the worker's too).
+    """
+
+    def __init__(self, state: SharedModel) -> None:
+        self.state = state
+        self.transports: list[Transport] = []
+        self.error: BaseException | None = None
+        self._threads_running: list[threading.Thread] = []
+
+    def _threads(self) -> list[tuple[str, Callable[[], None]]]:
+        raise NotImplementedError
+
+    def start(self) -> GossipEngine:
+        for name, fn in self._threads():
+            thread = threading.Thread(target=self._guard, args=(fn,), name=name, daemon=True)
+            thread.start()
+            self._threads_running.append(thread)
+        return self
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            log.error("worker %d: gossip thread failed: %s", self.state.rank, exc)
+            if self.error is None:
+                self.error = exc
+            with self.state.lock:
+                self.state.lock.notify_all()
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads_running)
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for every thread; True once all have ended."""
+        deadline = time.monotonic() + timeout
+        for t in self._threads_running:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not self.alive()
+
+    def check(self) -> None:
+        """Raise WorkerFailure if a gossip thread failed."""
+        if self.error is not None:
+            raise WorkerFailure(f"worker {self.state.rank}: gossip failed: {self.error}") from self.error
+
+    def wait_for_round(self, gossiped: int) -> tuple[int, bool]:
+        """Until there is something new to gossip; a finished worker gossips at a slow pace."""
+        steps, finished = self.state.wait_for_round(gossiped)
+        if finished:
+            time.sleep(self.state.idle_seconds())
+        return steps, finished
+
+    def close(self) -> None:
+        for transport in self.transports:
+            transport.close()
+
+
+def gossip_group(timeout: float) -> Any:
+    """A new gloo group of all ranks for a communication thread (collective: every rank calls
+    it, in the same order). Gloo also on GPU runs: the averaging works on CPU copies."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+
+
+# -- budget and snapshots --------------------------------------------------------------------
+
+
+@dataclass
+class Budget:
+    """How long one asynchronous worker trains (``--budget``).
+
+    ``global``: until all workers together have taken ``steps * world`` steps (faster workers
+    take more); ``local``: ``steps`` steps of its own; ``time``: ``seconds`` of wall time
+    (faster workers take more steps).
+    """
+
+    kind: str
+    steps: int
+    world: int
+    seconds: float = 0.0
+
+    def progress(self, step: int, global_steps: int, elapsed: float) -> float:
+        """Fraction used (>= 1: done) after ``step`` own steps."""
+        if self.kind == "local":
+            return step / self.steps
+        if self.kind == "time":
+            return elapsed / self.seconds
+        return global_steps / (self.steps * self.world)
+
+    def schedule_step(self, step: int, global_steps: int, elapsed: float) -> int:
+        """Where the learning-rate schedule (defined over ``steps``) stands."""
+        if self.kind == "local":
+            return step
+        return min(self.steps - 1, int(self.progress(step, global_steps, elapsed) * self.steps))
+
+
+@dataclass
+class Snapshot:
+    seconds: float  # when it was taken, since the start
+    steps: int  # this worker's steps by then
+    vector: torch.Tensor
+
+
+class Snapshots:
+    """This worker's model at the points ``k * interval`` seconds after the common start.
+
+    A snapshot is taken at the first step boundary past a point (one copy serves every point a
+    long step passed). Beyond ``limit`` points the interval doubles and every other point is
+    dropped; this depends only on the clock, so every worker keeps the same points.
+
+    Example::
+
+        snaps = Snapshots(interval=1.0, limit=100)
+        if snaps.due(elapsed):
+            snaps.take(elapsed, steps, model_vector)
+    """
+
+    def __init__(self, interval: float, limit: int) -> None:
+        self.interval, self.limit = interval, max(2, limit)
+        self.level = 0  # points kept: multiples of 2**level
+        self.last = 0  # the last point passed
+        self.points: dict[int, Snapshot] = {}
+
+    @property
+    def stride(self) -> int:
+        return 1 << self.level
+
+    def _passed(self, seconds: float) -> int:
+        return int(seconds / self.interval)
+
+    def due(self, seconds: float) -> bool:
+        return self._passed(seconds) >= (self.last // self.stride + 1) * self.stride
+
+    def take(self, seconds: float, steps: int, vector: torch.Tensor) -> None:
+        passed = self._passed(seconds)
+        while passed // self.stride > self.limit:
+            self.level += 1
+            self.points = {k: s for k, s in self.points.items() if k % self.stride == 0}
+        snap = Snapshot(seconds, steps, vector)
+        for k in range((self.last // self.stride + 1) * self.stride, passed + 1, self.stride):
+            self.points[k] = snap
+        self.last = max(self.last, passed)
+
+    def common_points(self, level: int, last: int) -> list[int]:
+        """The points every worker has, given the largest level and the smallest last point."""
+        stride = 1 << level
+        return list(range(stride, last + 1, stride))
+
+
+def snapshot_limit(model_bytes: int) -> int:
+    return max(8, min(MAX_SNAPSHOTS, SNAPSHOT_BYTES // max(1, model_bytes)))
+
+
+# -- the algorithm ---------------------------------------------------------------------------
+
+
+class AsyncGossip(Algorithm):
+    """The hooks of an asynchronous gossip algorithm; subclasses build the engine.
+
+    Per step (main thread): the gradient is computed on the model as read at the end of the
+    previous step; ``apply_update`` runs the optimizer on that copy and adds the difference to
+    the shared model under its lock, then reads the shared model back for the next step.
+    """
+
+    replicated = False
+    synchronous = False
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        if config.run.resume not in ("none", ""):
+            raise ConfigError("--resume", f"{cls.name} is asynchronous (exchanges are in flight at any moment); "
+                                          "it cannot resume from a checkpoint: use --resume none")
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
+        super().setup(model, optimizer, transport)
+        g = self.config.gossip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.sizes = [p.numel() for p in self.params]
+        pin = self.device.type == "cuda"  # averaging works on pinned CPU copies; gradients on the GPU
+        flat = torch.empty(sum(self.sizes), dtype=self.params[0].dtype if self.params else torch.float32, pin_memory=pin)
+        self._gather(flat)
+        self.state = SharedModel(flat, transport.rank, transport.world_size)
+        self.read_copy = torch.empty_like(flat, pin_memory=pin).copy_(flat)  # the model the next gradient is computed on
+        self.new_copy = torch.empty_like(flat, pin_memory=pin)
+        self.consensus = copy.deepcopy(model)
+        self.snapshots = Snapshots(g.snapshot_every, snapshot_limit(flat.numel() * flat.element_size()))
+        self.engine: GossipEngine | None = self.build_engine(transport) if transport.world_size > 1 else None
+        self._drained = False
+        self._last_step_at: float | None = None
+        self._consensus_distance: float | None = None
+
+    def build_engine(self, transport: Transport) -> GossipEngine:
+        """The communication engine (collective: create process groups here)."""
+        raise NotImplementedError
+
+    # -- moving the model between the module and the flat CPU vector --
+
+    @torch.no_grad()
+    def _gather(self, out: torch.Tensor) -> torch.Tensor:
+        if not self.params:
+            return out
+        if self.device.type == "cpu":
+            return torch.cat([p.detach().reshape(-1) for p in self.params], out=out)
+        return out.copy_(torch.cat([p.detach().reshape(-1) for p in self.params]))
+
+    @torch.no_grad()
+    def _scatter(self, flat: torch.Tensor) -> None:
+        for p, chunk in zip(self.params, flat.split(self.sizes), strict=True):
+            p.copy_(chunk.view_as(p))
+
+    # -- the loop's hooks --
+
+    def start(self, total_steps: int, steps_per_epoch: int) -> None:
+        g = self.config.gossip
+        self.steps_per_epoch = steps_per_epoch
+        self.budget = Budget(g.budget, total_steps, self.state.world, g.time_budget)
+        self._gather(self.state.x)  # after any change to the module since setup
+        self.read_copy.copy_(self.state.x)
+        self.t0 = time.perf_counter()
+        if self.engine is not None:
+            self.engine.start()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def apply_update(self, ctx: StepContext) -> None:
+        assert self.optimizer is not None
+        if self.engine is not None:
+            self.engine.check()
+        self.optimizer.step()  # on the copy read before the step; outside the lock
+        delta = self._gather(self.new_copy).sub_(self.read_copy)
+        self.state.apply_step(delta, self.read_copy)  # x += delta, atomically with any averaging
+        self._scatter(self.read_copy)
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            self.state.step_seconds = 0.9 * self.state.step_seconds + 0.1 * (now - self._last_step_at)
+        self._last_step_at = now
+
+    def after_update(self, ctx: StepContext) -> None:
+        self._snapshot_if_due()
+
+    def keep_going(self, step: int, total_steps: int) -> bool:
+        """False once this worker's budget is used; then first waits until every worker is done
+        and no exchange is in flight (the models are final)."""
+        if self._drained:
+            return False
+        if self.budget.progress(step, self.state.global_steps(), self.elapsed()) < 1:
+            return True
+        self._drain()
+        return False
+
+    def schedule_step(self, step: int) -> int:
+        return self.budget.schedule_step(step, self.state.global_steps(), self.elapsed())
+
+    def _snapshot_if_due(self) -> None:
+        seconds = self.elapsed()
+        if self.snapshots.due(seconds):
+            self.snapshots.take(seconds, self.state.own_steps, self.state.read())
+
+    def _drain(self) -> None:
+        self.state.finish()
+        if self.engine is not None:
+            while self.engine.alive():
+                self.engine.join(timeout=0.05)
+                self.engine.check()
+                self._snapshot_if_due()  # the model still changes while the others finish
+            self.engine.check()
+        self._snapshot_if_due()
+        self._scatter(self.state.x)  # the module holds this worker's final model
+        self._drained = True
+
+    # -- evaluation --
+
+    def _consensus_of(self, vector: torch.Tensor) -> torch.nn.Module:
+        """Average ``vector`` over all workers (collective) into the consensus module."""
+        assert self.transport is not None
+        n = self.transport.world_size
+        average = self.transport.control_all_reduce(vector.to(self.device)).div_(n) if n > 1 else vector.to(self.device)
+        params = [p for p in self.consensus.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for p, chunk in zip(params, average.split(self.sizes), strict=True):
+                p.copy_(chunk.view_as(p))
+        return self.consensus
+
+    @torch.no_grad()
+    def eval_model(self) -> torch.nn.Module:
+        """The consensus (average of every worker's final model); collective, after training."""
+        if not self._drained:
+            raise RuntimeError(f"{self.name}: the consensus model is only defined once training is over")
+        assert self.transport is not None
+        mine = self.state.read()
+        model = self._consensus_of(mine.clone())
+        self._consensus_distance = self._spread(mine, model)
+        return model
+
+    def _spread(self, mine: torch.Tensor, consensus: torch.nn.Module) -> float:
+        """Mean over workers of ``||x_i - x_avg||^2`` (collective)."""
+        assert self.transport is not None
+        average = torch.cat([p.detach().reshape(-1).cpu() for p in consensus.parameters() if p.requires_grad])
+        spread = torch.tensor([float((mine - average).double().pow(2).sum())], dtype=torch.float64, device=self.device)
+        if self.transport.world_size > 1:
+            self.transport.control_all_reduce(spread)
+        return float(spread) / self.transport.world_size
+
+    def consensus_history(self) -> Iterator[tuple[dict[str, float], torch.nn.Module]]:
+        """The consensus model at every snapshot point (collective; each worker iterates fully)."""
+        assert self.transport is not None
+        mine = torch.tensor([self.snapshots.level, self.snapshots.last], dtype=torch.int64, device=self.device)
+        rows = self.transport.control_all_gather(mine) if self.transport.world_size > 1 else [mine]
+        level = max(int(r[0]) for r in rows)
+        last = min(int(r[1]) for r in rows)
+        points = self.snapshots.common_points(level, last)
+        if not points:
+            return
+        facts = torch.tensor([[self.snapshots.points[k].seconds, self.snapshots.points[k].steps] for k in points],
+                             dtype=torch.float64, device=self.device)
+        gathered = self.transport.control_all_gather(facts) if self.transport.world_size > 1 else [facts]
+        seconds = torch.stack(gathered).amax(0)[:, 0].tolist()  # the consensus exists once the last copy is taken
+        steps = torch.stack(gathered).sum(0)[:, 1].tolist()
+        per_epoch = self.steps_per_epoch * self.state.world
+        for k, t, s in zip(points, seconds, steps, strict=True):
+            mine = self.snapshots.points[k].vector
+            model = self._consensus_of(mine.clone())
+            point = {"time": t, "global_steps": int(s), "epoch": s / per_epoch}
+            yield {**point, "consensus_distance": self._spread(mine, model)}, model
+
+    # -- bookkeeping --
+
+    def transports(self) -> list[Transport]:
+        return [] if self.engine is None else list(self.engine.transports)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {"gossip_rounds": self.state.rounds, "global_steps": self.state.global_steps()}
+        if self._consensus_distance is not None:
+            out["consensus_distance"], self._consensus_distance = self._consensus_distance, None
+        return out
+
+    def close(self) -> None:
+        if self.engine is not None:
+            if self.engine.alive():
+                log.warning("worker %d: gossip threads still running at close", self.state.rank)
+            self.engine.close()
+
+
+__all__ = ["BUDGETS", "AsyncGossip", "Budget", "GossipEngine", "SharedModel", "Snapshots", "gossip_group"]

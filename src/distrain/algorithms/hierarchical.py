@@ -1,0 +1,146 @@
+"""Hierarchical aggregation: sum inside each node first, so only one worker per node crosses the slow links.
+
+With ``--workers-per-node K`` ranks ``0..K-1`` form node 0, ``K..2K-1`` node 1, and so on (the
+first rank of a node is its leader). A sum over all workers then takes three steps:
+
+1. reduce inside each node to its leader (fast intra-node links),
+2. all-reduce among the leaders (the slow inter-node links carry one copy per node, not K),
+3. broadcast from the leader inside each node.
+
+Each step goes through its own :class:`~distrain.comm.transport.Transport` (one per process
+group); their byte counters and delays are folded into the worker's main Transport once a sum
+is finished, so run summaries count every byte once, per global peer rank.
+
+Example::
+
+    nodes = NodeGroups(transport, workers_per_node=2)   # every rank calls it, same order
+    HierarchicalAllReduce(nodes).all_reduce(grad).wait()
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distrain.comm.transport import Handle, Transport
+from distrain.errors import ConfigError
+from distrain.topology import NodeMap
+
+log = logging.getLogger(__name__)
+
+
+def global_rank(transport: Transport, group_rank: int) -> int:
+    return group_rank if transport.group is None else dist.get_global_rank(transport.group, group_rank)
+
+
+class NodeGroups:
+    """The process groups of one worker: its node, and (on leaders) the group of node leaders.
+
+    ``dist.new_group`` is collective over the parent group: every rank creates every group, in
+    the same order, even the ones it does not belong to.
+
+    Args:
+        transport: the worker's main Transport (its group is the parent group).
+        workers_per_node: ranks per node; the last node may be smaller.
+        timeout: seconds any collective in these groups may take (None: the backend's default).
+    """
+
+    def __init__(self, transport: Transport, workers_per_node: int, timeout: float | None = None) -> None:
+        self.parent = transport
+        wait = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self.map = NodeMap(transport.world_size, workers_per_node)
+        rank = transport.rank
+        self.node = self.map.node_of(rank)
+        self.is_leader = self.map.leaders[self.node] == rank
+        link = transport.link_model
+        self.intra: Transport | None = None
+        for node in range(self.map.num_nodes):
+            group = dist.new_group([global_rank(transport, r) for r in self.map.members(node)], timeout=wait)
+            if node == self.node:
+                self.intra = Transport(group, link_model=link)
+        group = dist.new_group([global_rank(transport, r) for r in self.map.leaders], timeout=wait)
+        self.inter = Transport(group, link_model=link) if self.is_leader else None
+        assert self.intra is not None
+        # group rank -> global rank, for folding the counters into the parent's
+        self._globals = {id(t): [global_rank(t, r) for r in range(t.world_size)] for t in self.transports}
+        self._parent_index = {global_rank(transport, r): r for r in range(transport.world_size)}
+
+    @property
+    def transports(self) -> list[Transport]:
+        return [t for t in (self.intra, self.inter) if t is not None]
+
+    def fold_stats(self) -> None:
+        """Move the sub-groups' byte counters, delays and exchanges into the parent Transport."""
+        stats = self.parent.stats
+        for t in self.transports:
+            for peer, g in enumerate(self._globals[id(t)]):
+                stats.sent[self._parent_index[g]] += t.stats.sent[peer]
+                stats.received[self._parent_index[g]] += t.stats.received[peer]
+                t.stats.sent[peer] = t.stats.received[peer] = 0
+            stats.comm_seconds += t.stats.comm_seconds
+            t.stats.comm_seconds = 0.0
+            stats.exchanges.extend(t.stats.exchanges)
+            t.stats.exchanges.clear()
+
+    def close(self) -> None:
+        for t in self.transports:
+            t.close()
+        self.fold_stats()
+
+
+class HierarchicalHandle:
+    """A pending hierarchical sum: the intra-node reduce is running; ``wait()`` does the rest."""
+
+    def __init__(self, nodes: NodeGroups, tensor: torch.Tensor, first: Handle | None) -> None:
+        self.nodes, self.tensor, self.first = nodes, tensor, first
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        nodes = self.nodes
+        assert nodes.intra is not None
+        if self.first is not None:
+            self.first.wait()
+        if nodes.inter is not None and nodes.inter.world_size > 1:
+            nodes.inter.all_reduce(self.tensor).wait()
+        if nodes.intra.world_size > 1:
+            nodes.intra.broadcast(self.tensor, src=0).wait()
+        nodes.fold_stats()
+        self._done = True
+
+
+class HierarchicalAllReduce:
+    """Sums a tensor over all workers in place, node by node; the same ``all_reduce(t).wait()``
+    interface as a Transport, so the all-reduce algorithm can use either."""
+
+    def __init__(self, nodes: NodeGroups) -> None:
+        self.nodes = nodes
+
+    def all_reduce(self, tensor: torch.Tensor) -> HierarchicalHandle:
+        intra = self.nodes.intra
+        assert intra is not None
+        first = intra.reduce(tensor, dst=0) if intra.world_size > 1 else None
+        return HierarchicalHandle(self.nodes, tensor, first)
+
+    def close(self) -> None:
+        self.nodes.close()
+
+
+def build_hierarchy(config: Any, transport: Transport) -> HierarchicalAllReduce | None:
+    """The hierarchical sum for ``--workers-per-node K`` (K >= 1), or None for a flat all-reduce."""
+    k = config.algo.workers_per_node
+    if not k:
+        return None
+    if config.algo.ring == "own":
+        raise ConfigError("--workers-per-node", "hierarchical aggregation uses the backend's collectives; "
+                                                "drop --ring own")
+    if config.compress.compress.strip() != "none":
+        raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
+    if k >= transport.world_size:
+        log.info("--workers-per-node %d >= %d workers: one node, no inter-node traffic", k, transport.world_size)
+    return HierarchicalAllReduce(NodeGroups(transport, k, timeout=config.cluster.timeout))

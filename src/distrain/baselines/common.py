@@ -1,0 +1,273 @@
+"""The shared DDP worker of the baselines: PyTorch's own data parallelism in distrain's harness.
+
+Each baseline ("peer") is plain ``torch.nn.parallel.DistributedDataParallel`` plus at most a
+communication hook and an after-step action, all PyTorch public APIs. This worker gives it the
+same data shards, model, initial parameters, learning-rate schedule, evaluation points, emulated
+network and run-directory format (``config.json``, ``metrics/rank<r>.jsonl``, ``summary.json``)
+as ``distrain train``, so ``distrain compare`` and ``distrain report`` treat both alike.
+
+Traffic is counted and delayed by :mod:`distrain.baselines.wire` (DDP's gloo collectives cannot
+go through the Transport). Compute slowdown (``--slow-worker``) stretches each step's forward and
+backward time as in the distrain loop; the last bucket's hook call marks the end of backward.
+
+Example::
+
+    from distrain.baselines import run_baseline
+    summary = run_baseline("ddp-powersgd:2", cfg)   # cfg: a validated TrainConfig
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import multiprocessing as mp
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distrain.baselines.wire import WireMeter
+from distrain.config import TrainConfig
+from distrain.data.sampler import ShardSampler
+from distrain.emulation import Emulation
+from distrain.errors import ConfigError, DataError, DistrainError
+from distrain.launch.common import (
+    check_device,
+    close_group,
+    configure_worker_logging,
+    default_run_dir,
+    free_port,
+    init_group,
+)
+from distrain.models import build_model
+from distrain.train.loop import labels_of, shard_report, summarize, worker_data
+from distrain.train.metrics import MetricsWriter, batches_of, evaluate, write_json_atomic
+from distrain.train.optim import build_optimizer
+from distrain.train.schedule import LRSchedule, scaled_lr
+
+log = logging.getLogger(__name__)
+
+EXIT_BAD_INPUT = 2
+
+
+class Peer:
+    """One baseline: how DDP communicates (a comm hook) and what follows each optimizer step.
+
+    Subclasses set ``name`` and override :meth:`register` (and :meth:`after_step`,
+    :meth:`eval_model`, :meth:`metrics` where they do more than DDP does).
+
+    Args:
+        option: the text after the name in the spec (``ddp-powersgd:2`` -> ``"2"``), or None.
+    """
+
+    name = "peer"
+    #: What the option means, for error messages (None: the peer takes no option).
+    option_help: str | None = None
+
+    def __init__(self, option: str | None = None) -> None:
+        if option is not None and self.option_help is None:
+            raise ConfigError("--baselines", f"{self.name} takes no option, got {self.name}:{option}")
+        self.option = option
+        self.meter: WireMeter | None = None
+
+    def check_config(self, cfg: TrainConfig) -> None:
+        """Refuse settings this baseline cannot honour (ConfigError naming the flag)."""
+
+    def register(self, model: DDP, meter: WireMeter, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> None:
+        """Register the communication hook on ``model``; ``meter`` counts and delays its traffic."""
+        self.meter = meter
+
+    def after_step(self, model: DDP) -> None:
+        """After each ``optimizer.step()`` (model averaging)."""
+
+    def eval_model(self, model: DDP) -> torch.nn.Module:
+        """The model to evaluate; every worker calls this at evaluation points (may be collective)."""
+        return model.module
+
+    def metrics(self) -> dict[str, float]:
+        """Extra numbers for this step's metrics line."""
+        return {}
+
+    def info(self) -> dict[str, Any]:
+        """Facts about the setup for config.json."""
+        return {"baseline": self.name, "option": self.option}
+
+
+def check_peer_config(peer: Peer, cfg: TrainConfig) -> None:
+    """What no DDP baseline supports, then the peer's own checks."""
+    if cfg.network.emulation == "netns":
+        raise ConfigError("--emulation", "the DDP baselines run with the in-process link model only; use --emulation model")
+    if cfg.compress.compress != "none":
+        raise ConfigError("--compress", f"{peer.name} brings its own communication; run it with --compress none")
+    if cfg.run.resume != "none":
+        raise ConfigError("--resume", f"{peer.name} does not checkpoint or resume; use --resume none")
+    if cfg.cluster.device == "cuda" and cfg.network.network != "none":
+        raise ConfigError("--network", "emulated networks for the DDP baselines are CPU (gloo) only")
+    peer.check_config(cfg)
+
+
+def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, Any] | None:
+    """Run one DDP worker of ``peer`` (the default process group must exist); the summary on rank 0."""
+    run_dir = Path(run_dir)
+    torch.set_num_threads(cfg.run.threads)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed)
+    meter = WireMeter(world, rank, emulation.link_model)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
+
+    # --- data and model exactly as in distrain.train.loop -----------------------------------
+    train_set, shard, test_set = worker_data(cfg, rank, world, None, None)
+    num_classes = int(max(labels_of(test_set).max(), labels_of(train_set).max())) + 1
+    shards = shard_report(train_set, shard, num_classes)
+    if min(s["size"] for s in shards) < cfg.data.batch_size:
+        small = min(shards, key=lambda s: s["size"])
+        raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
+    total_train = sum(s["size"] for s in shards)
+    steps_per_epoch = max(1, total_train // (world * cfg.data.batch_size))
+    total_steps = max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
+    sampler = ShardSampler(shard, cfg.data.batch_size, cfg.run.seed, rank)
+    torch.manual_seed(cfg.run.seed)
+    sample_shape = tuple(batches_of(train_set, torch.tensor([0]))[0].shape[1:])
+    module = build_model(cfg.model.model, sample_shape, num_classes, width=cfg.model.model_width,
+                         depth=cfg.model.model_depth).to(device)
+    torch.manual_seed(cfg.run.seed + rank)
+    model = DDP(module, bucket_cap_mb=cfg.algo.bucket_mb)
+    peer.register(model, meter, cfg, steps_per_epoch, total_steps)
+
+    o = cfg.optim
+    global_batch = world * cfg.data.batch_size
+    peak = scaled_lr(o.lr, global_batch, o.reference_batch, enabled=o.lr_scaling)
+    schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=round(o.warmup_epochs * steps_per_epoch),
+                          total_steps=total_steps, decay=o.lr_decay)
+    optimizer = build_optimizer(o.optimizer, model.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
+    out_cfg = copy.deepcopy(cfg)
+    out_cfg.algo.algorithm = peer_label(peer)  # what summary.json and config.json call this run
+    if rank == 0:
+        write_json_atomic(run_dir / "config.json", {
+            **out_cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+            "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": None,
+            "algorithm_info": peer.info(),
+        })
+
+    # --- the loop -----------------------------------------------------------------------------
+    metrics = MetricsWriter(run_dir, rank)
+    eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
+    time_to_target: float | None = None
+    accuracy = test_loss = float("nan")
+    eval_seconds = compute_seconds = 0.0
+    model.train()
+    dist.barrier()
+    emulation.start()  # t = 0 of bandwidth traces; meter.link_model is the emulation's
+    start = time.perf_counter()
+    for step in range(total_steps):
+        t0 = time.perf_counter()
+        x, y = batches_of(train_set, sampler.batch(step))
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x), y)
+        meter.backward_done = 0.0
+        loss.backward()  # DDP all-reduces gradient buckets through the hook, overlapping backward
+        compute = (meter.backward_done or time.perf_counter()) - t0
+        emulation.after_compute(compute)  # a slow worker takes factor x as long
+        compute *= emulation.compute.factor
+        compute_seconds += compute
+        lr = schedule.apply(optimizer, step)
+        optimizer.step()
+        peer.after_step(model)
+
+        record: dict[str, Any] = {
+            "step": step + 1, "epoch": (step + 1) / steps_per_epoch, "time": time.perf_counter() - start - eval_seconds,
+            "loss": loss.item(), "lr": lr, "bytes_sent": meter.bytes_sent, "bytes_received": meter.bytes_received,
+            "compute_s": compute, "comm_s": meter.comm_seconds,
+        }
+        if (step + 1) % eval_interval == 0 or step + 1 == total_steps:
+            t_eval = time.perf_counter()
+            eval_model = peer.eval_model(model)
+            if rank == 0:
+                accuracy, test_loss = evaluate(eval_model, test_set, device)
+                record.update(test_accuracy=accuracy, test_loss=test_loss)
+                if time_to_target is None and accuracy >= cfg.run.target_accuracy:
+                    time_to_target = record["time"]
+            eval_seconds += time.perf_counter() - t_eval
+        record.update(peer.metrics())
+        metrics.write(record)
+    wall = time.perf_counter() - start - eval_seconds
+    metrics.close()
+    meter.close()
+
+    mine = torch.tensor([total_steps, total_steps * cfg.data.batch_size, wall, compute_seconds, meter.comm_seconds,
+                         *meter.sent, *meter.received], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    summary = summarize(out_cfg, run_dir, [r.tolist() for r in rows], world, total_steps, global_batch, accuracy,
+                        test_loss, time_to_target, eval_seconds, None) if rank == 0 else None
+    dist.barrier()  # nobody tears the group down before the summary exists
+    return summary
+
+
+def peer_label(peer: Peer) -> str:
+    """``name`` or ``name:option``: the spec the peer was selected with."""
+    return peer.name if peer.option is None else f"{peer.name}:{peer.option}"
+
+
+def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: str, peer: Peer) -> None:
+    configure_worker_logging(rank)
+    code = 0
+    try:
+        init_group(cfg, rank, world, init_method)
+        train_peer(cfg, run_dir, peer)
+    except (ConfigError, DataError) as exc:
+        if rank == 0:
+            print(f"distrain: {exc}", file=sys.stderr)
+        code = EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        code = 130
+    except DistrainError as exc:
+        print(f"distrain: worker {rank}: {exc}", file=sys.stderr)
+        code = 1
+    except Exception:
+        print(f"distrain: worker {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        code = 1
+    finally:
+        close_group()
+    sys.exit(code)
+
+
+def launch_peer(cfg: TrainConfig, peer: Peer) -> dict[str, Any]:
+    """Run ``peer`` with ``cfg.cluster.workers`` local processes on loopback; returns the summary."""
+    from distrain.launch.local import (  # the same supervision as distrain train
+        _stop,
+        _supervise,
+        preflight,
+    )
+
+    check_device(cfg)
+    check_peer_config(peer, cfg)
+    if cfg.run.checkpoint_every:
+        warnings.warn(f"{peer.name} does not checkpoint; --checkpoint-every is ignored", stacklevel=2)
+    run_dir = default_run_dir(cfg, time.time())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    preflight(cfg)
+    addr = cfg.cluster.master_addr
+    port = cfg.cluster.master_port or free_port(addr)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, name=f"distrain-{peer.name}-{rank}",
+                         args=(rank, cfg.cluster.workers, cfg, f"tcp://{addr}:{port}", str(run_dir), peer))
+             for rank in range(cfg.cluster.workers)]
+    for p in procs:
+        p.start()
+    try:
+        _supervise(procs, grace=min(cfg.cluster.timeout, 30.0))
+    except BaseException:
+        _stop(procs)
+        raise
+    return json.loads((run_dir / "summary.json").read_text())

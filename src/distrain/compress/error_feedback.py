@@ -1,0 +1,85 @@
+"""Error feedback (residual memory): what compression dropped is added back before the next step.
+
+Compressed SGD with error feedback converges like SGD (Stich et al. 2018, Karimireddy et al.
+2019): each step compresses ``g + e`` instead of ``g`` and keeps ``e <- (g + e) - C(g + e)``, so
+nothing is lost, only delayed; every coordinate is eventually sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from distrain.compress.base import CompressInfo, Compressor, Payload
+
+
+class ErrorFeedback(Compressor):
+    """Wrap any compressor with residual memory, one residual per tensor key.
+
+    Args:
+        compressor: the compressor to wrap; its payloads, collective kind and wire size are kept.
+
+    Example::
+
+        ef = ErrorFeedback(GroupTopK(0.01))
+        payload, ctx = ef.compress(grad, CompressInfo(step=step, key=0))
+        # ... exchange payload ...
+        torch.save(ef.state_dict(), "ef.pt")   # tensors only
+    """
+
+    def __init__(self, compressor: Compressor) -> None:
+        if isinstance(compressor, ErrorFeedback):
+            raise ValueError("compressor already has error feedback")
+        self.inner = compressor
+        self.name = compressor.name
+        self.summable, self.sparse, self.lossy = compressor.summable, compressor.sparse, compressor.lossy
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    @property
+    def ratio(self) -> float | None:  # type: ignore[override]
+        return self.inner.ratio
+
+    def compensate(self, tensor: torch.Tensor, key: int) -> torch.Tensor:
+        """``tensor`` plus the residual kept for ``key`` (a new tensor; the input is untouched)."""
+        residual = self.residuals.get(key)
+        if residual is None or residual.shape != tensor.shape:
+            return tensor.clone()
+        return tensor + residual
+
+    def compress(self, tensor: torch.Tensor, info: CompressInfo) -> tuple[Payload, Any]:
+        compensated = self.compensate(tensor, info.key)
+        payload, ctx = self.inner.compress(compensated, info)
+        # Taken now, before the payload is handed to a collective that may reduce it in place;
+        # out of place, because a payload may be a view of ``compensated`` (the identity).
+        sent = self.inner.decompress(payload, ctx)
+        self.residuals[info.key] = compensated - sent
+        self.after_send(sent, info.key)
+        return payload, ctx
+
+    def after_send(self, sent: torch.Tensor, key: int) -> None:
+        """Called with what this worker sent (decompressed); a hook for subclasses."""
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        return self.inner.decompress(payload, ctx)
+
+    def wire_bytes(self, numel: int, ratio: float | None = None, element_size: int = 4) -> int:
+        return self.inner.wire_bytes(numel, ratio, element_size)
+
+    def reset(self) -> None:
+        self.residuals.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {f"residual.{key}": r for key, r in self.residuals.items()}
+        state.update({f"inner.{k}": v for k, v in self.inner.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals = {int(k.split(".", 1)[1]): v.clone() for k, v in state.items() if k.startswith("residual.")}
+        self.inner.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("inner.")})
+
+    def spec(self) -> str:
+        return self.inner.spec()
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.inner!r})"

@@ -1,0 +1,159 @@
+"""Compressed gradient averaging for data-parallel training: what ``--compress`` does each step.
+
+Per step, after backward:
+
+1. every gradient is copied into one flat vector: first the tensors of two or more dimensions
+   (weights), then the one-dimensional ones (biases, normalisation scales);
+2. with momentum correction the optimizer's momentum is applied here, per worker, before
+   compression (see :mod:`~distrain.compress.momentum_correction`);
+3. during the density warm-up the whole vector is all-reduced densely; afterwards the weights
+   part is compensated (error feedback), compressed and summed through the collective the
+   compressor calls for, while the one-dimensional part, a small fraction of the parameters that
+   sparsification would starve, is all-reduced densely (as PyTorch's PowerSGD hook does);
+4. the sum is divided by the number of workers and copied back into the gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from distrain.comm.ring import ring_all_reduce
+from distrain.comm.transport import Transport
+from distrain.compress.base import CompressInfo, Compressor
+from distrain.compress.collective import allreduce_compressed
+from distrain.compress.error_feedback import ErrorFeedback
+from distrain.compress.momentum_correction import MomentumCorrection
+from distrain.compress.registry import build_compressor
+from distrain.compress.warmup import DensityWarmup
+
+log = logging.getLogger(__name__)
+
+WEIGHTS, ONE_DIM = 0, 1  # memory keys of the two parts of the flat vector
+
+
+def take_momentum(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
+    """Move momentum and weight decay out of a plain SGD optimizer: returns (momentum, weight decay).
+
+    Returns (0, 0) and leaves the optimizer alone unless it is ``torch.optim.SGD`` with one
+    momentum > 0, no Nesterov, no dampening, and one weight decay across its parameter groups.
+    """
+    groups = optimizer.param_groups
+    if not isinstance(optimizer, torch.optim.SGD) or not groups:
+        return 0.0, 0.0
+    momentum = {g["momentum"] for g in groups}
+    decay = {g["weight_decay"] for g in groups}
+    plain = all(not g.get("nesterov") and not g.get("dampening") for g in groups)
+    if len(momentum) != 1 or len(decay) != 1 or not plain or not 0 < next(iter(momentum)) < 1:
+        return 0.0, 0.0
+    for g in groups:
+        g["momentum"], g["weight_decay"] = 0.0, 0.0
+    return float(next(iter(momentum))), float(next(iter(decay)))
+
+
+class GradientCompression:
+    """Averages a model's gradients over all workers through a compressor.
+
+    Args:
+        compressor: e.g. from :func:`build_compressor`; a sparsifier wrapped in
+            :class:`MomentumCorrection` gets the optimizer's momentum applied here.
+        params: the parameters whose ``.grad`` are averaged.
+        density: the density warm-up schedule.
+        sparse_collective: ``"ring"`` or ``"allgather"`` for sparse payloads.
+        own_ring: dense all-reduces over our point-to-point ring instead of the backend's.
+        weight_decay: folded into the gradient here when the optimizer's was taken out.
+
+    Example::
+
+        compression = GradientCompression.from_config(cfg, params, optimizer)
+        loss.backward()
+        compression.average(transport, step=step, epochs_done=step / steps_per_epoch)
+        optimizer.step()
+    """
+
+    def __init__(self, compressor: Compressor, params: list[torch.nn.Parameter], density: DensityWarmup,
+                 *, sparse_collective: str = "ring", own_ring: bool = False, weight_decay: float = 0.0) -> None:
+        self.compressor = compressor
+        weights = [p for p in params if p.dim() > 1]
+        self.params = weights + [p for p in params if p.dim() <= 1]
+        self.sizes = [p.numel() for p in self.params]
+        self.split = sum(p.numel() for p in weights)
+        like = params[0] if params else torch.empty(0)
+        self.flat = torch.empty(sum(self.sizes), dtype=like.dtype, device=like.device)
+        self.density = density
+        self.sparse_collective = sparse_collective
+        self.own_ring = own_ring
+        self.weight_decay = weight_decay
+        self.ratio = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: Any, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                    *, own_ring: bool = False) -> GradientCompression | None:
+        """Build from a TrainConfig's ``compress`` section; None for ``--compress none``."""
+        c = cfg.compress
+        if c.compress.strip() == "none":
+            return None
+        compressor = build_compressor(c.compress, error_feedback=c.error_feedback == "on", seed=cfg.run.seed)
+        weight_decay = 0.0
+        if c.momentum_correction == "on" and isinstance(compressor, ErrorFeedback) and compressor.ratio is not None:
+            momentum, weight_decay = take_momentum(optimizer)
+            if momentum > 0:
+                compressor = MomentumCorrection(compressor.inner, momentum)
+            else:
+                log.info("momentum correction needs SGD with momentum; %s keeps its optimizer as is", compressor.name)
+        density = DensityWarmup(compressor.ratio, c.density_warmup_epochs, c.density_decay_epochs)
+        return cls(compressor, params, density, sparse_collective=c.sparse_collective, own_ring=own_ring,
+                   weight_decay=weight_decay)
+
+    def _gather(self) -> None:
+        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=self.flat.dtype,
+                 device=self.flat.device) for p in self.params]
+        torch.cat(grads, out=self.flat)
+        if self.weight_decay:
+            self.flat.add_(torch.cat([p.detach().reshape(-1) for p in self.params]), alpha=self.weight_decay)
+
+    def _scatter(self) -> None:
+        for p, chunk in zip(self.params, self.flat.split(self.sizes), strict=True):
+            if p.grad is None:
+                p.grad = chunk.view_as(p).clone()
+            else:
+                p.grad.copy_(chunk.view_as(p))
+
+    def _dense_all_reduce(self, transport: Transport, tensor: torch.Tensor) -> None:
+        if not tensor.numel():
+            return
+        if self.own_ring:
+            ring_all_reduce(transport, tensor)
+        else:
+            transport.all_reduce(tensor).wait()
+
+    def average(self, transport: Transport, *, step: int, epochs_done: float) -> None:
+        """Replace every parameter's gradient with the (compressed) average over all workers."""
+        self._gather()
+        weights, one_dim = self.flat[: self.split], self.flat[self.split :]
+        mc = self.compressor if isinstance(self.compressor, MomentumCorrection) else None
+        if mc is not None:
+            one_dim.copy_(mc.accumulate(one_dim, ONE_DIM))
+        if self.density.dense(epochs_done):
+            if mc is not None:
+                weights.copy_(mc.accumulate(weights, WEIGHTS))
+            self._dense_all_reduce(transport, self.flat)
+            self.ratio = 1.0
+        else:
+            ratio = self.density.ratio(epochs_done)
+            if weights.numel():
+                info = CompressInfo(step=step, key=WEIGHTS, ratio=ratio, worker=transport.rank)
+                weights.copy_(allreduce_compressed(transport, self.compressor, weights, info,
+                                                   sparse_collective=self.sparse_collective, own_ring=self.own_ring))
+            self._dense_all_reduce(transport, one_dim)
+            self.ratio = ratio if ratio is not None else self.compressor.wire_bytes(self.split) / max(1, self.flat.element_size() * self.split)
+        self.flat.div_(transport.world_size)
+        self._scatter()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.compressor.load_state_dict(state)

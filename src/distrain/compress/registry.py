@@ -1,0 +1,166 @@
+"""Compressor names and the ``--compress`` spec syntax: ``NAME[:ARG][:KEY=VALUE...]``.
+
+Examples: ``none``, ``fp16``, ``bf16``, ``topk:0.01``, ``randomk:0.01``,
+``group_topk:0.01:group=1024``, ``qsgd:8bit``, ``qsgd:4bit``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from distrain.compress.base import Compressor
+from distrain.compress.error_feedback import ErrorFeedback
+from distrain.compress.fp16 import FP16Compressor
+from distrain.compress.group_topk import GroupTopK
+from distrain.compress.none import NoneCompressor
+from distrain.compress.qsgd import QSGD
+from distrain.compress.randomk import RandomK
+from distrain.compress.topk import TopK
+from distrain.errors import ConfigError
+
+FLAG = "--compress"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A parsed ``--compress`` value."""
+
+    name: str
+    args: tuple[str, ...]
+    options: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Entry:
+    usage: str
+    build: Callable[[Spec, int], Compressor]
+
+
+def _ratio(spec: Spec) -> float:
+    if len(spec.args) != 1:
+        raise ValueError("needs one ratio")
+    try:
+        ratio = float(spec.args[0])
+    except ValueError:
+        raise ValueError(f"ratio must be a number in (0, 1], got {spec.args[0]!r}") from None
+    if math.isnan(ratio) or not (0.0 < ratio <= 1.0):
+        raise ValueError(f"ratio must be in (0, 1], got {spec.args[0]!r}")
+    return ratio
+
+
+def _no_options(spec: Spec, allowed: tuple[str, ...] = ()) -> None:
+    extra = sorted(set(spec.options) - set(allowed))
+    if extra:
+        raise ValueError(f"unknown option {extra[0]!r}")
+
+
+def _plain(factory: Callable[[], Compressor]) -> Callable[[Spec, int], Compressor]:
+    def build(spec: Spec, seed: int) -> Compressor:
+        if spec.args:
+            raise ValueError(f"takes no argument, got {spec.args[0]!r}")
+        _no_options(spec)
+        return factory()
+    return build
+
+
+def _topk(spec: Spec, seed: int) -> Compressor:
+    _no_options(spec)
+    return TopK(_ratio(spec))
+
+
+def _randomk(spec: Spec, seed: int) -> Compressor:
+    _no_options(spec)
+    return RandomK(_ratio(spec), seed=seed)
+
+
+def _group_topk(spec: Spec, seed: int) -> Compressor:
+    _no_options(spec, ("group",))
+    text = spec.options.get("group", "1024")
+    try:
+        group = int(text)
+    except ValueError:
+        raise ValueError(f"group must be an integer >= 1, got {text!r}") from None
+    if group < 1:
+        raise ValueError(f"group must be an integer >= 1, got {text!r}")
+    return GroupTopK(_ratio(spec), group=group)
+
+
+def _qsgd(spec: Spec, seed: int) -> Compressor:
+    _no_options(spec)
+    if len(spec.args) > 1:
+        raise ValueError("takes one argument, 8bit or 4bit")
+    bits = spec.args[0] if spec.args else "8bit"
+    if bits not in ("8bit", "4bit"):
+        raise ValueError(f"bits must be 8bit or 4bit, got {bits!r}")
+    return QSGD(int(bits[0]), seed=seed)
+
+
+COMPRESSORS: dict[str, Entry] = {
+    "none": Entry("none", _plain(NoneCompressor)),
+    "fp16": Entry("fp16", _plain(lambda: FP16Compressor(torch.float16))),
+    "bf16": Entry("bf16", _plain(lambda: FP16Compressor(torch.bfloat16))),
+    "topk": Entry("topk:RATIO", _topk),
+    "randomk": Entry("randomk:RATIO", _randomk),
+    "group_topk": Entry("group_topk:RATIO[:group=N]", _group_topk),
+    "qsgd": Entry("qsgd:8bit|4bit", _qsgd),
+}
+"""Registered names -> how to build them; RATIO is the kept fraction in (0, 1]."""
+
+
+def usage() -> str:
+    return ", ".join(entry.usage for entry in COMPRESSORS.values())
+
+
+def parse_spec(text: str) -> Spec:
+    """Split ``NAME[:ARG][:KEY=VALUE...]``; raises ConfigError for an unknown name."""
+    parts = [p.strip() for p in str(text).strip().split(":")]
+    name = parts[0]
+    if name not in COMPRESSORS:
+        raise ConfigError(FLAG, f"unknown compressor {name!r}; choose one of: {usage()}")
+    args, options = [], {}
+    for part in parts[1:]:
+        if "=" in part:
+            key, _, value = part.partition("=")
+            options[key.strip()] = value.strip()
+        else:
+            args.append(part)
+    return Spec(name, tuple(args), options)
+
+
+def build_compressor(text: str, *, error_feedback: bool = True, seed: int = 0) -> Compressor:
+    """Build the compressor a ``--compress`` spec names, wrapped in error feedback when lossy.
+
+    Args:
+        text: the spec, e.g. ``"group_topk:0.01:group=1024"``.
+        error_feedback: wrap lossy compressors in :class:`ErrorFeedback`. Random-k then sends
+            its raw values rather than the unbiased, rescaled ones (see :class:`RandomK`).
+        seed: shared by all workers (random-k draws the same indices everywhere from it).
+
+    Raises:
+        ConfigError: naming ``--compress`` and what is allowed.
+
+    Example::
+
+        >>> build_compressor("group_topk:0.01:group=512")
+        ErrorFeedback(GroupTopK(group_topk:0.01:group=512))
+    """
+    spec = parse_spec(text)
+    entry = COMPRESSORS[spec.name]
+    try:
+        compressor = entry.build(spec, seed)
+    except ValueError as exc:
+        raise ConfigError(FLAG, f"{spec.name}: {exc}; expected {entry.usage}") from None
+    if not (error_feedback and compressor.lossy):
+        return compressor
+    if isinstance(compressor, RandomK):
+        compressor.unbiased = False
+    return ErrorFeedback(compressor)
+
+
+def validate_spec(text: str) -> None:
+    """Raise ConfigError unless ``text`` is a valid ``--compress`` spec."""
+    build_compressor(text, error_feedback=False)

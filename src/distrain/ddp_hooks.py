@@ -1,0 +1,147 @@
+"""distrain's compression as standard PyTorch DDP communication hooks, for plain-DDP users.
+
+A hook is a function ``hook(state, bucket) -> Future[Tensor]`` registered with
+``ddp_model.register_comm_hook(state, hook)``; DDP calls it for every gradient bucket and copies
+the future's value (the averaged flat gradient) back into the parameters' gradients.
+
+Example::
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from distrain.ddp_hooks import GroupTopKState, group_topk_hook
+
+    dist.init_process_group("gloo")          # or "nccl"; e.g. under torchrun
+    ddp_model = DDP(model)
+    state = GroupTopKState(process_group=None, ratio=0.01, group=1024)
+    ddp_model.register_comm_hook(state, group_topk_hook)
+    # ... train as usual: loss.backward() now exchanges 1% of each bucket's gradient
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations against the real
+# ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not strings.
+import logging
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from distrain.compress.base import check_ratio
+from distrain.compress.group_topk import group_topk_indices
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GroupTopKState", "group_topk_hook"]
+
+
+class GroupTopKState:
+    """Settings and error-feedback memory of :func:`group_topk_hook`.
+
+    Args:
+        process_group: the group to average in; ``None`` means the default (world) group.
+        ratio: kept fraction in every group, 0 < ratio <= 1.
+        group: elements per group: each bucket's flat gradient is split into groups of this size
+            and each group keeps its round(ratio * group) (at least 1) largest magnitudes.
+        error_feedback: keep what was dropped and add it to the next step's gradient (per
+            bucket), so compressed training converges like uncompressed training.
+        start_iter: iterations of plain all-reduce before compression starts. DDP rebuilds its
+            buckets after the first iteration, so error-feedback memory kept per bucket index is
+            only meaningful from the second one on (as in PyTorch's ``PowerSGDState``).
+
+    Example::
+
+        state = GroupTopKState(process_group=None, ratio=0.01, group=1024)
+        ddp_model.register_comm_hook(state, group_topk_hook)
+    """
+
+    __slots__ = ["process_group", "ratio", "group", "error_feedback", "start_iter", "iter", "residuals"]
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, ratio: float = 0.01, group: int = 1024,
+                 error_feedback: bool = True, start_iter: int = 2) -> None:
+        # Hyperparameters: fixed for the whole run.
+        self.process_group = process_group
+        self.ratio = check_ratio(ratio)
+        if isinstance(group, bool) or int(group) != group or group < 1:
+            raise ValueError(f"group must be an integer >= 1, got {group!r}")
+        self.group = int(group)
+        self.error_feedback = error_feedback
+        if start_iter < 0:
+            raise ValueError(f"start_iter must be >= 0, got {start_iter}")
+        if error_feedback and start_iter < 2:
+            raise ValueError("start_iter must be >= 2 with error feedback: DDP rebuilds its buckets after the "
+                             "first iteration, which would mix up the memory kept per bucket")
+        self.start_iter = start_iter
+        if self.ratio == 1.0:
+            warnings.warn("GroupTopKState(ratio=1.0) keeps every element: it sends more than a plain all-reduce",
+                          stacklevel=2)
+        # Mutable state: changes every iteration.
+        self.iter = 0
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_iter:
+                log.info("group top-k compression starts at iteration %d", self.iter)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mutable state, tensors and ints only (for ``torch.save`` / ``weights_only`` loads)."""
+        return {"iter": self.iter, **{f"residual.{k}": r for k, r in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iter = int(state["iter"])
+        self.residuals = {int(k.split(".", 1)[1]): v for k, v in state.items() if k.startswith("residual.")}
+
+
+def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a bucket's gradient from its group top-k sparsification on every worker.
+
+    Each worker adds its error-feedback residual to the bucket, keeps the largest magnitudes of
+    every group, and all-gathers (indices, values); every worker then sums the n sparse
+    gradients in rank order and divides by n, so all replicas get the same gradient.
+
+    Args:
+        state: a :class:`GroupTopKState`.
+        bucket: the gradient bucket DDP hands to the hook.
+
+    Returns:
+        A future of the averaged flat gradient of the bucket.
+
+    Example::
+
+        state = GroupTopKState(process_group=None, ratio=0.01, group=1024)
+        ddp_model.register_comm_hook(state, group_topk_hook)
+    """
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    if state.iter < state.start_iter:
+        state.maybe_increase_iter(bucket)
+        return allreduce_hook(group, bucket)
+
+    flat = bucket.buffer()
+    key = bucket.index()
+    residual = state.residuals.get(key) if state.error_feedback else None
+    compensated = flat + residual if residual is not None and residual.shape == flat.shape else flat.clone()
+    indices = group_topk_indices(compensated, state.ratio, state.group)
+    values = compensated[indices]
+    if state.error_feedback:
+        compensated[indices] = 0
+        state.residuals[key] = compensated
+
+    # Every worker has the same bucket sizes and ratio, hence the same k: plain all-gathers fit.
+    all_indices = [torch.empty_like(indices) for _ in range(world)]
+    all_values = [torch.empty_like(values) for _ in range(world)]
+    gathered = [dist.all_gather(all_indices, indices, group=group, async_op=True).get_future(),
+                dist.all_gather(all_values, values, group=group, async_op=True).get_future()]
+
+    def average(done: torch.futures.Future) -> torch.Tensor:
+        for future in done.value():
+            future.value()  # raises if the all-gather failed
+        flat.zero_()
+        for idx, val in zip(all_indices, all_values, strict=True):
+            flat.index_add_(0, idx, val)
+        return flat.div_(world)
+
+    state.maybe_increase_iter(bucket)
+    return torch.futures.collect_all(gathered).then(average)

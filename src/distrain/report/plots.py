@@ -1,0 +1,176 @@
+"""PNG plots of finished runs: one line (or bar group) per configuration, repeats aggregated.
+
+Lines show the mean over a configuration's repeats with a shaded min-max band; bars show the
+mean with min-max error bars. Matplotlib's object API is used (no pyplot), so plotting works in
+worker processes and headless machines and leaves no global figure state behind.
+
+Example::
+
+    from distrain.report.plots import plot_accuracy
+    from distrain.report.runs import group_by_label, load_runs
+    plot_accuracy(group_by_label(load_runs(["runs/a"])), "time", "acc.png")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from distrain.report.runs import CONSENSUS_KEY, RunData
+
+Groups = dict[str, list[RunData]]
+#: (x, mean, min, max) of one configuration's curve.
+Curve = tuple[list[float], list[float], list[float], list[float]]
+
+DPI = 110
+
+
+def colors(groups: Groups) -> dict[str, Any]:
+    """One colour per configuration, the same in every plot of a report."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if len(groups) <= 10 else "tab20"]
+    return {label: cmap(i % cmap.N) for i, label in enumerate(groups)}
+
+
+def _figure(width: float = 7.5, height: float = 4.5) -> tuple[Figure, Any]:
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    return fig, fig.add_subplot(1, 1, 1)
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def aggregate(curves: list[list[tuple[float, float]]]) -> Curve:
+    """Mean x, and mean / min / max y, point by point over repeats (cut to the shortest)."""
+    n = min((len(c) for c in curves), default=0)
+    xs, mean, lo, hi = [], [], [], []
+    for i in range(n):
+        points = [c[i] for c in curves]
+        ys = [y for _, y in points]
+        xs.append(sum(x for x, _ in points) / len(points))
+        mean.append(sum(ys) / len(ys))
+        lo.append(min(ys))
+        hi.append(max(ys))
+    return xs, mean, lo, hi
+
+
+def _lines(groups: Groups, curve_of: Callable[[RunData], list[tuple[float, float]]], path: str | Path, *,
+           title: str, xlabel: str, ylabel: str, logy: bool = False) -> Path | None:
+    """One mean line with a min-max band per configuration; None when no run has data."""
+    fig, ax = _figure()
+    palette = colors(groups)
+    drawn, positive = False, True
+    for label, runs in groups.items():
+        curves = [c for c in (curve_of(r) for r in runs) if c]
+        if not curves:
+            continue
+        xs, mean, lo, hi = aggregate(curves)
+        suffix = f" (n={len(curves)})" if len(curves) > 1 else ""
+        ax.plot(xs, mean, marker="o" if len(xs) <= 30 else None, markersize=3, color=palette[label],
+                label=label + suffix)
+        if len(curves) > 1:
+            ax.fill_between(xs, lo, hi, color=palette[label], alpha=0.2, linewidth=0)
+        drawn, positive = True, positive and min(lo) > 0
+    if not drawn:
+        return None
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logy and positive:  # a zero (exact consensus, say) has no place on a log axis
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def plot_accuracy(groups: Groups, x: str, path: str | Path) -> Path | None:
+    """Test accuracy (%) against training wall time (``x="time"``, s) or epochs (``x="epoch"``)."""
+    def curve(run: RunData) -> list[tuple[float, float]]:
+        points = [(float(m["time"]) if x == "time" else run.epoch_of(m), 100.0 * float(m["test_accuracy"]))
+                  for m in run.evals()]
+        return sorted(points)
+
+    xlabel = "training wall time (s, evaluation excluded)" if x == "time" else "epoch"
+    return _lines(groups, curve, path, title=f"Test accuracy vs {'wall time' if x == 'time' else 'epochs'}",
+                  xlabel=xlabel, ylabel="test accuracy (%)")
+
+
+def plot_metric(groups: Groups, key_of: Callable[[RunData], str | None], path: str | Path, *, title: str,
+                ylabel: str, logy: bool = False) -> Path | None:
+    """A per-step metric (mean over workers) against wall time; None when no run records it."""
+    def curve(run: RunData) -> list[tuple[float, float]]:
+        key = key_of(run)
+        return run.series(key) if key else []
+
+    return _lines(groups, curve, path, title=title, xlabel="training wall time (s)", ylabel=ylabel, logy=logy)
+
+
+def plot_per_worker_bars(groups: Groups, key: str, path: str | Path, *, title: str, ylabel: str,
+                         scale: float = 1.0) -> Path | None:
+    """Grouped bars: one group per configuration, one bar per worker (mean over repeats, min-max
+    error bars); ``key`` is a per-worker list in summary.json."""
+    fig, ax = _figure(max(7.5, 1.2 * len(groups) + 3), 4.5)
+    from matplotlib import colormaps
+
+    values: dict[str, list[list[float]]] = {}
+    for label, runs in groups.items():
+        per_run = [[float(v) * scale if v is not None else 0.0 for v in r.summary.get(key) or []] for r in runs]
+        per_run = [v for v in per_run if v]
+        if per_run:
+            values[label] = per_run
+    if not values:
+        return None
+    workers = max(len(v) for runs in values.values() for v in runs)
+    width = 0.8 / workers
+    cmap = colormaps["viridis"]
+    for w in range(workers):
+        xs, heights, err_lo, err_hi = [], [], [], []
+        for i, per_run in enumerate(values.values()):
+            ys = [run[w] for run in per_run if w < len(run)]
+            if not ys:
+                continue
+            mean = sum(ys) / len(ys)
+            xs.append(i - 0.4 + width * (w + 0.5))
+            heights.append(mean)
+            err_lo.append(mean - min(ys))
+            err_hi.append(max(ys) - mean)
+        color = cmap(w / max(1, workers - 1) * 0.85)
+        ax.bar(xs, heights, width=width, color=color, label=f"worker {w}",
+               yerr=[err_lo, err_hi] if any(err_lo) or any(err_hi) else None, capsize=2)
+    ax.set_xticks(range(len(values)))
+    ax.set_xticklabels(list(values), rotation=20 if len(values) > 3 else 0, ha="right" if len(values) > 3 else "center",
+                       fontsize="small")
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.margins(y=0.2)  # headroom for the legend
+    ax.legend(fontsize="small", ncol=min(workers, 4), loc="upper right")
+    return _save(fig, path)
+
+
+def make_plots(groups: Groups, out_dir: str | Path) -> list[Path]:
+    """Every plot that the runs have data for, written into ``out_dir``; returns the files."""
+    out = Path(out_dir)
+    written = [
+        plot_accuracy(groups, "time", out / "accuracy_vs_time.png"),
+        plot_accuracy(groups, "epoch", out / "accuracy_vs_epoch.png"),
+        plot_per_worker_bars(groups, "bytes_sent_per_worker", out / "bytes_sent_per_worker.png", scale=1e-6,
+                             title="Bytes sent per worker (whole run)", ylabel="sent (MB)"),
+        plot_per_worker_bars(groups, "samples_per_s_per_worker", out / "throughput_per_worker.png",
+                             title="Training throughput per worker", ylabel="samples/s"),
+        plot_metric(groups, RunData.ratio_key, out / "compression_ratio.png",
+                    title="Compression ratio over time (kept fraction)", ylabel="kept fraction", logy=True),
+        plot_metric(groups, lambda r: CONSENSUS_KEY if r.has_metric(CONSENSUS_KEY) else None,
+                    out / "consensus_distance.png", title="Consensus distance over time",
+                    ylabel="consensus distance (mean over workers)", logy=True),
+    ]
+    return [p for p in written if p is not None]

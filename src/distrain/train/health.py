@@ -1,0 +1,95 @@
+"""Liveness of the other workers, so a failed collective can name the rank that stopped.
+
+Each worker stamps ``distrain/heartbeat/<rank>`` in the rendezvous store every ``interval``
+seconds from a daemon thread, through a store client of its own. When a collective fails
+("connection closed by peer", or the process-group timeout), the survivor reads the stamps: a
+rank whose stamp is older than a few intervals (or missing) is the suspect. If the store itself
+is gone, its host (rank 0 for local runs) is the suspect.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+KEY = "distrain/heartbeat/{}"
+
+
+class Heartbeat:
+    """Stamp this worker's liveness in the store; find ranks that stopped stamping.
+
+    Args:
+        host, port: the rendezvous store (MASTER_ADDR / MASTER_PORT).
+        rank, world_size: this process and the number of processes to watch.
+        interval: seconds between stamps.
+
+    Example::
+
+        beat = Heartbeat("127.0.0.1", 29500, rank=1, world_size=4)
+        beat.start()
+        ...
+        print(beat.suspects())   # e.g. [3] after worker 3 was killed
+        beat.stop()
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, interval: float = 1.0) -> None:
+        self.host, self.port = host, port
+        self.rank, self.world_size = rank, world_size
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _client(self) -> dist.TCPStore:
+        return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=max(2.0, 2 * self.interval)))
+
+    def start(self) -> Heartbeat:
+        self._thread = threading.Thread(target=self._run, name="distrain-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            store = self._client()
+            while not self._stop.is_set():
+                store.set(KEY.format(self.rank), repr(time.time()))
+                self._stop.wait(self.interval)
+        except Exception as exc:  # the store's host went away; suspects() will say so
+            log.debug("heartbeat stopped: %s", exc)
+
+    def suspects(self, stale_after: float | None = None) -> list[int]:
+        """Ranks whose stamp is missing or older than ``stale_after`` seconds (default 3 intervals)."""
+        stale_after = stale_after if stale_after is not None else 3 * self.interval
+        try:
+            store = self._client()
+            now = time.time()
+            out = []
+            for r in range(self.world_size):
+                if r == self.rank:
+                    continue
+                key = KEY.format(r)
+                if not store.check([key]) or now - float(store.get(key).decode()) > stale_after:
+                    out.append(r)
+            return out
+        except Exception:
+            return [0]  # the store lives with rank 0 (or the torchrun agent on its host)
+
+    def wait_for_suspects(self, patience: float | None = None) -> list[int]:
+        """Poll until some rank looks dead or ``patience`` seconds pass (default 5 intervals)."""
+        deadline = time.monotonic() + (patience if patience is not None else 5 * self.interval)
+        while True:
+            found = self.suspects()
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(self.interval / 2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval + 1)

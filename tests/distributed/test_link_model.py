@@ -1,0 +1,149 @@
+"""The in-process link model, timed in real multi-process gloo runs.
+
+Each check compares a measured delay with the model's lower bound (latency + bytes/bandwidth,
+or the per-link traffic of the algorithm) and allows at most 30% more.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from distrain.comm import Transport, ring_all_reduce
+from distrain.emulation import LinkModel, NetworkSpec
+from tests.harness import run_group
+
+SLACK = 1.3
+
+
+def _timed(transport: Transport, fn) -> float:
+    transport.control_barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _transport(world: int, rank: int, bits: float, latency: float) -> Transport:
+    return Transport(link_model=LinkModel(NetworkSpec.uniform(world, bits, latency), rank))
+
+
+def _pair_body(rank: int, world: int, nbytes: int, bits: float, latency: float) -> dict:
+    transport = _transport(world, rank, bits, latency)
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    other = torch.zeros(nbytes, dtype=torch.uint8)
+    out = {}
+    if rank == 0:
+        buf.fill_(7)
+        out["p2p"] = _timed(transport, lambda: transport.send(buf, 1).wait())
+    else:
+        out["p2p"] = _timed(transport, lambda: transport.recv(buf, 0).wait())
+        out["payload_ok"] = bool((buf == 7).all())
+    out["exchange"] = _timed(transport, lambda: transport.exchange(buf, other, 1 - rank).wait())
+    out["delays"] = [e.seconds for e in transport.stats.exchanges]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_point_to_point_and_pairwise_take_latency_plus_bytes_over_bandwidth():
+    nbytes, bits, latency = 500_000, 20e6, 0.02
+    bound = latency + nbytes * 8 / bits  # 0.22 s
+    results = run_group(_pair_body, 2, args=(nbytes, bits, latency))
+    assert results[1]["payload_ok"]
+    for r in results:
+        for key in ("p2p", "exchange"):  # a pairwise exchange: each uplink carries one message
+            assert bound <= r[key] <= SLACK * bound, (key, r[key], bound)
+        assert all(d >= bound for d in r["delays"]), r["delays"]  # the Transport measured the emulated delay
+
+
+def _ring_body(rank: int, world: int, numel: int, bits: float, latency: float) -> dict:
+    transport = _transport(world, rank, bits, latency)
+    data = torch.ones(numel)
+    own = _timed(transport, lambda: ring_all_reduce(transport, data))
+    summed = float(data[0])
+    data.fill_(1.0)
+    gloo = _timed(transport, lambda: transport.all_reduce(data).wait())
+    return {"own": own, "gloo": gloo, "sum_own": summed, "sum_gloo": float(data[0])}
+
+
+@pytest.mark.timeout(120)
+def test_ring_all_reduce_is_charged_its_per_link_traffic():
+    world, numel, bits, latency = 4, 100_000, 50e6, 0.002
+    piece = numel * 4 / world
+    bound = 2 * (world - 1) * (latency + piece * 8 / bits)  # 2(n-1) rounds of one piece each: 0.108 s
+    results = run_group(_ring_body, world, args=(numel, bits, latency))
+    for r in results:
+        assert r["sum_own"] == world and r["sum_gloo"] == world
+        for key in ("own", "gloo"):
+            assert bound <= r[key] <= SLACK * bound, (key, r[key], bound)
+
+
+def _contention_body(rank: int, world: int, nbytes: int, bits: float, latency: float) -> dict:
+    transport = _transport(world, rank, bits, latency)
+    a, b = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+
+    def fan_out() -> None:  # rank 0 sends to 1 and 2 at once: they share rank 0's uplink
+        if rank == 0:
+            handles = [transport.send(a, 1), transport.send(b, 2)]
+        else:
+            handles = [transport.recv(a, 0)]
+        for h in handles:
+            h.wait()
+
+    def fan_in() -> None:  # ranks 1 and 2 send to 0 at once: they share rank 0's downlink
+        if rank == 0:
+            handles = [transport.recv(a, 1), transport.recv(b, 2)]
+        else:
+            handles = [transport.send(a, 0)]
+        for h in handles:
+            h.wait()
+
+    return {"fan_out": _timed(transport, fan_out), "fan_in": _timed(transport, fan_in)}
+
+
+@pytest.mark.timeout(120)
+def test_messages_share_a_workers_uplink_and_downlink():
+    nbytes, bits, latency = 250_000, 20e6, 0.01
+    one, two = latency + nbytes * 8 / bits, latency + 2 * nbytes * 8 / bits  # 0.11 s, 0.21 s
+    results = run_group(_contention_body, 3, args=(nbytes, bits, latency))
+    assert two <= results[0]["fan_out"] <= SLACK * two
+    assert one <= results[1]["fan_out"] <= SLACK * one  # the first message is not held back
+    assert two <= results[2]["fan_out"] <= SLACK * two  # the second waits for the first
+    assert two <= results[0]["fan_in"] <= SLACK * two  # incast: both arrive through one downlink
+
+
+@pytest.mark.timeout(180)
+def test_bench_link_in_model_mode_reaches_the_bound(tmp_path):
+    from distrain.cli import main
+
+    out = tmp_path / "link.json"
+    assert main(["bench", "link", "--workers", "4", "--size", "1MB", "--bandwidth", "40mbit", "--repeats", "2",
+                 "--timeout", "120", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["emulation"] == "model"
+    ring = result["results"]["ring_allreduce_own"]
+    assert ring["bytes_sent_per_worker"] == 1_500_000  # 2(n-1)/n of 1 MB, counted by the Transport
+    assert ring["lower_bound_s"] == pytest.approx(1.5e6 / 5e6)
+    assert result["results"]["p2p"]["bytes_sent_per_worker"] == 1_000_000
+    for op in ("ring_allreduce_own", "ring_allreduce_gloo", "p2p"):
+        r = result["results"][op]
+        assert 0.85 <= r["utilisation"] <= 1.0, (op, r)
+
+
+@pytest.mark.timeout(180)
+def test_training_on_an_emulated_edge_network_with_a_straggler(tmp_path):
+    from distrain.launch import launch_local
+    from tests.conftest import small_config
+
+    cfg = small_config(str(tmp_path / "run"), workers=2, network="edge", slow_worker="1:4x")
+    summary = launch_local(cfg)
+    steps = summary["steps"]
+    # every step's all-reduce over 2 workers is 2 rounds of at least 10 ms each
+    assert min(summary["comm_s_per_worker"]) >= steps * 2 * 0.010
+    compute = summary["compute_s_per_worker"]
+    assert compute[1] >= 2.5 * compute[0], compute  # 4x its own compute; the other worker's is similar
+    for rank in range(2):
+        last = json.loads((tmp_path / "run" / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()[-1])
+        assert last["bytes_sent"] == summary["bytes_sent_per_worker"][rank] > 0

@@ -1,0 +1,206 @@
+"""Shaped network namespaces: a cluster is made, caps real TCP traffic, trains, and is always
+removed (normal end, a killed worker, SIGTERM to the launcher, leftovers of a crashed run).
+
+Needs root and iproute2; skipped otherwise, with the reason distrain gives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distrain.emulation import NetworkSpec
+from distrain.errors import ConfigError
+from distrain.launch.netns import (
+    NetnsCluster,
+    TraceApplier,
+    list_namespaces,
+    netns_unavailable,
+    require_netns,
+)
+
+REASON = netns_unavailable()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces not permitted: {REASON}")
+
+QUICK = ["--dataset", "synthetic", "--num-samples", "1200", "--model", "mlp", "--model-width", "32",
+         "--batch-size", "16", "--no-progress", "--timeout", "60"]
+
+SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 5001)); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); n = 0; t0 = None
+while n < int(sys.argv[1]):
+    b = c.recv(1 << 20)
+    if not b: break
+    t0 = t0 or time.perf_counter(); n += len(b)
+print(n, time.perf_counter() - t0, flush=True)
+"""
+CLIENT = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], 5001)); c.sendall(b"x" * int(sys.argv[2])); c.close()
+"""
+
+
+def ours(pid: int) -> list[str]:
+    """Namespaces and links made by process ``pid``."""
+    links = [p.name for p in Path("/sys/class/net").iterdir() if p.name.startswith(f"dtr{pid}")]
+    return [ns for ns in list_namespaces() if ns.startswith(f"distrain-{pid}-")] + links
+
+
+def distrain_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "distrain", *args]
+
+
+def test_without_permission_netns_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError) as exc:
+        require_netns()
+    assert exc.value.setting == "--emulation"
+    assert exc.value.message.startswith("netns needs root and the ip command") and "\n" not in exc.value.message
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_cluster_caps_real_tcp_traffic_and_is_removed():
+    nbytes, bits = 1_000_000, 20e6
+    with NetnsCluster(2, rates=[bits, None]) as cluster:
+        assert ours(os.getpid())
+        server = cluster.popen(1, [sys.executable, "-c", SERVER, str(nbytes)], stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        client = cluster.popen(0, [sys.executable, "-c", CLIENT, cluster.addresses[1], str(nbytes)])
+        assert client.wait(timeout=30) == 0
+        received, seconds = server.stdout.readline().split()
+        server.wait(timeout=10)
+        assert int(received) == nbytes
+        bound = nbytes * 8 / bits  # 0.4 s through worker 0's capped uplink
+        assert 0.85 * bound <= float(seconds) <= 1.3 * bound, seconds
+    assert ours(os.getpid()) == []
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_bandwidth_trace_is_replayed_with_tc_change():
+    from distrain.emulation import BandwidthTrace
+
+    trace = BandwidthTrace.parse_csv("0,*,50mbit\n0.3,1,5mbit\n")
+    spec = NetworkSpec(world=2, base_bandwidth=[None, None], schedules=trace.resolve(2), mode="netns")
+
+    def rate(cluster: NetnsCluster, i: int) -> str:
+        out = subprocess.run(["tc", "qdisc", "show", "dev", cluster.host_ends[i]], capture_output=True, text=True).stdout
+        return out.split(" rate ")[1].split()[0] if " rate " in out else "none"
+
+    with NetnsCluster(2, rates=[spec.bandwidth(r, 0) for r in range(2)]) as cluster:
+        applier = TraceApplier(cluster, spec).start()
+        try:
+            assert rate(cluster, 0) == rate(cluster, 1) == "50Mbit"
+            time.sleep(0.6)
+            assert rate(cluster, 0) == "50Mbit" and rate(cluster, 1) == "5Mbit"
+            assert applier.changes == 1 and applier.error is None
+        finally:
+            applier.stop()
+    assert ours(os.getpid()) == []
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_leftovers_of_a_dead_run_are_removed_at_the_next_start():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ns, bridge = f"distrain-{dead.pid}-0", f"dtr{dead.pid}b"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
+    try:
+        with NetnsCluster(1):
+            assert ours(dead.pid) == []
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+@needs_netns
+@pytest.mark.timeout(200)
+def test_train_in_namespaces_counts_the_same_bytes_and_cleans_up(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(distrain_cmd("train", "--network", "edge", "--emulation", "netns", "--workers", "2",
+                                         "--epochs", "1", "--run-dir", str(run), *QUICK),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    assert "final test accuracy" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["steps"] == 30
+    for rank in range(2):  # the summary holds the Transport's counters, step by step in the metrics
+        last = json.loads((run / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()[-1])
+        assert last["bytes_sent"] == summary["bytes_sent_per_worker"][rank] > 0
+        assert last["bytes_received"] == summary["bytes_received_per_worker"][rank]
+    assert sum(summary["bytes_sent_per_worker"]) == sum(summary["bytes_received_per_worker"])
+    # edge: 10 ms per message; an all-reduce over 2 workers is 2 rounds, so at least 20 ms a step
+    assert min(summary["comm_s_per_worker"]) >= 30 * 0.020
+    assert ours(proc.pid) == []
+
+
+def _wait_for_namespaces(pid: int, n: int, timeout: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = sorted(x for x in ours(pid) if x.startswith("distrain-"))
+        if len(names) == n:
+            pids = subprocess.run(["ip", "netns", "pids", names[-1]], capture_output=True, text=True).stdout.split()
+            if pids:
+                return names
+        time.sleep(0.1)
+    raise AssertionError("the namespaces did not come up")
+
+
+@needs_netns
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("how", ["kill-worker", "sigterm-launcher"])
+def test_an_interrupted_run_leaves_nothing_behind(tmp_path, how):
+    proc = subprocess.Popen(distrain_cmd("train", "--network", "wan", "--emulation", "netns", "--workers", "2",
+                                         "--epochs", "50", "--run-dir", str(tmp_path / "run"), *QUICK),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        names = _wait_for_namespaces(proc.pid, 2)
+        metrics = tmp_path / "run" / "metrics" / "rank1.jsonl"
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.1)  # until the workers are training (in collectives, not starting up)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        if how == "kill-worker":
+            worker = int(subprocess.run(["ip", "netns", "pids", names[1]], capture_output=True, text=True).stdout.split()[0])
+            os.kill(worker, signal.SIGKILL)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    if how == "kill-worker":
+        assert "worker 1 exited with status -9" in err, err[-2000:]
+    assert ours(proc.pid) == []
+    for name in names:
+        assert subprocess.run(["ip", "netns", "pids", name], capture_output=True).returncode != 0  # gone
+
+
+@needs_netns
+@pytest.mark.timeout(200)
+def test_bench_link_in_namespaces_reaches_the_cap(tmp_path):
+    from distrain.cli import main
+
+    out = tmp_path / "link.json"
+    assert main(["bench", "link", "--emulation", "netns", "--workers", "2", "--size", "2MB", "--bandwidth", "50mbit",
+                 "--repeats", "2", "--timeout", "120", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for op in ("ring_allreduce_own", "ring_allreduce_gloo", "p2p"):
+        r = result["results"][op]
+        assert 0.8 <= r["utilisation"] <= 1.02, (op, r)  # tc really caps it, and we get most of it
+    assert ours(os.getpid()) == []

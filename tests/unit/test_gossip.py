@@ -1,0 +1,154 @@
+"""The asynchronous gossip machinery on one process: shared model, budgets, snapshots, groups, settings."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from distrain.algorithms.gossip import Budget, SharedModel, Snapshots, snapshot_limit
+from distrain.algorithms.prague import GROUP, STOP, GroupGenerator, group_size_for
+from distrain.config import TrainConfig
+from distrain.errors import ConfigError, WorkerFailure
+
+
+def test_pairwise_mix_keeps_the_sum_and_an_update_made_meanwhile():
+    a, b = SharedModel(torch.tensor([1.0, 2.0]), 0, 2), SharedModel(torch.tensor([5.0, -2.0]), 1, 2)
+    sent_a, sent_b = a.read(), b.read()
+    scratch = torch.empty(2)
+    a.apply_step(torch.tensor([0.5, 0.0]), scratch)  # lands while the exchange is in flight
+    a.mix(sent_a, (sent_a + sent_b) / 2)
+    b.mix(sent_b, (sent_a + sent_b) / 2)
+    torch.testing.assert_close(a.x, torch.tensor([3.5, 0.0]))  # the average plus the whole update
+    torch.testing.assert_close(b.x, torch.tensor([3.0, 0.0]))
+    torch.testing.assert_close(a.x + b.x, torch.tensor([6.5, 0.0]))
+    assert a.counts == [1, 0] and a.rounds == 1
+
+
+def test_progress_headers_merge_by_maximum():
+    a, b = SharedModel(torch.zeros(1), 0, 3), SharedModel(torch.zeros(1), 2, 3)
+    scratch = torch.empty(1)
+    for _ in range(4):
+        a.apply_step(torch.zeros(1), scratch)
+    b.apply_step(torch.zeros(1), scratch)
+    b.finish()
+    header = b.progress_header(7)
+    assert header.tolist() == [7, 0, 0, 1, 0, 0, 1]
+    a.merge(header[1:])
+    assert a.counts == [4, 0, 1] and a.done == [0, 0, 1] and a.global_steps() == 5 and not a.all_done
+    a.finish()
+    a.merge(torch.tensor([0, 0, 0, 0, 1, 0]))  # worker 1 is done too
+    assert a.all_done
+    with pytest.raises(WorkerFailure):
+        a.merge(torch.zeros(5, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("kind,expected", [("local", (0.5, 50)), ("time", (0.25, 25)), ("global", (0.75, 75))])
+def test_budget_progress_and_schedule(kind, expected):
+    budget = Budget(kind, steps=100, world=4, seconds=40.0)
+    # own step 50, all workers together 300 of 400 steps, 10 of 40 seconds
+    assert budget.progress(50, 300, 10.0) == expected[0]
+    assert budget.schedule_step(50, 300, 10.0) == expected[1]
+    assert budget.schedule_step(100, 10_000, 1e6) <= 99 or kind == "local"
+
+
+def test_snapshots_cover_every_point_and_thin_out_the_same_way_for_every_clock():
+    a, b = Snapshots(interval=1.0, limit=4), Snapshots(interval=1.0, limit=4)
+    for t in [0.5, 1.01, 1.5, 3.2, 4.0, 7.7, 9.1]:  # a slow worker: one step spans several points
+        if a.due(t):
+            a.take(t, int(t), torch.tensor([t]))
+    for t in [x / 10 for x in range(1, 95)]:  # a fast worker
+        if b.due(t):
+            b.take(t, int(t), torch.tensor([t]))
+    assert a.level == b.level == 1 and sorted(a.points) == sorted(b.points) == [2, 4, 6, 8]
+    assert a.points[2].seconds == 3.2 and a.points[6].seconds == 7.7  # the first step boundary past the point
+    assert b.points[4].seconds == pytest.approx(4.0)
+    assert a.common_points(1, min(a.last, b.last)) == [2, 4, 6, 8]
+    assert snapshot_limit(4) == 512 and snapshot_limit(2**30) == 8
+
+
+def generator(world: int, size: int, seed: int = 0) -> GroupGenerator:
+    return GroupGenerator(world, size, control=None, seed=seed)  # type: ignore[arg-type]
+
+
+def ready(gen: GroupGenerator, worker: int, steps: int = 0, done: bool = False, ring_s: float = 0.0,
+          now: float | None = None) -> list:
+    message = [round(ring_s * 1e6)] + [0] * (2 * gen.world)
+    message[1 + worker], message[1 + gen.world + worker] = steps, int(done)
+    return gen.on_ready(worker, torch.tensor(message), now=now)
+
+
+def test_generator_groups_ready_workers_without_overlap_and_mixes_everyone():
+    gen = generator(world=6, size=3, seed=1)
+    rng = random.Random(0)
+    waiting, busy, pairs = list(range(6)), set(), set()
+    for _ in range(300):
+        worker = waiting.pop(rng.randrange(len(waiting))) if waiting else None
+        if worker is None:
+            break
+        for member, answer in ready(gen, worker):
+            assert int(answer[0]) == GROUP and member not in busy
+            members = answer[2 : 2 + int(answer[1])].tolist()
+            assert len(members) == 3 and member in members
+            pairs.update(itertools.combinations(sorted(members), 2))
+            busy.add(member)
+        if len(busy) == 6 or rng.random() < 0.5:  # some groups finish; their workers are ready again
+            waiting += sorted(busy)
+            busy.clear()
+    assert pairs == set(itertools.combinations(range(6), 2))  # every pair has met
+
+
+def test_generator_stops_everyone_once_all_are_done_and_refuses_duplicates():
+    gen = generator(world=3, size=3)
+    assert ready(gen, 0, steps=5, done=True) == []
+    assert ready(gen, 1, steps=3, done=True) == []
+    with pytest.raises(WorkerFailure):
+        ready(gen, 1)
+    answers = ready(gen, 2, steps=4, done=True)
+    assert sorted(w for w, _ in answers) == [0, 1, 2]
+    for _, answer in answers:
+        assert int(answer[0]) == STOP and answer[-6:].tolist() == [5, 3, 4, 1, 1, 1]
+    assert generator(world=2, size=3).size == 2  # groups never exceed the world
+
+
+def test_default_group_size_leaves_room_for_two_groups():
+    assert [group_size_for(0, n) for n in (2, 3, 4, 5, 6, 8, 16)] == [2, 2, 2, 2, 3, 3, 3]
+    assert group_size_for(4, 8) == 4 and group_size_for(3, 2) == 2
+
+
+def test_generator_holds_a_worker_whose_groups_are_slow_while_others_can_group():
+    gen = generator(world=4, size=3, seed=0)
+
+    def members(answers: list) -> list[int]:
+        return sorted(w for w, _ in answers)
+
+    # Worker 3 sits behind a slow link: its ring all-reduces take 60 ms, the others' 5 ms, so it
+    # waits 55 ms in the queue before it may join; meanwhile the others group without it.
+    assert ready(gen, 3, ring_s=0.060, now=0.00) == [] and ready(gen, 0, ring_s=0.005, now=0.00) == []
+    assert ready(gen, 1, ring_s=0.005, now=0.01) == []
+    assert members(ready(gen, 2, ring_s=0.005, now=0.02)) == [0, 1, 2]
+    assert ready(gen, 0, ring_s=0.005, now=0.03) == [] and ready(gen, 1, ring_s=0.005, now=0.04) == []
+    assert members(ready(gen, 2, ring_s=0.005, now=0.05)) == [0, 1, 2]
+    assert ready(gen, 0, ring_s=0.005, now=0.06) == []
+    assert members(ready(gen, 1, ring_s=0.005, now=0.07)) == [0, 1, 3]  # held for 55 ms, then grouped
+    assert gen.cost(3) == pytest.approx(0.060) and gen.cost(0) == pytest.approx(0.005)
+    # Nobody is held when the others cannot make a group without it.
+    gen = generator(world=3, size=3)
+    ready(gen, 0, ring_s=0.5, now=0.0), ready(gen, 1, ring_s=0.001, now=0.0)
+    assert members(ready(gen, 2, ring_s=0.001, now=0.0)) == [0, 1, 2]
+
+
+def test_settings_are_checked_before_any_worker_starts():
+    with pytest.raises(ConfigError, match="--group-size"):
+        TrainConfig.from_dict({"algorithm": "prague", "group_size": 1}).validate()
+    with pytest.raises(ConfigError, match="--budget"):
+        TrainConfig.from_dict({"algorithm": "adpsgd", "budget": "forever"}).validate()
+    with pytest.raises(ConfigError, match="--topology"):  # an odd ring has no active/passive split
+        TrainConfig.from_dict({"algorithm": "adpsgd", "workers": 3}).validate()
+    TrainConfig.from_dict({"algorithm": "adpsgd", "workers": 3, "topology": "bipartite"}).validate()
+    with pytest.raises(ConfigError, match="--resume"):
+        TrainConfig.from_dict({"algorithm": "prague", "resume": "auto"}).validate()
+    with pytest.warns(UserWarning, match="--group-size"):
+        TrainConfig.from_dict({"algorithm": "prague", "workers": 2, "group_size": 3}).validate()
