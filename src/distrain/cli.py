@@ -200,6 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="distrain: %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "command", None) == "train":
+        from distrain.launch import in_torchrun
+
+        if in_torchrun():  # a torchrun worker: same teardown concern as our own spawned workers
+            from distrain.launch.common import exit_now
+
+            exit_now(_run(args))
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except (ConfigError, DataError, CheckpointError) as exc:

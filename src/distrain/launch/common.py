@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,18 @@ def close_group() -> None:
 def configure_worker_logging(rank: int) -> None:
     logging.basicConfig(level=os.environ.get("DISTRAIN_LOG", "WARNING").upper(),
                         format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
+
+
+def exit_now(code: int) -> None:
+    """Leave a worker process without running interpreter teardown.
+
+    Everything a worker writes is closed (and atomically renamed) before this point; what is
+    left are the backend's threads, whose destructors at interpreter exit sometimes abort the
+    process ("terminate called without an active exception") after a successful run.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def server_count(cfg: TrainConfig) -> int:

@@ -22,6 +22,7 @@ from distrain.launch.common import (
     close_group,
     configure_worker_logging,
     default_run_dir,
+    exit_now,
     free_port,
     init_group,
     run_role,
@@ -76,7 +77,7 @@ def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: 
         code = 1
     finally:
         close_group()
-    sys.exit(code)
+    exit_now(code)
 
 
 def _supervise(procs: list[mp.Process], grace: float) -> None:
