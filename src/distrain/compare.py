@@ -3,8 +3,9 @@
 The grid is networks x (algorithms x compressors, then baselines): every configuration runs
 ``repeats`` times, one run after another, each in its own directory ``OUT/<config>/r<k>``
 (repeat k uses seed + k, the same for every configuration). Then it writes
-``OUT/comparison.json`` (every run's numbers, copied from its summary.json, and the mean, min
-and max per configuration), ``OUT/comparison.csv`` and the plots of :mod:`distrain.report`.
+``OUT/comparison.json`` (every run's numbers, copied from its summary.json, with its
+``run_dir`` relative to OUT, and the mean, min and max per configuration),
+``OUT/comparison.csv`` and the plots of :mod:`distrain.report`.
 
 A combination that cannot run (e.g. a compressor an algorithm does not support) is skipped with
 the reason; a run that fails is recorded as failed; neither stops the grid.
@@ -252,6 +253,7 @@ def run_comparison(grid: Grid, base: TrainConfig, *, echo: Callable[[str], None]
             run_dir = out / cell.slug / f"r{k}"
             echo(f"[{done}/{total}] {cell.label}" + (f" (repeat {k + 1}/{grid.repeats})" if grid.repeats > 1 else ""))
             record = run_cell(cell, run_dir, base.run.seed + k)
+            record["run_dir"] = str(run_dir.relative_to(out))  # comparison.json stays valid when moved
             if not grid.keep_checkpoints:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             echo("    " + _describe(record))
@@ -292,7 +294,7 @@ def _describe(record: dict[str, Any]) -> str:
 
 
 def _plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    runs = [load_run(r["run_dir"], row["label"]) for row in rows for r in row["runs"] if r["status"] == "ok"]
+    runs = [load_run(out / r["run_dir"], row["label"]) for row in rows for r in row["runs"] if r["status"] == "ok"]
     return make_plots(group_by_label(runs), out) if runs else []
 
 

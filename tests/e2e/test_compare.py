@@ -28,12 +28,12 @@ def test_compare_two_configurations(tmp_path: Path) -> None:
     for config in comparison["configs"]:
         assert config["status"] == "ok" and config["repeats_ok"] == 1
         run = config["runs"][0]
-        summary = json.loads((Path(run["run_dir"]) / "summary.json").read_text())
+        summary = json.loads((out / run["run_dir"] / "summary.json").read_text())
         for key in ("final_test_accuracy", "time_to_target_s", "wall_time_s", "samples_per_s", "bytes_sent_per_worker"):
             assert run[key] == summary[key], key
         assert config["final_test_accuracy"]["mean"] == summary["final_test_accuracy"]
         assert config["bytes_sent_per_worker"]["mean"] == sum(summary["bytes_sent_per_worker"]) / 2
-        assert not (Path(run["run_dir"]) / "checkpoints").exists()
+        assert not (out / run["run_dir"] / "checkpoints").exists()
         runs[config["label"]] = run
     ddp = comparison["configs"][1]
     assert ddp["speedup_samples_per_s"] == pytest.approx(runs["ddp"]["samples_per_s"] / runs["allreduce"]["samples_per_s"])
@@ -48,7 +48,7 @@ def test_compare_two_configurations(tmp_path: Path) -> None:
 
     # Same data, seed, schedule and averaging: DDP must follow distrain's all-reduce step by step.
     def losses(label: str) -> list[float]:
-        lines = (Path(runs[label]["run_dir"]) / "metrics" / "rank1.jsonl").read_text().splitlines()
+        lines = (out / runs[label]["run_dir"] / "metrics" / "rank1.jsonl").read_text().splitlines()
         return [json.loads(line)["loss"] for line in lines]
 
     assert losses("ddp") == pytest.approx(losses("allreduce"), rel=1e-4, abs=1e-5)

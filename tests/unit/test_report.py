@@ -120,9 +120,8 @@ def test_report_reads_labels_from_a_comparison(tmp_path: Path) -> None:
     make_run(tmp_path / "cmp" / "x" / "r0")
     make_run(tmp_path / "cmp" / "y" / "r0", algorithm="ddp")
     comparison = {"configs": [
-        {"label": "allreduce @edge", "runs": [{"run_dir": str(tmp_path / "cmp" / "x" / "r0"), "status": "ok"}]},
-        {"label": "ddp @edge", "runs": [{"run_dir": str(tmp_path / "cmp" / "y" / "r0"), "status": "ok"},
-                                        {"run_dir": str(tmp_path / "cmp" / "y" / "r1"), "status": "failed"}]},
+        {"label": "allreduce @edge", "runs": [{"run_dir": "x/r0", "status": "ok"}]},
+        {"label": "ddp @edge", "runs": [{"run_dir": "y/r0", "status": "ok"}, {"run_dir": "y/r1", "status": "failed"}]},
     ]}
     (tmp_path / "cmp" / "comparison.json").write_text(json.dumps(comparison))
     assert [label for _, label in expand_paths([tmp_path / "cmp"])] == ["allreduce @edge", "ddp @edge"]

@@ -67,7 +67,7 @@ def test_grid_runs_in_order_with_skips_and_failures(tmp_path: Path, fake_launch:
     for row in saved["configs"]:
         for run in row["runs"]:
             if run["status"] == "ok":
-                summary = json.loads((Path(run["run_dir"]) / "summary.json").read_text())
+                summary = json.loads((tmp_path / "cmp" / run["run_dir"] / "summary.json").read_text())
                 assert run["samples_per_s"] == summary["samples_per_s"]
                 assert run["final_test_accuracy"] == summary["final_test_accuracy"]
     dp = next(r for r in saved["configs"] if r["label"] == "dpsgd @lan")

@@ -162,11 +162,8 @@ def expand_paths(paths: Iterable[str | Path]) -> list[tuple[Path, str | None]]:
             comparison = _read_json(path / "comparison.json")
             for cfg in comparison.get("configs", []):
                 for run in cfg.get("runs", []):
-                    if run.get("status") == "ok":
-                        run_dir = Path(run["run_dir"])
-                        if not run_dir.is_absolute() and not run_dir.exists():
-                            run_dir = path / run_dir
-                        out.append((run_dir, cfg["label"]))
+                    if run.get("status") == "ok":  # run_dir: relative to the comparison's directory
+                        out.append((path / run["run_dir"], cfg["label"]))
         else:
             found = sorted({p.parent for p in [*path.glob("*/summary.json"), *path.glob("*/*/summary.json")]})
             if not found:
