@@ -273,6 +273,8 @@ class GossipConfig:
     time_budget: float = _opt(60.0, "seconds each worker trains with --budget time")
     group_size: int = _opt(0, "prague: workers per partial all-reduce group (0 = 3, but at most workers // 2 so that "
                            "two groups fit)")
+    max_lag: int = _opt(2, "steps a worker may take since its last averaging before it waits for the next one (0 = no "
+                        "bound); keeps models close when computing outruns the network")
     peer_timeout: float = _opt(120.0, "seconds a gossip exchange or a wait for a group may take before the run fails")
     snapshot_every: float = _opt(1.0, "seconds between copies of every worker's model; their averages (the consensus "
                                  "over time) are evaluated after training")
@@ -283,6 +285,7 @@ class GossipConfig:
         check_positive("group_size", self.group_size, integer=True, allow_zero=True)
         if self.group_size == 1:
             raise ConfigError("--group-size", "must be 0 (automatic) or an integer >= 2, got 1")
+        check_positive("max_lag", self.max_lag, integer=True, allow_zero=True)
         check_positive("peer_timeout", self.peer_timeout)
         check_positive("snapshot_every", self.snapshot_every)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 
 import pytest
 import torch
@@ -25,6 +26,36 @@ def test_pairwise_mix_keeps_the_sum_and_an_update_made_meanwhile():
     torch.testing.assert_close(b.x, torch.tensor([3.0, 0.0]))
     torch.testing.assert_close(a.x + b.x, torch.tensor([6.5, 0.0]))
     assert a.counts == [1, 0] and a.rounds == 1
+
+
+def test_lag_bound_waits_for_an_averaging_and_never_hangs():
+    state = SharedModel(torch.zeros(2), 0, 2)
+    scratch = torch.empty(2)
+    state.apply_step(torch.ones(2), scratch)
+    assert state.wait_for_averaging(2, timeout=5.0, failed=lambda: False)  # 1 step since the last averaging
+    assert state.wait_for_averaging(0, timeout=0.0, failed=lambda: False)  # 0: no bound
+    state.apply_step(torch.ones(2), scratch)
+    assert not state.wait_for_averaging(2, timeout=0.05, failed=lambda: False)  # nobody averages: gives up
+    assert state.wait_for_averaging(2, timeout=5.0, failed=lambda: True)  # the gossip failed: stop waiting
+
+    # Another thread averages while the main thread waits: the wait ends with that averaging.
+    waiting = threading.Event()
+    result: list[bool] = []
+
+    def main_thread() -> None:
+        waiting.set()
+        result.append(state.wait_for_averaging(2, timeout=30.0, failed=lambda: False))
+
+    thread = threading.Thread(target=main_thread)
+    thread.start()
+    waiting.wait(5.0)
+    sent = state.read()
+    state.mix(sent, sent * 0.5)
+    thread.join(30.0)
+    assert result == [True] and not thread.is_alive()
+    assert state.steps_at_round == 2 and state.rounds == 1
+    state.apply_step(torch.ones(2), scratch)
+    assert state.wait_for_averaging(2, timeout=0.0, failed=lambda: False)  # one step since that averaging
 
 
 def test_progress_headers_merge_by_maximum():
@@ -145,6 +176,9 @@ def test_settings_are_checked_before_any_worker_starts():
         TrainConfig.from_dict({"algorithm": "prague", "group_size": 1}).validate()
     with pytest.raises(ConfigError, match="--budget"):
         TrainConfig.from_dict({"algorithm": "adpsgd", "budget": "forever"}).validate()
+    for lag in (-1, 1.5):
+        with pytest.raises(ConfigError, match="--max-lag"):
+            TrainConfig.from_dict({"algorithm": "adpsgd", "max_lag": lag}).validate()
     with pytest.raises(ConfigError, match="--topology"):  # an odd ring has no active/passive split
         TrainConfig.from_dict({"algorithm": "adpsgd", "workers": 3}).validate()
     TrainConfig.from_dict({"algorithm": "adpsgd", "workers": 3, "topology": "bipartite"}).validate()

@@ -76,6 +76,8 @@ class SharedModel:
         self.counts = [0] * world
         self.done = [0] * world
         self.rounds = 0  # averagings this worker took part in
+        self.steps_at_round = 0  # this worker's steps when its last averaging ended
+        self.lag_seconds = 0.0  # time the main thread waited for an averaging (--max-lag)
         self.step_seconds = 0.01  # moving average of this worker's step time (paces idle gossip)
 
     # -- the model --
@@ -98,6 +100,31 @@ class SharedModel:
         with self.lock:
             self.x.add_(mean).sub_(sent)
             self.rounds += 1
+            self.steps_at_round = self.counts[self.rank]
+            self.lock.notify_all()
+
+    def wait_for_averaging(self, max_lag: int, timeout: float, failed: Callable[[], bool]) -> bool:
+        """Block while this worker has taken ``max_lag`` or more steps since its last averaging.
+
+        Bounds how far a worker's model drifts from its neighbours' when computing is much
+        faster than exchanging (slow links): without it a worker could run through its whole
+        budget on its own. Returns False if no averaging came within ``timeout`` seconds (the
+        caller goes on: a lag bound must never hang a run), True otherwise; stops waiting at
+        once when ``failed()`` says the communication thread has failed.
+        """
+        if max_lag <= 0:
+            return True
+        start = time.perf_counter()
+        deadline = start + timeout
+        with self.lock:
+            while self.counts[self.rank] - self.steps_at_round >= max_lag and not failed():
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    self.lag_seconds += time.perf_counter() - start
+                    return False
+                self.lock.wait(timeout=min(left, 0.5))
+        self.lag_seconds += time.perf_counter() - start
+        return True
 
     # -- progress --
 
@@ -390,6 +417,14 @@ class AsyncGossip(Algorithm):
         self.optimizer.step()  # on the copy read before the step; outside the lock
         delta = self._gather(self.new_copy).sub_(self.read_copy)
         self.state.apply_step(delta, self.read_copy)  # x += delta, atomically with any averaging
+        if self.engine is not None and self.config.gossip.max_lag > 0:
+            engine = self.engine
+            if not self.state.wait_for_averaging(self.config.gossip.max_lag, self.config.gossip.peer_timeout,
+                                                 lambda: engine.error is not None):
+                log.warning("worker %d: no averaging for %.0f s (--max-lag %d); going on alone",
+                            self.state.rank, self.config.gossip.peer_timeout, self.config.gossip.max_lag)
+            engine.check()
+            self.state.read(out=self.read_copy)  # averagings that landed while waiting
         self._scatter(self.read_copy)
         now = time.perf_counter()
         if self._last_step_at is not None:
@@ -490,7 +525,8 @@ class AsyncGossip(Algorithm):
         return [] if self.engine is None else list(self.engine.transports)
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {"gossip_rounds": self.state.rounds, "global_steps": self.state.global_steps()}
+        out: dict[str, float] = {"gossip_rounds": self.state.rounds, "global_steps": self.state.global_steps(),
+                                 "lag_wait_s": self.state.lag_seconds}
         if self._consensus_distance is not None:
             out["consensus_distance"], self._consensus_distance = self._consensus_distance, None
         return out
