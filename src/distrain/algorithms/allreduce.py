@@ -141,7 +141,8 @@ class AllReduce(Algorithm):
             return
         if self.compression is not None:
             # ctx.epoch counts the step being finished; the schedule wants the epochs done before it.
-            self.compression.average(self.transport, step=ctx.step, epochs_done=ctx.epoch * ctx.step / (ctx.step + 1))
+            self.compression.average(self.transport, step=ctx.step, epochs_done=ctx.epoch * ctx.step / (ctx.step + 1),
+                                     ratio=self.compress_ratio(ctx))
             return
         for bucket in self.buckets:
             if self.own_ring:

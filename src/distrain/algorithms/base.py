@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from distrain.comm.transport import Transport
+from distrain.errors import ConfigError
 
 
 @dataclass
@@ -44,7 +45,15 @@ class Algorithm:
 
     @classmethod
     def check_config(cls, config: Any) -> None:
-        """Refuse settings this algorithm cannot honour (ConfigError), before any worker starts."""
+        """Refuse settings this algorithm cannot honour (ConfigError), before any worker starts.
+
+        Subclasses call ``super().check_config(config)`` first: this refuses ``--compress`` for
+        algorithms that would ignore it.
+        """
+        spec = config.compress.compress.strip()
+        if not cls.compresses and spec != "none":
+            raise ConfigError("--compress", f"{cls.name} does not compress its traffic; use --compress none, "
+                                            f"or --algorithm allreduce or ps to train with {spec}")
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -54,6 +63,17 @@ class Algorithm:
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         self.model, self.optimizer, self.transport = model, optimizer, transport
+
+    def compress_ratio(self, ctx: StepContext) -> float | None:
+        """This worker's kept ratio for the compressed traffic of step ``ctx.step``.
+
+        None (the default) follows ``--compress`` and its density warm-up. Adaptive compression
+        overrides this; every worker may return a different ratio at every step (the sparse ring
+        and the parameter servers take payloads of any size), except with ``randomk`` under
+        all-reduce, whose workers must agree. Ignored during the dense warm-up and by compressors
+        without a ratio.
+        """
+        return None
 
     def after_backward(self, ctx: StepContext) -> None:
         """Aggregate gradients (all-reduce, parameter server); default: keep local gradients."""

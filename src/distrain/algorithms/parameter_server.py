@@ -13,13 +13,24 @@ Modes:
         (stale-synchronous parallel). With ``--max-staleness 0`` and plain SGD this is the
         sync result, up to the order of floating-point additions.
 
+With ``--compress`` (other than none) each worker compresses the gradient of each shard, with
+error feedback kept per shard, and the server decodes every push to a dense gradient before
+summing; pulls stay dense. The density warm-up sends dense pushes; every worker may push a
+different ratio at every step (:meth:`~distrain.algorithms.base.Algorithm.compress_ratio`).
+With a sparsifier, SGD with momentum and ``--momentum-correction on`` (the default), the workers
+apply momentum and weight decay before compressing (Deep Gradient Compression) and the servers
+step with plain SGD.
+
 Wire format (tensors only): at start, worker 0 sends each server an int64 header
 ``[shard_numel, total_steps, steps_per_epoch]`` and the initial shard; each push is an int64
-``[clock]`` then the float gradient shard; each pull is the float parameter shard.
+``[clock]`` then the float gradient shard, or with ``--compress`` one message of
+:mod:`distrain.compress.pushes` (a header announcing the payload's size, checked by the server
+before it allocates); each pull is the float parameter shard.
 
 Example::
 
     distrain train --algorithm ps --servers 2 --ps-mode async --max-staleness 2
+    distrain train --algorithm ps --servers 2 --compress group_topk:0.01
 """
 
 from __future__ import annotations
@@ -34,6 +45,11 @@ import torch
 
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.comm.transport import Handle, Transport
+from distrain.compress.base import CompressInfo
+from distrain.compress.momentum_correction import MomentumCorrection
+from distrain.compress.pushes import PushDecoder, ShardPush, send_message
+from distrain.compress.registry import build_compressor
+from distrain.compress.warmup import DensityWarmup
 from distrain.config import TrainConfig
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.train.optim import build_optimizer
@@ -42,6 +58,20 @@ from distrain.train.schedule import LRSchedule, scaled_lr
 log = logging.getLogger(__name__)
 
 HEADER = 3  # shard_numel, total_steps, steps_per_epoch
+
+
+def worker_momentum(cfg: TrainConfig) -> float:
+    """The momentum workers apply before compressing their pushes (momentum correction), or 0.
+
+    Non-zero for a sparsifying ``--compress`` with error feedback, ``--momentum-correction on``
+    and SGD with momentum; the servers then run SGD without momentum or weight decay.
+    """
+    c, o = cfg.compress, cfg.optim
+    if c.compress.strip() == "none" or c.momentum_correction != "on" or c.error_feedback != "on":
+        return 0.0
+    if o.optimizer != "sgd" or o.momentum <= 0:
+        return 0.0
+    return o.momentum if build_compressor(c.compress, error_feedback=False).ratio is not None else 0.0
 
 
 def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
@@ -59,9 +89,11 @@ class ParameterServer(Algorithm):
     """The worker side: push gradient shards, pull parameter shards."""
 
     name = "ps"
+    compresses = True
 
     @classmethod
     def check_config(cls, cfg: TrainConfig) -> None:
+        super().check_config(cfg)
         if cfg.optim.optimizer == "lars":
             raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
         if cfg.ps.ps_mode == "async" and cfg.run.resume not in ("none", ""):
@@ -77,6 +109,26 @@ class ParameterServer(Algorithm):
         self.bounds = shard_bounds(self.flat.numel(), len(self.servers))
         self.clock = 0
         self._clock_header = torch.zeros(1, dtype=torch.int64)
+        c = self.config.compress
+        self.push: ShardPush | None = None
+        self.ratio, self.momentum = 1.0, 0.0
+        if c.compress.strip() != "none":
+            compressor = build_compressor(c.compress, error_feedback=c.error_feedback == "on", seed=self.config.run.seed)
+            self.momentum = worker_momentum(self.config)
+            if self.momentum:
+                compressor = MomentumCorrection(compressor.inner, self.momentum)
+            self.push = ShardPush(compressor)
+            self.density = DensityWarmup(compressor.ratio, c.density_warmup_epochs, c.density_decay_epochs)
+
+    def _push_info(self, ctx: StepContext) -> tuple[CompressInfo, bool]:
+        """How this step's pushes are compressed (key 0; set per shard), and whether they are dense."""
+        epochs_done = ctx.epoch * ctx.step / (ctx.step + 1)  # ctx.epoch counts the step being finished
+        dense = self.density.dense(epochs_done)
+        ratio = None if dense else self.compress_ratio(ctx)
+        if not dense and (ratio is None or self.push.compressor.ratio is None):
+            ratio = self.density.ratio(epochs_done)
+        self.ratio = 1.0 if dense or ratio is None else ratio
+        return CompressInfo(step=ctx.step, ratio=ratio, worker=self.transport.rank), dense
 
     def start(self, total_steps: int, steps_per_epoch: int) -> None:
         """Worker 0 tells every server its shard size and the run length, and sends the start values."""
@@ -92,12 +144,20 @@ class ParameterServer(Algorithm):
 
     def after_backward(self, ctx: StepContext) -> None:
         torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self.params], out=self.grad)
+        if self.push is not None:
+            info, dense = self._push_info(ctx)
+            if self.momentum and self.config.optim.weight_decay:  # the servers' SGD has none
+                self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]), alpha=self.config.optim.weight_decay)
         self.clock += 1
         self._clock_header[0] = self.clock
         handles: list[Handle] = []
-        for server, (lo, hi) in zip(self.servers, self.bounds, strict=True):
+        for shard, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
             handles.append(self.transport.send(self._clock_header, server))
-            handles.append(self.transport.send(self.grad[lo:hi], server))
+            if self.push is None:
+                handles.append(self.transport.send(self.grad[lo:hi], server))
+            else:
+                info.key = shard
+                handles += send_message(self.transport, self.push.encode(self.grad[lo:hi], info, dense=dense), server)
             handles.append(self.transport.recv(self.flat[lo:hi], server))
         for h in handles:
             h.wait()
@@ -110,11 +170,19 @@ class ParameterServer(Algorithm):
     def apply_update(self, ctx: StepContext) -> None:
         """The servers took the optimizer step."""
 
+    def metrics(self) -> dict[str, float]:
+        return {} if self.push is None else {"compress_ratio": self.ratio}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"clock": self.clock}
+        state: dict[str, Any] = {"clock": self.clock}
+        if self.push is not None:
+            state["compressor"] = self.push.compressor.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.clock = int(state.get("clock", 0))
+        if self.push is not None and "compressor" in state:
+            self.push.compressor.load_state_dict(state["compressor"])
 
 
 class ShardServer:
@@ -137,9 +205,23 @@ class ShardServer:
         peak = scaled_lr(o.lr, self.num_workers * cfg.data.batch_size, o.reference_batch, enabled=o.lr_scaling)
         self.schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=round(o.warmup_epochs * self.steps_per_epoch),
                                    total_steps=self.total_steps, decay=o.lr_decay)
-        self.optimizer = build_optimizer(o.optimizer, [self.shard], lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
+        momentum, weight_decay = o.momentum, o.weight_decay
+        if worker_momentum(cfg):  # the workers applied both before compressing
+            momentum, weight_decay = 0.0, 0.0
+        self.optimizer = build_optimizer(o.optimizer, [self.shard], lr=peak, momentum=momentum, weight_decay=weight_decay)
         self.shard.grad = torch.zeros(numel)
         self.updates = 0
+        c = cfg.compress
+        self.decoder = (None if c.compress.strip() == "none"
+                        else PushDecoder(build_compressor(c.compress, error_feedback=False, seed=cfg.run.seed), numel))
+
+    def _recv_push(self, out: torch.Tensor, worker: int) -> Handle | None:
+        """Receive ``worker``'s gradient push into ``out``: a handle to wait for when dense, else
+        decoded here (a compressed push's size is known only once its header arrived)."""
+        if self.decoder is None:
+            return self.transport.recv(out, worker)
+        out.copy_(self.decoder.recv(self.transport, worker))
+        return None
 
     def _step(self, grad: torch.Tensor, schedule_step: int) -> None:
         self.shard.grad.copy_(grad)
@@ -159,7 +241,8 @@ class ShardServer:
         grads = torch.zeros(self.num_workers, self.shard.numel())
         every = self.cfg.run.checkpoint_every
         for step in range(start_step, self.total_steps):
-            handles = [h for w in workers for h in (self.transport.recv(clocks[w], w), self.transport.recv(grads[w], w))]
+            handles = [self.transport.recv(clocks[w], w) for w in workers]
+            handles += [h for w in workers if (h := self._recv_push(grads[w], w)) is not None]
             for h in handles:
                 h.wait()
             if not bool((clocks == step + 1).all()):
@@ -184,7 +267,9 @@ class ShardServer:
             clock = int(header[0])
             if not (0 <= worker < n) or clock != clocks[worker] + 1:
                 raise WorkerFailure(f"server {self.index}: unexpected push (worker {worker}, clock {clock})")
-            self.transport.recv(grad, worker).wait()
+            handle = self._recv_push(grad, worker)
+            if handle is not None:
+                handle.wait()
             clocks[worker] = clock
             self._step(grad.div_(n), self.updates // n)
             waiting.append(worker)

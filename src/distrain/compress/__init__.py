@@ -8,8 +8,8 @@ sums a tensor over workers with the collective the compressor calls for;
 :class:`GradientCompression` is what ``--compress`` does to a model's gradients each step.
 
 For a parameter server, a worker compresses each shard with its own key
-(``CompressInfo(step=s, key=shard)``, error feedback per shard) and pushes sparse payloads with
-:func:`distrain.comm.sparse_ring.send_sparse`; the server receives them with ``recv_sparse``.
+(``CompressInfo(step=s, key=shard)``, error feedback per shard) into one self-describing message
+(:class:`ShardPush`); the server decodes it (:class:`PushDecoder`) after checking its header.
 """
 
 from distrain.compress.base import (
@@ -28,6 +28,7 @@ from distrain.compress.gradients import GradientCompression
 from distrain.compress.group_topk import GroupTopK, group_topk_indices
 from distrain.compress.momentum_correction import MomentumCorrection
 from distrain.compress.none import NoneCompressor
+from distrain.compress.pushes import PushDecoder, ShardPush
 from distrain.compress.qsgd import QSGD
 from distrain.compress.randomk import RandomK
 from distrain.compress.registry import COMPRESSORS, build_compressor, parse_spec, validate_spec
@@ -37,7 +38,7 @@ from distrain.compress.warmup import DensityWarmup
 __all__ = [
     "COMPRESSORS", "QSGD", "CompressInfo", "Compressor", "DensityWarmup", "ErrorFeedback",
     "FP16Compressor", "GradientCompression", "GroupTopK", "MomentumCorrection", "NoneCompressor",
-    "Payload", "RandomK", "SparseCompressor", "TensorMeta", "TopK", "allreduce_compressed",
+    "Payload", "PushDecoder", "RandomK", "ShardPush", "SparseCompressor", "TensorMeta", "TopK", "allreduce_compressed",
     "build_compressor", "desparsify", "group_topk_indices", "parse_spec", "payload_nbytes",
     "validate_spec",
 ]

@@ -129,8 +129,16 @@ class GradientCompression:
         else:
             transport.all_reduce(tensor).wait()
 
-    def average(self, transport: Transport, *, step: int, epochs_done: float) -> None:
-        """Replace every parameter's gradient with the (compressed) average over all workers."""
+    def average(self, transport: Transport, *, step: int, epochs_done: float, ratio: float | None = None) -> None:
+        """Replace every parameter's gradient with the (compressed) average over all workers.
+
+        Args:
+            transport: this worker's transport.
+            step: the training step (seeds, error-feedback bookkeeping).
+            epochs_done: training progress, for the density warm-up.
+            ratio: this worker's kept ratio for this step, replacing the warm-up schedule's once
+                the dense warm-up is over (adaptive compression); workers may differ.
+        """
         self._gather()
         weights, one_dim = self.flat[: self.split], self.flat[self.split :]
         mc = self.compressor if isinstance(self.compressor, MomentumCorrection) else None
@@ -142,7 +150,8 @@ class GradientCompression:
             self._dense_all_reduce(transport, self.flat)
             self.ratio = 1.0
         else:
-            ratio = self.density.ratio(epochs_done)
+            if ratio is None or self.compressor.ratio is None:
+                ratio = self.density.ratio(epochs_done)
             if weights.numel():
                 info = CompressInfo(step=step, key=WEIGHTS, ratio=ratio, worker=transport.rank)
                 weights.copy_(allreduce_compressed(transport, self.compressor, weights, info,
