@@ -114,6 +114,8 @@ class AllReduce(Algorithm):
         self.hierarchy = build_hierarchy(self.config, transport) if transport.world_size > 1 else None
         self.compression = (GradientCompression.from_config(self.config, params, optimizer, own_ring=self.own_ring)
                             if transport.world_size > 1 else None)  # one worker has nothing to send
+        if self.compression is not None:  # adaptive: the workers' delays travel in the dense all-reduce
+            self.compression.policy = self.adaptive
         self._hooks = []
         if transport.world_size > 1 and self.compression is None:
             for bucket in self.buckets:
@@ -158,7 +160,7 @@ class AllReduce(Algorithm):
             bucket.ready, bucket.handle = 0, None
 
     def metrics(self) -> dict[str, float]:
-        return {} if self.compression is None else {"compress_ratio": self.compression.ratio}
+        return {} if self.compression is None else self.compression.metrics()
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.compression is None else {"compressor": self.compression.state_dict()}

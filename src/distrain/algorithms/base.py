@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from distrain.comm.transport import Transport
+from distrain.compress.adaptive import AdaptivePolicy, policy_from_spec
+from distrain.compress.warmup import DensityWarmup
 from distrain.errors import ConfigError
 
 
@@ -57,6 +59,10 @@ class Algorithm:
 
     def __init__(self, config: Any) -> None:
         self.config = config
+        compress = getattr(config, "compress", None)
+        #: the adaptive compression policy (``--compress adaptive:...``), else None
+        self.adaptive: AdaptivePolicy | None = (policy_from_spec(compress.compress)
+                                                if self.compresses and compress is not None else None)
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.transport: Transport | None = None
@@ -67,13 +73,20 @@ class Algorithm:
     def compress_ratio(self, ctx: StepContext) -> float | None:
         """This worker's kept ratio for the compressed traffic of step ``ctx.step``.
 
-        None (the default) follows ``--compress`` and its density warm-up. Adaptive compression
-        overrides this; every worker may return a different ratio at every step (the sparse ring
-        and the parameter servers take payloads of any size), except with ``randomk`` under
+        None (without ``--compress adaptive``) follows ``--compress`` and its density warm-up.
+        With it, the adaptive policy's choice from the step's per-sample losses and the delays
+        of the worker's earlier messages (the density schedule's ratio standing in for its base
+        while it is larger). Every worker may return a different ratio at every step (the sparse
+        ring and the parameter servers take payloads of any size), except with ``randomk`` under
         all-reduce, whose workers must agree. Ignored during the dense warm-up and by compressors
         without a ratio.
         """
-        return None
+        if self.adaptive is None:
+            return None
+        c = self.config.compress
+        epochs_done = ctx.epoch * ctx.step / (ctx.step + 1)  # ctx.epoch counts the step being finished
+        base = DensityWarmup(self.adaptive.settings.base, c.density_warmup_epochs, c.density_decay_epochs).ratio(epochs_done)
+        return self.adaptive.choose(ctx.per_sample_losses, self.transport, base=base)
 
     def after_backward(self, ctx: StepContext) -> None:
         """Aggregate gradients (all-reduce, parameter server); default: keep local gradients."""

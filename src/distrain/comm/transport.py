@@ -37,12 +37,20 @@ ISSUE_GRACE_S = 300.0
 
 @dataclass
 class Exchange:
-    """One finished exchange: what it was, how many bytes it moved, how long it took."""
+    """One finished exchange: what it was, how many bytes it moved, how long it took.
+
+    ``seconds`` runs from the call that started it to the end of its ``wait()``, so it includes
+    any time the caller spent elsewhere before waiting (e.g. receiving first). ``link_seconds``,
+    for a message the link model delayed, is the emulated link's delay: from the start to the
+    release time the model gave it (uplink queue, transmission, latency), free of the thread
+    wake-ups that a loaded machine adds to the measured time; None without a link model.
+    """
 
     op: str
     bytes_sent: int
     bytes_received: int
     seconds: float
+    link_seconds: float | None = None
 
 
 @dataclass
@@ -53,6 +61,7 @@ class TransportStats:
     received: list[int]
     exchanges: deque = field(default_factory=lambda: deque(maxlen=256))
     comm_seconds: float = 0.0
+    recorded: int = 0  # exchanges recorded so far (``exchanges`` keeps only the latest)
 
     @property
     def bytes_sent(self) -> int:
@@ -105,7 +114,8 @@ class Handle:
         if self._after is not None:
             self._after()
         self._done = True
-        self._transport._record(self._op, self._sent, self._received, time.perf_counter() - self._start)
+        link = None if self._issued is None else self._release - self._start
+        self._transport._record(self._op, self._sent, self._received, time.perf_counter() - self._start, link)
 
 
 def ring_share(nbytes: int, world_size: int) -> int:
@@ -194,8 +204,9 @@ class Transport:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def _record(self, op: str, sent: int, received: int, seconds: float) -> None:
-        self.stats.exchanges.append(Exchange(op, sent, received, seconds))
+    def _record(self, op: str, sent: int, received: int, seconds: float, link_seconds: float | None = None) -> None:
+        self.stats.exchanges.append(Exchange(op, sent, received, seconds, link_seconds))
+        self.stats.recorded += 1
         self.stats.comm_seconds += seconds
 
     def _charge(self, peer_sent: dict[int, int], peer_received: dict[int, int]) -> tuple[int, int]:

@@ -11,6 +11,11 @@ Per step, after backward:
    compressor calls for, while the one-dimensional part, a small fraction of the parameters that
    sparsification would starve, is all-reduced densely (as PyTorch's PowerSGD hook does);
 4. the sum is divided by the number of workers and copied back into the gradients.
+
+With ``--compress adaptive:...`` the algorithm's :class:`~distrain.compress.adaptive.AdaptivePolicy`
+picks the ratio of step 3 on each worker (``average(ratio=...)``; the sparse ring takes a different
+k on every worker), and the dense all-reduce of the one-dimensional part carries every worker's
+delay per byte for the policy's baseline.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Transport
+from distrain.compress.adaptive import AdaptivePolicy
 from distrain.compress.base import CompressInfo, Compressor
 from distrain.compress.collective import allreduce_compressed
 from distrain.compress.error_feedback import ErrorFeedback
@@ -64,6 +70,8 @@ class GradientCompression:
         sparse_collective: ``"ring"`` or ``"allgather"`` for sparse payloads.
         own_ring: dense all-reduces over our point-to-point ring instead of the backend's.
         weight_decay: folded into the gradient here when the optimizer's was taken out.
+        policy: the adaptive policy whose delay per byte each step's dense all-reduce shares
+            (set by the algorithm, which asks it for the ratio); None without one.
 
     Example::
 
@@ -74,7 +82,8 @@ class GradientCompression:
     """
 
     def __init__(self, compressor: Compressor, params: list[torch.nn.Parameter], density: DensityWarmup,
-                 *, sparse_collective: str = "ring", own_ring: bool = False, weight_decay: float = 0.0) -> None:
+                 *, sparse_collective: str = "ring", own_ring: bool = False, weight_decay: float = 0.0,
+                 policy: AdaptivePolicy | None = None) -> None:
         self.compressor = compressor
         weights = [p for p in params if p.dim() > 1]
         self.params = weights + [p for p in params if p.dim() <= 1]
@@ -86,7 +95,9 @@ class GradientCompression:
         self.sparse_collective = sparse_collective
         self.own_ring = own_ring
         self.weight_decay = weight_decay
+        self.policy = policy
         self.ratio = 1.0
+        self.step_bytes_sent = 0
 
     @classmethod
     def from_config(cls, cfg: Any, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
@@ -139,6 +150,7 @@ class GradientCompression:
             ratio: this worker's kept ratio for this step, replacing the warm-up schedule's once
                 the dense warm-up is over (adaptive compression); workers may differ.
         """
+        sent_before = transport.stats.bytes_sent
         self._gather()
         weights, one_dim = self.flat[: self.split], self.flat[self.split :]
         mc = self.compressor if isinstance(self.compressor, MomentumCorrection) else None
@@ -156,13 +168,41 @@ class GradientCompression:
                 info = CompressInfo(step=step, key=WEIGHTS, ratio=ratio, worker=transport.rank)
                 weights.copy_(allreduce_compressed(transport, self.compressor, weights, info,
                                                    sparse_collective=self.sparse_collective, own_ring=self.own_ring))
-            self._dense_all_reduce(transport, one_dim)
+            if self.policy is None:
+                self._dense_all_reduce(transport, one_dim)
+            else:
+                self._share_and_all_reduce(transport, one_dim)
             self.ratio = ratio if ratio is not None else self.compressor.wire_bytes(self.split) / max(1, self.flat.element_size() * self.split)
         self.flat.div_(transport.world_size)
         self._scatter()
+        self.step_bytes_sent = transport.stats.bytes_sent - sent_before
+
+    def _share_and_all_reduce(self, transport: Transport, one_dim: torch.Tensor) -> None:
+        """All-reduce ``one_dim`` with one more slot per worker, where each worker puts its delay
+        per byte (zeros elsewhere): the sum hands every worker the whole cluster's, for the
+        adaptive policy's baseline, in the exchange that happens anyway."""
+        assert self.policy is not None
+        shared = torch.zeros(transport.world_size, dtype=one_dim.dtype, device=one_dim.device)
+        shared[transport.rank] = self.policy.shared_value()
+        both = torch.cat([one_dim, shared])
+        self._dense_all_reduce(transport, both)
+        one_dim.copy_(both[: one_dim.numel()])
+        self.policy.observe_cluster(both[one_dim.numel():].tolist())
+
+    def metrics(self) -> dict[str, float]:
+        """For metrics.jsonl: the ratio of the last step, its bytes, and the policy's signals."""
+        out = {"compress_ratio": self.ratio, "step_bytes_sent": self.step_bytes_sent}
+        if self.policy is not None:
+            out.update(self.policy.metrics())
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.compressor.state_dict()
+        state = self.compressor.state_dict()
+        if self.policy is not None:
+            state.update({f"adaptive.{k}": v for k, v in self.policy.state_dict().items()})
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.compressor.load_state_dict(state)
+        if self.policy is not None:
+            self.policy.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("adaptive.")})
+        self.compressor.load_state_dict({k: v for k, v in state.items() if not k.startswith("adaptive.")})

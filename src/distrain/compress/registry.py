@@ -1,7 +1,9 @@
 """Compressor names and the ``--compress`` spec syntax: ``NAME[:ARG][:KEY=VALUE...]``.
 
 Examples: ``none``, ``fp16``, ``bf16``, ``topk:0.01``, ``randomk:0.01``,
-``group_topk:0.01:group=1024``, ``qsgd:8bit``, ``qsgd:4bit``.
+``group_topk:0.01:group=1024``, ``qsgd:8bit``, ``qsgd:4bit``,
+``adaptive:base=0.01:min=0.001:max=0.1`` (group top-k with a ratio per worker and step, see
+:mod:`distrain.compress.adaptive`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distrain.compress.adaptive import AdaptiveGroupTopK, parse_adaptive
 from distrain.compress.base import Compressor
 from distrain.compress.error_feedback import ErrorFeedback
 from distrain.compress.fp16 import FP16Compressor
@@ -89,6 +92,10 @@ def _group_topk(spec: Spec, seed: int) -> Compressor:
     return GroupTopK(_ratio(spec), group=group)
 
 
+def _adaptive(spec: Spec, seed: int) -> Compressor:
+    return AdaptiveGroupTopK(parse_adaptive(spec.args, spec.options))
+
+
 def _qsgd(spec: Spec, seed: int) -> Compressor:
     _no_options(spec)
     if len(spec.args) > 1:
@@ -107,6 +114,7 @@ COMPRESSORS: dict[str, Entry] = {
     "randomk": Entry("randomk:RATIO", _randomk),
     "group_topk": Entry("group_topk:RATIO[:group=N]", _group_topk),
     "qsgd": Entry("qsgd:8bit|4bit", _qsgd),
+    "adaptive": Entry("adaptive:base=R:min=R:max=R[:alpha=A:beta=B:ema=E:fast=F:window=N:group=N]", _adaptive),
 }
 """Registered names -> how to build them; RATIO is the kept fraction in (0, 1]."""
 

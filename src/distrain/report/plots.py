@@ -157,6 +157,79 @@ def plot_per_worker_bars(groups: Groups, key: str, path: str | Path, *, title: s
     return _save(fig, path)
 
 
+def _panels(count: int, height: float = 2.6) -> tuple[Figure, list[Any]]:
+    """One row of axes per configuration, sharing the x axis."""
+    fig = Figure(figsize=(7.5, 1.0 + height * count), dpi=DPI)
+    axes = fig.subplots(count, 1, sharex=True, squeeze=False)[:, 0]
+    return fig, list(axes)
+
+
+def plot_ratio_per_worker(groups: Groups, path: str | Path) -> Path | None:
+    """The kept ratio each worker chose over time (first repeat of each configuration whose ratio
+    changes during the run, e.g. adaptive compression); None when no configuration's does."""
+    chosen = []
+    for label, runs in groups.items():
+        run = runs[0]
+        key = run.ratio_key()
+        if key is None:
+            continue
+        per_worker = {r: run.series(key, rank=r) for r in sorted(run.metrics)}
+        values = {v for pts in per_worker.values() for _, v in pts}
+        if len(values) > 1:
+            chosen.append((label, per_worker))
+    if not chosen:
+        return None
+    fig, axes = _panels(len(chosen))
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    for ax, (label, per_worker) in zip(axes, chosen, strict=True):
+        n = len(per_worker)
+        for r, points in per_worker.items():
+            ax.plot([t for t, _ in points], [v for _, v in points], linewidth=0.8,
+                    color=cmap(r / max(1, n - 1) * 0.85), label=f"worker {r}")
+        ax.set_yscale("log")
+        ax.set_title(label, fontsize="small")
+        ax.set_ylabel("kept fraction")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="x-small", ncol=min(n, 4), loc="upper right")
+    axes[-1].set_xlabel("training wall time (s)")
+    fig.suptitle("Compression ratio per worker over time")
+    return _save(fig, path)
+
+
+LOSS_QUANTILES_KEY = "loss_quantiles"
+
+
+def plot_loss_quantiles(groups: Groups, path: str | Path) -> Path | None:
+    """How the per-sample losses of worker 0's batches spread over training: median, 25-75 % and
+    10-90 % bands and the maximum, per step (first repeat of each configuration); lines hold
+    ``loss_quantiles`` = [min, q10, q25, q50, q75, q90, max]."""
+    chosen = []
+    for label, runs in groups.items():
+        lines = [m for m in runs[0].metrics.get(0, [])
+                 if isinstance(m.get(LOSS_QUANTILES_KEY), list) and len(m[LOSS_QUANTILES_KEY]) == 7 and "step" in m]
+        if lines:
+            chosen.append((label, lines))
+    if not chosen:
+        return None
+    fig, axes = _panels(len(chosen))
+    for ax, (label, lines) in zip(axes, chosen, strict=True):
+        steps = [int(m["step"]) for m in lines]
+        q = list(zip(*[m[LOSS_QUANTILES_KEY] for m in lines], strict=True))
+        ax.fill_between(steps, q[1], q[5], alpha=0.2, color="C0", linewidth=0, label="10-90 %")
+        ax.fill_between(steps, q[2], q[4], alpha=0.35, color="C0", linewidth=0, label="25-75 %")
+        ax.plot(steps, q[3], color="C0", linewidth=1.0, label="median")
+        ax.plot(steps, q[6], color="C3", linewidth=0.5, alpha=0.6, label="max")
+        ax.set_title(label, fontsize="small")
+        ax.set_ylabel("per-sample loss")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="x-small", ncol=4, loc="upper right")
+    axes[-1].set_xlabel("step")
+    fig.suptitle("Distribution of per-sample losses in worker 0's batches")
+    return _save(fig, path)
+
+
 def make_plots(groups: Groups, out_dir: str | Path) -> list[Path]:
     """Every plot that the runs have data for, written into ``out_dir``; returns the files."""
     out = Path(out_dir)
@@ -169,6 +242,8 @@ def make_plots(groups: Groups, out_dir: str | Path) -> list[Path]:
                              title="Training throughput per worker", ylabel="samples/s"),
         plot_metric(groups, RunData.ratio_key, out / "compression_ratio.png",
                     title="Compression ratio over time (kept fraction)", ylabel="kept fraction", logy=True),
+        plot_ratio_per_worker(groups, out / "compression_ratio_per_worker.png"),
+        plot_loss_quantiles(groups, out / "loss_distribution.png"),
         plot_metric(groups, lambda r: CONSENSUS_KEY if r.has_metric(CONSENSUS_KEY) else None,
                     out / "consensus_distance.png", title="Consensus distance over time",
                     ylabel="consensus distance (mean over workers)", logy=True),

@@ -210,7 +210,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
         record: dict[str, Any] = {
             "step": step + 1, "epoch": ctx.epoch, "time": time.perf_counter() - start - eval_seconds,
             "loss": loss.item(), "lr": lr, "bytes_sent": sum(sent), "bytes_received": sum(received),
-            "compute_s": ctx.compute_seconds, "comm_s": comm_s,
+            "compute_s": ctx.compute_seconds, "comm_s": comm_s, "loss_quantiles": loss_quantiles(losses),
         }
         if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
             t_eval = time.perf_counter()
@@ -256,6 +256,16 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
                         time_to_target, eval_seconds, resume_step) if rank == 0 else None
     transport.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
     return summary
+
+
+#: The per-sample loss quantiles each metrics line carries (how the batch's losses are spread).
+LOSS_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+def loss_quantiles(losses: torch.Tensor) -> list[float]:
+    """The batch's per-sample losses at :data:`LOSS_QUANTILES`, to 4 significant digits."""
+    values = torch.quantile(losses.detach().float().cpu(), torch.tensor(LOSS_QUANTILES))
+    return [float(f"{v:.4g}") for v in values.tolist()]
 
 
 def traffic(transports: list[Transport]) -> tuple[list[int], list[int], float]:

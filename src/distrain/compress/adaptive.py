@@ -1,0 +1,297 @@
+"""Adaptive compression: each worker picks its kept ratio every step from two signals.
+
+``--compress adaptive:base=0.01:min=0.001:max=0.1`` sparsifies like ``group_topk`` (same groups,
+same error feedback, a different k on every worker and step), with the ratio::
+
+    ratio = clip(base * f(importance) / g(congestion), min, max)
+    f(I) = I ** alpha        (alpha = 1 by default; 0 switches importance off)
+    g(C) = C ** beta         (beta = 1 by default; 0 switches the network off)
+
+**Importance** ``I``: the batch's mean per-sample cross-entropy loss over an exponential moving
+average of the worker's past batch losses (``ema``: the weight of the past, 0.9). A batch the
+model still finds hard (I > 1) earns more of the gradient on the wire; an easy one less. The
+first batch has I = 1.
+
+**Congestion** ``C``: the worker's current delay per byte over a baseline. Every point-to-point
+message this worker sends is timed by the Transport; with the in-process link model the time is
+the emulated link's (uplink queue, transmission at the link's bandwidth, latency), so a worker on
+a slower link sees a larger delay per byte. Per step::
+
+    delay per byte = sum(delay_i - floor) / sum(bytes_i)     over the step's messages
+
+where ``floor`` is the smallest message delay of the last ``window`` steps (the latency that a
+tiny message pays anyway; without subtracting it, sending less would look like a slower link).
+The current value is a moving average of these (``fast``: the weight of the past, 0.5). The
+baseline is the lowest current value *of any worker* over the last ``window`` steps (200): with
+all-reduce every worker adds its current value to the dense all-reduce it runs anyway (the
+one-dimensional tensors, one float per worker more), so a worker whose link is slower than the
+best link in the cluster sees C > 1 even when its link never changes (e.g. C ~ 10 on 5 Mbit/s
+when others have 50 Mbit/s). Where nothing is shared (a parameter server's workers, one worker),
+the baseline is the worker's own lowest value of the window, so C > 1 while its link is slower
+than it was. Either way C >= 1 for the best link. The ratio of step t uses the messages of the
+steps before t.
+
+Constant signals (I = 1, C = 1) give ``base``; ``min`` and ``max`` bound the ratio whatever the
+signals say. During a density warm-up the scheduled ratio takes the place of ``base`` (and of
+``max`` while it is larger).
+
+Example::
+
+    settings = parse_adaptive(["base=0.01", "min=0.001", "max=0.1"])
+    policy = AdaptivePolicy(settings)
+    ratio = policy.choose(per_sample_losses, transport)   # before this step's exchange
+
+Every algorithm that compresses (``allreduce``, ``ps``) asks its policy through
+:meth:`~distrain.algorithms.base.Algorithm.compress_ratio` each step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+import torch
+
+from distrain.comm.transport import Exchange, Transport
+from distrain.compress.group_topk import GroupTopK
+
+#: Added to both delays per byte before dividing (s/byte; 1e-9 is 8 Gbit/s): on an unshaped
+#: loopback the measured delays are noise, and a zero baseline must not make C infinite.
+EPSILON_S_PER_BYTE = 1e-9
+
+
+@dataclass(frozen=True)
+class AdaptiveSettings:
+    """The constants of the policy (see the module docstring); ``parse_adaptive`` checks them."""
+
+    base: float = 0.01
+    min: float = 0.001
+    max: float = 0.1
+    alpha: float = 1.0
+    beta: float = 1.0
+    ema: float = 0.9
+    fast: float = 0.5
+    window: int = 200
+    group: int = 1024
+
+    def spec(self) -> str:
+        default = AdaptiveSettings()
+        parts = [f"base={self.base:g}", f"min={self.min:g}", f"max={self.max:g}"]
+        parts += [f"{f.name}={getattr(self, f.name):g}" for f in fields(self)
+                  if f.name not in ("base", "min", "max") and getattr(self, f.name) != getattr(default, f.name)]
+        return "adaptive:" + ":".join(parts)
+
+
+def _number(options: dict[str, str], key: str, default: float, *, integer: bool = False) -> float:
+    text = options.get(key)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or (integer and value != int(value)):
+        raise ValueError(f"{key} must be {'an integer' if integer else 'a number'}, got {text!r}")
+    return int(value) if integer else value
+
+
+def parse_adaptive(args: Iterable[str], options: dict[str, str] | None = None) -> AdaptiveSettings:
+    """Settings from the parts of an ``adaptive:...`` spec; ValueError (one line) when invalid.
+
+    ``args`` may hold the base ratio alone (``adaptive:0.01``); ``options`` the ``key=value``
+    parts: base, min, max, alpha, beta, ema, fast, window, group.
+    """
+    args, options = list(args), dict(options or {})
+    allowed = {f.name for f in fields(AdaptiveSettings)}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r} (options: {', '.join(f.name for f in fields(AdaptiveSettings))})")
+    if len(args) > 1 or (args and "base" in options):
+        raise ValueError("give the base ratio once, as adaptive:RATIO or base=RATIO")
+    if args:
+        options["base"] = args[0]
+    d = AdaptiveSettings()
+    s = AdaptiveSettings(**{f.name: _number(options, f.name, getattr(d, f.name), integer=f.type in (int, "int"))
+                            for f in fields(AdaptiveSettings)})
+    if not 0 < s.min <= s.base <= s.max <= 1:
+        raise ValueError(f"need 0 < min <= base <= max <= 1, got min={s.min:g} base={s.base:g} max={s.max:g}")
+    if s.alpha < 0 or s.beta < 0:
+        raise ValueError(f"alpha and beta must be >= 0, got alpha={s.alpha:g} beta={s.beta:g}")
+    if not (0 <= s.ema < 1 and 0 <= s.fast < 1):
+        raise ValueError(f"ema and fast must be in [0, 1), got ema={s.ema:g} fast={s.fast:g}")
+    if s.window < 1 or s.group < 1:
+        raise ValueError(f"window and group must be integers >= 1, got window={s.window} group={s.group}")
+    return s
+
+
+def f_importance(importance: float, alpha: float) -> float:
+    """f(I) = I ** alpha: more of the gradient for a batch that is harder than usual."""
+    return max(importance, 0.0) ** alpha
+
+
+def g_congestion(congestion: float, beta: float) -> float:
+    """g(C) = C ** beta: less on the wire while the link is slower than its baseline."""
+    return max(congestion, 1e-12) ** beta
+
+
+def policy_ratio(settings: AdaptiveSettings, importance: float, congestion: float, base: float | None = None) -> float:
+    """clip(base * f(importance) / g(congestion), min, max); ``base`` overrides the settings' base
+    (a density warm-up's scheduled ratio, which also lifts ``max`` while it is larger)."""
+    base = settings.base if base is None else base
+    ratio = base * f_importance(importance, settings.alpha) / g_congestion(congestion, settings.beta)
+    return min(max(ratio, settings.min), max(settings.max, base))
+
+
+def step_delay_per_byte(exchanges: Iterable[Exchange], floor: float) -> tuple[float, int] | None:
+    """(seconds per byte beyond ``floor``, bytes) of the point-to-point messages in ``exchanges``
+    that this worker sent; None when there were none."""
+    delay, nbytes = 0.0, 0
+    for e in exchanges:
+        if e.op == "send" and e.bytes_sent > 0:
+            seconds = e.link_seconds if e.link_seconds is not None else e.seconds
+            delay += max(0.0, seconds - floor)
+            nbytes += e.bytes_sent
+    return (delay / nbytes, nbytes) if nbytes else None
+
+
+def message_delays(exchanges: Iterable[Exchange]) -> list[float]:
+    return [e.link_seconds if e.link_seconds is not None else e.seconds
+            for e in exchanges if e.op == "send" and e.bytes_sent > 0]
+
+
+class AdaptivePolicy:
+    """One worker's policy state: the loss average and the delay history.
+
+    Args:
+        settings: the constants (from ``parse_adaptive``).
+    """
+
+    def __init__(self, settings: AdaptiveSettings) -> None:
+        self.settings = settings
+        self.loss_ema: float | None = None
+        self.importance = 1.0
+        self.congestion = 1.0
+        self.delay: float | None = None  # current seconds per byte (moving average)
+        self._history: deque[float] = deque(maxlen=settings.window)  # past values of ``delay``
+        self._cluster: deque[float] = deque(maxlen=settings.window)  # past lowest ``delay`` of any worker
+        self._floors: deque[float] = deque(maxlen=settings.window)  # smallest message delay per step
+        self._seen = 0  # transport.stats.recorded already read
+
+    @property
+    def baseline(self) -> float | None:
+        """The lowest delay per byte of the window: any worker's when shared, else our own."""
+        history = self._cluster or self._history
+        return min(history) if history else None
+
+    def shared_value(self) -> float:
+        """What this worker tells the others (:meth:`observe_cluster`): its current delay per
+        byte, 0 while unknown."""
+        return self.delay if self.delay is not None else 0.0
+
+    def observe_cluster(self, values: Iterable[float]) -> None:
+        """Every worker's :meth:`shared_value` of this step (0: unknown); the lowest known one
+        enters the baseline's window."""
+        known = [v for v in values if v > 0 and math.isfinite(v)]
+        if known:
+            self._cluster.append(min(known))
+            self._update_congestion()
+
+    def observe_losses(self, losses: torch.Tensor | None) -> float:
+        """Update and return the importance of a batch with these per-sample losses."""
+        if losses is None or not losses.numel():
+            return self.importance
+        mean = float(losses.detach().float().mean())
+        if not math.isfinite(mean):
+            self.importance = 1.0
+            return self.importance
+        if self.loss_ema is None or self.loss_ema <= 0:
+            self.importance = 1.0
+            self.loss_ema = mean
+        else:
+            self.importance = mean / self.loss_ema
+            self.loss_ema = self.settings.ema * self.loss_ema + (1 - self.settings.ema) * mean
+        return self.importance
+
+    def observe_network(self, transport: Transport) -> float:
+        """Read the exchanges the Transport recorded since the last call; update and return C."""
+        stats = transport.stats
+        new = min(stats.recorded - self._seen, len(stats.exchanges))
+        self._seen = stats.recorded
+        recent = list(stats.exchanges)[len(stats.exchanges) - new:] if new > 0 else []
+        return self.observe_exchanges(recent)
+
+    def observe_exchanges(self, exchanges: list[Exchange]) -> float:
+        delays = message_delays(exchanges)
+        if delays:
+            self._floors.append(min(delays))
+        measured = step_delay_per_byte(exchanges, min(self._floors)) if self._floors else None
+        if measured is not None:
+            estimate = measured[0]
+            fast = self.settings.fast
+            self.delay = estimate if self.delay is None else fast * self.delay + (1 - fast) * estimate
+            self._history.append(self.delay)
+        self._update_congestion()
+        return self.congestion
+
+    def _update_congestion(self) -> None:
+        baseline = self.baseline
+        if self.delay is not None and baseline is not None:
+            self.congestion = max(1.0, (self.delay + EPSILON_S_PER_BYTE) / (baseline + EPSILON_S_PER_BYTE))
+
+    def ratio(self, base: float | None = None) -> float:
+        """The ratio for the current signals (see :func:`policy_ratio`)."""
+        return policy_ratio(self.settings, self.importance, self.congestion, base)
+
+    def choose(self, losses: torch.Tensor | None, transport: Transport | None, base: float | None = None) -> float:
+        """Take in this step's losses and the exchanges since the last step; the ratio to send with."""
+        self.observe_losses(losses)
+        if transport is not None:
+            self.observe_network(transport)
+            self._bytes_at_choice: int | None = transport.stats.bytes_sent
+        return self.ratio(base)
+
+    def metrics(self, transport: Transport | None = None) -> dict[str, float]:
+        """The signals for metrics.jsonl; with ``transport``, also the bytes sent since the last
+        :meth:`choose` (``step_bytes_sent``: this step's)."""
+        out = {"importance": self.importance, "congestion": self.congestion}
+        since = getattr(self, "_bytes_at_choice", None)
+        if transport is not None and since is not None:
+            out["step_bytes_sent"] = transport.stats.bytes_sent - since
+        if self.delay is not None:
+            out["delay_s_per_mb"] = self.delay * 1e6
+        if self.baseline is not None:
+            out["baseline_s_per_mb"] = self.baseline * 1e6
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {} if self.loss_ema is None else {"loss_ema": torch.tensor(self.loss_ema, dtype=torch.float64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if "loss_ema" in state:
+            self.loss_ema = float(state["loss_ema"])
+
+
+def policy_from_spec(text: str) -> AdaptivePolicy | None:
+    """A fresh policy for an ``adaptive:...`` ``--compress`` spec; None for any other spec."""
+    from distrain.compress.registry import parse_spec  # the registry builds AdaptiveGroupTopK
+
+    if str(text).split(":", 1)[0].strip() != AdaptiveGroupTopK.name:
+        return None
+    spec = parse_spec(text)
+    return AdaptivePolicy(parse_adaptive(spec.args, spec.options))
+
+
+class AdaptiveGroupTopK(GroupTopK):
+    """Group top-k whose ratio an :class:`AdaptivePolicy` sets per call (``CompressInfo.ratio``);
+    ``ratio`` is the policy's base, used when a call gives none."""
+
+    name = "adaptive"
+
+    def __init__(self, settings: AdaptiveSettings) -> None:
+        super().__init__(settings.base, group=settings.group)
+        self.settings = settings
+
+    def spec(self) -> str:
+        return self.settings.spec()
