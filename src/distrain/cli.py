@@ -9,6 +9,7 @@ from typing import Any
 
 from distrain.config import SECTIONS, TrainConfig, base_type, flag, leaf_fields
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError
+from distrain.train.faults import Interrupted
 
 EXIT_BAD_INPUT = 2
 
@@ -219,6 +220,9 @@ def _run(args: argparse.Namespace) -> int:
     except DistrainError as exc:
         print(f"distrain: {exc}", file=sys.stderr)
         return 1
+    except Interrupted as exc:
+        print(f"distrain: {exc}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print("distrain: interrupted", file=sys.stderr)
         return 130

@@ -132,6 +132,8 @@ class RunConfig:
     resume: str = _opt("none", "'auto' (newest valid checkpoint in --run-dir), 'none', or a checkpoint step directory")
     progress: bool = _opt(True, "show a progress bar")
     threads: int = _opt(1, "torch intra-op threads per worker process")
+    on_nonfinite: str = _opt("stop", "a NaN or infinite loss or gradient (found before anything is sent): stop the run "
+                             "naming the worker and step, or skip = drop that worker's gradient for the step", ("stop", "skip"))
 
     def validate(self) -> None:
         check_positive("epochs", self.epochs)
@@ -140,6 +142,7 @@ class RunConfig:
             raise ConfigError("--target-accuracy", f"must be in (0, 1], got {self.target_accuracy!r}")
         check_positive("checkpoint_every", self.checkpoint_every, integer=True, allow_zero=True)
         check_positive("threads", self.threads, integer=True)
+        check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         if self.seed < 0:
             raise ConfigError("--seed", f"must be an integer >= 0, got {self.seed!r}")
 

@@ -23,6 +23,7 @@ from distrain.algorithms.hierarchical import build_hierarchy
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.gradients import GradientCompression
+from distrain.train.faults import NonFinite
 
 
 @dataclass
@@ -124,6 +125,7 @@ class AllReduce(Algorithm):
             for bucket in self.buckets:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(bucket)))
+        self.checks_gradients = bool(self._hooks)  # buckets leave during backward: check each first
 
     def _hook_for(self, bucket: Bucket):  # noqa: ANN202
         return lambda _param: self._grad_ready(bucket)
@@ -131,6 +133,11 @@ class AllReduce(Algorithm):
     def _grad_ready(self, bucket: Bucket) -> None:
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
+            bucket.gather_grads()
+            if not bool(torch.isfinite(bucket.flat).all()):  # a NaN is never averaged into a peer
+                if self.config.run.on_nonfinite != "skip":
+                    raise NonFinite("gradient")
+                bucket.flat.zero_()  # this worker's share of the bucket is dropped for this step
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:

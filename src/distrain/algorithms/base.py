@@ -44,6 +44,9 @@ class Algorithm:
     #: budget (``keep_going``), the loop evaluates only once training is over, and the consensus
     #: over time comes from ``consensus_history``.
     synchronous: bool = True
+    #: True when the algorithm checks gradients for NaN / Inf itself before sending them (those
+    #: that send during backward); otherwise the loop checks them before ``after_backward``.
+    checks_gradients: bool = False
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -112,6 +115,10 @@ class Algorithm:
         """Whether this worker takes step ``step`` (0-based); may block at the end of an
         asynchronous run until every worker is done."""
         return step < total_steps
+
+    def request_stop(self) -> None:
+        """SIGTERM / Ctrl-C: an asynchronous worker ends its budget now (``keep_going`` then
+        winds down); synchronous workers stop at a step agreed by the loop."""
 
     def schedule_step(self, step: int) -> int:
         """Where the learning-rate schedule stands at ``step`` (asynchronous budgets follow the

@@ -374,6 +374,7 @@ class AsyncGossip(Algorithm):
         self.snapshots = Snapshots(g.snapshot_every, snapshot_limit(flat.numel() * flat.element_size()))
         self.engine: GossipEngine | None = self.build_engine(transport) if transport.world_size > 1 else None
         self._drained = False
+        self._stop_requested = False
         self._last_step_at: float | None = None
         self._consensus_distance: float | None = None
 
@@ -440,10 +441,13 @@ class AsyncGossip(Algorithm):
         and no exchange is in flight (the models are final)."""
         if self._drained:
             return False
-        if self.budget.progress(step, self.state.global_steps(), self.elapsed()) < 1:
+        if not self._stop_requested and self.budget.progress(step, self.state.global_steps(), self.elapsed()) < 1:
             return True
         self._drain()
         return False
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
 
     def schedule_step(self, step: int) -> int:
         return self.budget.schedule_step(step, self.state.global_steps(), self.elapsed())

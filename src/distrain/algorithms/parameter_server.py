@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.comm.transport import Handle, Transport
@@ -52,6 +53,7 @@ from distrain.compress.registry import build_compressor
 from distrain.compress.warmup import DensityWarmup
 from distrain.config import TrainConfig
 from distrain.errors import ConfigError, WorkerFailure
+from distrain.train.faults import FaultWatch, maybe_injected_kill
 from distrain.train.optim import build_optimizer
 from distrain.train.schedule import LRSchedule, scaled_lr
 
@@ -232,7 +234,8 @@ class ShardServer:
         self.optimizer.step()
         self.updates += 1
 
-    def run(self, start_step: int = 0) -> None:
+    def run(self, start_step: int = 0, watch: Any = None) -> None:
+        self.watch = watch
         if self.cfg.ps.ps_mode == "sync":
             self._run_sync(start_step)
         else:
@@ -244,6 +247,9 @@ class ShardServer:
         grads = torch.zeros(self.num_workers, self.shard.numel())
         every = self.cfg.run.checkpoint_every
         for step in range(start_step, self.total_steps):
+            maybe_injected_kill(self.transport.rank, step)  # fault injection for tests
+            if self.watch is not None:
+                self.watch.step = step
             handles = [self.transport.recv(clocks[w], w) for w in workers]
             handles += [h for w in workers if (h := self._recv_push(grads[w], w)) is not None]
             for h in handles:
@@ -255,6 +261,12 @@ class ShardServer:
                 h.wait()
             if every and (step + 1) % every == 0:
                 self.save(step + 1)
+            if self.watch is not None and self.watch.stop.requested.is_set():  # SIGTERM: the workers' agreed step
+                stop_at = self.watch.agreed_step(step, synchronous=True)
+                if step + 1 >= stop_at:
+                    if not (every and (step + 1) % every == 0):
+                        self.save(step + 1)
+                    return
         if not (every and self.total_steps % every == 0):
             self.save(self.total_steps)
 
@@ -302,6 +314,20 @@ class ShardServer:
 
 def serve(cfg: TrainConfig, run_dir: str | Path, control_group: Any = None) -> None:
     """Run one parameter server until the workers' budget is used; then join the final gather."""
+
+    watch = FaultWatch(dist.get_rank(), role="server")
+    try:
+        _serve(cfg, run_dir, watch)
+    except Exception as exc:
+        replacement = watch.explain(exc)
+        if replacement is exc:
+            raise
+        raise replacement from exc
+    finally:
+        watch.close()
+
+
+def _serve(cfg: TrainConfig, run_dir: str | Path, watch: FaultWatch) -> None:
     from distrain.emulation import Emulation
     from distrain.train.checkpoint import CheckpointStore
 
@@ -315,7 +341,7 @@ def serve(cfg: TrainConfig, run_dir: str | Path, control_group: Any = None) -> N
     if resume is not None:
         server.load(resume)
         start_step = resume
-    server.run(start_step)
+    server.run(start_step, watch)
     wall = time.perf_counter() - start
     # Join the workers' final gather of counters (train.loop), as a row that trained no samples.
     mine = torch.tensor([0, 0, wall, 0.0, transport.stats.comm_seconds, *transport.stats.sent, *transport.stats.received],

@@ -54,13 +54,26 @@ def check_port_free(addr: str, port: int) -> None:
             raise ConfigError("--master-port", f"{addr}:{port} is not available ({exc.strerror}); pick another port or 0 for a free one") from None
 
 
-def init_group(cfg: TrainConfig, rank: int, world: int, init_method: str | None = None) -> None:
-    """Open the default process group with the run's timeout (a world of 1 needs no network)."""
+def init_group(cfg: TrainConfig, rank: int, world: int, init_method: str | None = None,
+               store: dist.Store | None = None) -> None:
+    """Open the default process group with the run's timeout (a world of 1 needs no network).
+
+    Meet through ``store`` when given (the local launcher hosts one that outlives every
+    worker), else through ``init_method``, else (one process) an in-memory store.
+    """
     if cfg.cluster.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    store = dist.HashStore() if init_method is None else None
-    dist.init_process_group(backend_for(cfg), init_method=init_method, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
+    if store is None and init_method is None:
+        store = dist.HashStore()
+    dist.init_process_group(backend_for(cfg), init_method=None if store is not None else init_method, store=store,
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
+
+
+def store_of(addr: str, port: int, timeout: float, *, host: bool = False) -> dist.TCPStore:
+    """The rendezvous store at ``addr:port``: host it (the launcher), or connect to it (a worker,
+    failing after ``timeout`` seconds if nobody answers)."""
+    return dist.TCPStore(addr, port, is_master=host, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
 
 
 def close_group() -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
+import shutil
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -27,12 +32,20 @@ from distrain.launch.common import (
     init_group,
     run_role,
     server_count,
+    store_of,
 )
+from distrain.train.faults import Interrupted
 
 log = logging.getLogger(__name__)
 
 # Exit status of a worker that stopped on bad input (mirrors the CLI's status 2).
 EXIT_BAD_INPUT = 2
+#: Exit status of a worker that stopped on SIGTERM / Ctrl-C after saving a checkpoint.
+EXIT_INTERRUPTED = 130
+#: Seconds workers get, after SIGTERM / Ctrl-C, to agree on a step, checkpoint and leave.
+STOP_GRACE_S = 10.0
+#: Where workers leave their one-line reason for failing, inside the run directory.
+FAILURES = "failures"
 
 
 def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
@@ -57,51 +70,115 @@ def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
         raise ConfigError("--batch-size", f"worker {smallest}'s shard has {len(parts[smallest])} samples, fewer than one batch of {cfg.data.batch_size}")
 
 
-def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: str, user: dict[str, Any]) -> None:
+def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_dir: str, user: dict[str, Any]) -> None:
     configure_worker_logging(rank)
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))  # heartbeats and stop requests meet in the store
     code = 0
     try:
-        init_group(cfg, rank, world, init_method)
+        init_group(cfg, rank, world, store=store_of(addr, port, cfg.cluster.timeout))
         run_role(cfg, rank, world, run_dir, **user)
     except (ConfigError, DataError) as exc:
         if rank == 0:
             print(f"distrain: {exc}", file=sys.stderr)
         code = EXIT_BAD_INPUT
+    except Interrupted:
+        code = EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        code = 130
+        code = EXIT_INTERRUPTED
     except DistrainError as exc:
-        print(f"distrain: worker {rank}: {exc}", file=sys.stderr)
+        _report(run_dir, rank, str(exc))
         code = 1
     except Exception:
         print(f"distrain: worker {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        _report(run_dir, rank, traceback.format_exc().strip().splitlines()[-1])
         code = 1
     finally:
         close_group()
     exit_now(code)
 
 
-def _supervise(procs: list[mp.Process], grace: float) -> None:
-    """Wait for every worker; once one fails, give the others ``grace`` seconds, then stop them."""
+def _report(run_dir: str, rank: int, message: str) -> None:
+    """One line on stderr, and in the run directory for the launcher's own report."""
+    print(f"distrain: {message}", file=sys.stderr)
+    with contextlib.suppress(OSError):
+        failures = Path(run_dir) / FAILURES
+        failures.mkdir(exist_ok=True)
+        (failures / f"rank-{rank}.txt").write_text(message + "\n")
+
+
+def _describe_exit(run_dir: Path, rank: int, code: int, nworkers: int) -> str:
+    role = f"worker {rank}" if rank < nworkers else f"server {rank - nworkers} (rank {rank})"
+    note = run_dir / FAILURES / f"rank-{rank}.txt"
+    if note.is_file():
+        return f"{role} failed: {note.read_text().strip()}"
+    if code < 0:
+        return f"{role} was killed by {signal.Signals(-code).name}"
+    return f"{role} exited with status {code}"
+
+
+class _Signals:
+    """The launcher's SIGTERM / SIGINT: forward a stop request to every worker, once."""
+
+    def __init__(self, procs: list[mp.Process]) -> None:
+        self.procs = procs
+        self.at: float | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.at is not None:
+            return
+        self.at = time.monotonic()
+        for p in self.procs:  # Ctrl-C reached them already; SIGTERM from elsewhere did not
+            if p.is_alive() and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: int,
+               signals: _Signals | None = None) -> None:
+    """Wait for every worker; once one fails, give the others ``grace`` seconds, then stop them.
+
+    After a SIGTERM / Ctrl-C, workers get ``STOP_GRACE_S`` seconds to agree on a step, save a
+    checkpoint and leave; then they are killed.
+    """
     pending = list(procs)
     failed_at: float | None = None
     failures: list[tuple[int, int]] = []
     while pending:
-        timeout = None if failed_at is None else max(0.0, failed_at + grace - time.monotonic())
-        ready = multiprocessing.connection.wait([p.sentinel for p in pending], timeout=timeout)
-        if not ready:  # grace is over: the survivors are stuck waiting on the failed worker
+        deadlines = [failed_at + grace if failed_at is not None else None,
+                     signals.at + STOP_GRACE_S if signals is not None and signals.at is not None else None]
+        due = min((d for d in deadlines if d is not None), default=None)
+        if due is not None and time.monotonic() >= due:  # the survivors are stuck, or too slow to stop
             _stop(pending)
             break
+        ready = multiprocessing.connection.wait([p.sentinel for p in pending], timeout=0.5)
         for p in [p for p in pending if p.sentinel in ready]:
             p.join()
             pending.remove(p)
-            if p.exitcode != 0:
+            if p.exitcode not in (0, EXIT_INTERRUPTED):
                 failures.append((procs.index(p), p.exitcode))
                 failed_at = failed_at or time.monotonic()
+    if signals is not None and signals.at is not None:
+        raise Interrupted(-1)
     if failures:
         if all(code == EXIT_BAD_INPUT for _, code in failures):
             raise SystemExit(EXIT_BAD_INPUT)
-        rank, code = failures[0]
-        raise WorkerFailure(f"worker {rank} exited with status {code}; the run was stopped")
+        killed = [(r, c) for r, c in failures if c < 0]  # a process killed outright is the cause
+        rank, code = (killed or failures)[0]
+        raise WorkerFailure(f"{_describe_exit(run_dir, rank, code, nworkers)}; the run was stopped")
+    interrupted = [r for r, p in enumerate(procs) if p.exitcode == EXIT_INTERRUPTED]
+    if interrupted:  # a worker was signalled directly: every one stopped at the agreed step
+        raise Interrupted(-1)
 
 
 def _stop(procs: list[mp.Process], wait: float = 5.0) -> None:
@@ -134,21 +211,33 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     if nprocs == 1:
         return run_in_process(cfg, run_dir, **user)
     preflight(cfg, train_set)
+    shutil.rmtree(run_dir / FAILURES, ignore_errors=True)  # notes of an earlier attempt in this directory
     addr = cfg.cluster.master_addr
     if cfg.cluster.master_port:
         check_port_free(addr, cfg.cluster.master_port)
     port = cfg.cluster.master_port or free_port(addr)
+    # The store lives here, not in a worker: heartbeats, stop requests and failure notes outlive
+    # any worker that dies.
+    store = store_of(addr, port, cfg.cluster.timeout, host=True)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, name=f"distrain-worker-{rank}",
-                         args=(rank, nprocs, cfg, f"tcp://{addr}:{port}", str(run_dir), user))
+                         args=(rank, nprocs, cfg, addr, port, str(run_dir), user))
              for rank in range(nprocs)]
-    for p in procs:
-        p.start()
+    signals = _Signals(procs).install()
     try:
-        _supervise(procs, grace=min(cfg.cluster.timeout, 30.0))
-    except BaseException:
-        _stop(procs)
-        raise
+        for p in procs:
+            p.start()
+        _supervise(procs, grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
+                   signals=signals)
+    except Interrupted:
+        from distrain.train.checkpoint import CheckpointStore
+
+        saved = CheckpointStore(run_dir, 0, nprocs).latest_complete()
+        raise Interrupted(-1 if saved is None else saved, run_dir) from None
+    finally:
+        signals.uninstall()
+        _stop(procs)  # nobody outlives the launcher
+        del store
     return json.loads((run_dir / "summary.json").read_text())
 
 

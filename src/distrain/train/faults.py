@@ -1,11 +1,21 @@
-"""What the worker loop does when something goes wrong: signals, lost peers, non-finite values."""
+"""What the worker loop does when something goes wrong: signals, lost peers, non-finite values.
+
+Fault injection for tests (environment variables, read by every worker):
+
+    DISTRAIN_INJECT_NAN='RANK:STEP'    that worker's loss becomes NaN at that step
+    DISTRAIN_INJECT_KILL='RANK:STEP'   that process (a worker, or a parameter server by its
+                                       global rank) kills itself with SIGKILL at that step
+                                       (not after a torchrun restart)
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -18,14 +28,32 @@ from distrain.train.health import Heartbeat
 log = logging.getLogger(__name__)
 
 STOP_KEY = "distrain/stop_step"
+FAILURE_KEY = "distrain/failure"
+#: A second SIGTERM / SIGINT this long after the first stops a worker at once; sooner, it is the
+#: same request arriving twice (Ctrl-C reaches every process, and the launcher forwards it too).
+REPEAT_WINDOW_S = 3.0
+#: Words in the errors gloo raises when a peer is gone or silent.
+COMM_ERROR_WORDS = ("connection", "closed", "reset", "timed out", "timeout", "broken pipe", "gloo", "peer", "socket")
 
 
 class Interrupted(Exception):
-    """The run was asked to stop (SIGTERM / Ctrl-C); a checkpoint was written at ``step``."""
+    """The run was asked to stop (SIGTERM / Ctrl-C); a checkpoint was written at ``step``
+    (-1: unknown) in ``run_dir``."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
-        super().__init__(f"stopped on request at step {step}")
+    def __init__(self, step: int, run_dir: Any = None) -> None:
+        self.step, self.run_dir = step, run_dir
+        message = "stopped on request" + (f" after step {step}" if step >= 0 else "")
+        if run_dir is not None:
+            message += f"; continue with --resume auto --run-dir {run_dir}"
+        super().__init__(message)
+
+
+class NonFinite(Exception):
+    """Raised where a non-finite value is found before it is sent (``what``: loss, gradient)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"non-finite {what}")
 
 
 class StopRequest:
@@ -34,12 +62,14 @@ class StopRequest:
     Synchronous algorithms must stop at the same step on every worker, or the ones that go on
     would wait for the ones that left. The first worker to see the request proposes
     ``step + 2`` in the rendezvous store (compare-and-set, so one proposal wins); each worker
-    runs until that step, checkpoints, and leaves. Workers are at most one step apart in a
-    synchronous algorithm, so nobody has passed the agreed step.
+    runs until that step, checkpoints, and leaves. Every worker is signalled (the launchers
+    forward the signal; Ctrl-C reaches the whole process group), and workers are at most one step
+    apart in a synchronous algorithm, so nobody has passed the agreed step.
     """
 
     def __init__(self) -> None:
         self.requested = threading.Event()
+        self._first: float | None = None
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopRequest:
@@ -49,8 +79,11 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested.is_set():  # a second signal: stop now
+        now = time.monotonic()
+        if self._first is not None and now - self._first > REPEAT_WINDOW_S:  # asked again: stop now
             raise KeyboardInterrupt
+        if self._first is None:
+            self._first = now
         self.requested.set()
 
     def uninstall(self) -> None:
@@ -58,20 +91,23 @@ class StopRequest:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def agreed_step(self, step: int, synchronous: bool) -> int:
+    def agreed_step(self, step: int, synchronous: bool, store: dist.Store | None = None) -> int:
         """The step at which every worker stops: ours + 2 (or the first proposal), or ours if alone."""
-        store = _store_client()
-        if not synchronous or store is None:
+        if not synchronous:
+            return step
+        store = store if store is not None else store_client()
+        if store is None:
             return step
         value = store.compare_set(STOP_KEY, "", str(step + 2))
         return int(value.decode() if isinstance(value, bytes) else value)
 
 
-def _store_client() -> dist.TCPStore | None:
+def store_client(timeout: float = 10.0) -> dist.TCPStore | None:
+    """A client of the rendezvous store (None for a single process or no store address)."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 
 
 def start_heartbeat() -> Heartbeat | None:
@@ -82,17 +118,51 @@ def start_heartbeat() -> Heartbeat | None:
     return Heartbeat(host, int(port), dist.get_rank(), dist.get_world_size()).start()
 
 
-def lost_peer(exc: BaseException, rank: int, step: int, heartbeat: Heartbeat | None) -> WorkerFailure:
+def announce_failure(store: dist.Store | None, message: str) -> None:
+    """Leave this worker's reason for stopping in the store, so peers can quote it (best effort)."""
+    try:
+        if store is not None:
+            store.compare_set(FAILURE_KEY, "", message)
+    except Exception as exc:  # noqa: BLE001 - the store may be gone already
+        log.debug("could not record the failure: %s", exc)
+
+
+def announced_failure(store: dist.Store | None) -> str | None:
+    """The first reason a worker left in the store, if any."""
+    try:
+        if store is not None and store.check([FAILURE_KEY]):
+            return store.get(FAILURE_KEY).decode() or None
+    except Exception:  # noqa: BLE001 - the store may be gone
+        return None
+    return None
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether an exception looks like a collective or point-to-point failing (a peer gone)."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in COMM_ERROR_WORDS)
+
+
+def lost_peer(exc: BaseException, rank: int, step: int, heartbeat: Heartbeat | None, role: str = "worker",
+              store: dist.Store | None = None) -> WorkerFailure:
     """A one-line failure naming the step and the rank that most likely stopped."""
-    suspects = heartbeat.wait_for_suspects() if heartbeat is not None else []
+    cause = announced_failure(store)
+    suspects = heartbeat.wait_for_suspects() if heartbeat is not None and cause is None else []
+    if cause is not None:
+        return WorkerFailure(f"{role} {rank} stopped at step {step} because {cause}")
     who = f"rank {', '.join(map(str, suspects))}" if suspects else "an unknown rank"
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return WorkerFailure(f"worker {rank} lost contact with {who} at step {step} ({reason[:160]})")
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", reason)  # gloo's source location
+    return WorkerFailure(f"{role} {rank} lost contact with {who} at step {step} ({reason[:160]})")
 
 
-def check_finite(loss: torch.Tensor, rank: int, step: int) -> bool:
-    """False when the loss is NaN or infinite (the caller stops or skips the step)."""
-    return bool(torch.isfinite(loss).all())
+def grads_finite(params: list[torch.nn.Parameter]) -> bool:
+    """True when every gradient is finite (one reduction per parameter, one sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
 def nonfinite_error(rank: int, step: int, what: str = "loss") -> WorkerFailure:
@@ -100,10 +170,71 @@ def nonfinite_error(rank: int, step: int, what: str = "loss") -> WorkerFailure:
                          "(use --on-nonfinite skip to skip such steps)")
 
 
-def injected_nan(rank: int, step: int) -> bool:
-    """Fault injection for tests: DISTRAIN_INJECT_NAN='rank:step' poisons that worker's loss once."""
-    spec = os.environ.get("DISTRAIN_INJECT_NAN")
+def _injected(variable: str, rank: int, step: int) -> bool:
+    spec = os.environ.get(variable)
     if not spec:
         return False
     r, s = (int(v) for v in spec.split(":"))
     return r == rank and s == step
+
+
+def injected_nan(rank: int, step: int) -> bool:
+    """Fault injection for tests: DISTRAIN_INJECT_NAN='rank:step' poisons that worker's loss once."""
+    return _injected("DISTRAIN_INJECT_NAN", rank, step)
+
+
+def maybe_injected_kill(rank: int, step: int) -> None:
+    """Fault injection for tests: DISTRAIN_INJECT_KILL='rank:step' kills this process outright."""
+    if _injected("DISTRAIN_INJECT_KILL", rank, step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        mark = os.environ.get("DISTRAIN_INJECT_MARK")  # when it happened, for tests that time detection
+        if mark:
+            with open(mark, "w") as f:
+                f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultWatch:
+    """One worker's (or server's) guard for a run: a stop request, heartbeats, and the step it
+    is at, so that whatever goes wrong ends in one line naming the step and the cause.
+
+    Example::
+
+        watch = FaultWatch(rank=1)
+        try:
+            ...                                # the loop sets watch.step as it goes
+        except BaseException as exc:
+            raise watch.explain(exc) from exc  # a lost peer becomes "worker 1 lost contact with rank 3 at step 41 (...)"
+        finally:
+            watch.close()
+    """
+
+    def __init__(self, rank: int, role: str = "worker") -> None:
+        self.rank, self.role = rank, role
+        self.step = 0
+        self.stop = StopRequest().install()
+        self.store: dist.Store | None = None
+        try:
+            self.store = store_client()  # made now, while the store is surely up; reused
+        except Exception as exc:  # noqa: BLE001 - then no stop agreement or failure notes
+            log.warning("no rendezvous store for stop requests and failure notes: %s", exc)
+        self.heartbeat = start_heartbeat()
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """The exception to raise in place of ``exc``: lost peers named, own failures announced."""
+        if isinstance(exc, WorkerFailure):
+            cause = exc.__cause__
+            if cause is not None and is_comm_error(cause):  # e.g. a gossip thread's exchange failed
+                return lost_peer(cause, self.rank, self.step, self.heartbeat, self.role, self.store)
+            announce_failure(self.store, str(exc))  # e.g. a non-finite loss: the peers quote it
+            return exc
+        if is_comm_error(exc):
+            return lost_peer(exc, self.rank, self.step, self.heartbeat, self.role, self.store)
+        return exc
+
+    def agreed_step(self, step: int, synchronous: bool) -> int:
+        return self.stop.agreed_step(step, synchronous, self.store)
+
+    def close(self) -> None:
+        self.stop.uninstall()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()

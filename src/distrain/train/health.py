@@ -44,12 +44,19 @@ class Heartbeat:
         self.interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._query: dist.TCPStore | None = None  # made while the store is surely up; reused
+        self._store_lost = False
 
     def _client(self) -> dist.TCPStore:
         return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
                              timeout=timedelta(seconds=max(2.0, 2 * self.interval)))
 
     def start(self) -> Heartbeat:
+        try:
+            self._query = self._client()
+            self._query.set(KEY.format(self.rank), repr(time.time()))  # started means stamped
+        except Exception as exc:  # noqa: BLE001 - no store: suspects() names its host
+            log.debug("no store for heartbeats: %s", exc)
         self._thread = threading.Thread(target=self._run, name="distrain-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -61,13 +68,17 @@ class Heartbeat:
                 store.set(KEY.format(self.rank), repr(time.time()))
                 self._stop.wait(self.interval)
         except Exception as exc:  # the store's host went away; suspects() will say so
+            self._store_lost = True
             log.debug("heartbeat stopped: %s", exc)
 
     def suspects(self, stale_after: float | None = None) -> list[int]:
         """Ranks whose stamp is missing or older than ``stale_after`` seconds (default 3 intervals)."""
         stale_after = stale_after if stale_after is not None else 3 * self.interval
         try:
-            store = self._client()
+            if self._store_lost:
+                raise ConnectionError("the store is gone")
+            store = self._query if self._query is not None else self._client()
+            self._query = store
             now = time.time()
             out = []
             for r in range(self.world_size):
@@ -78,6 +89,7 @@ class Heartbeat:
                     out.append(r)
             return out
         except Exception:
+            self._store_lost = True  # do not try again: every try against a dead store waits and logs
             return [0]  # the store lives with rank 0 (or the torchrun agent on its host)
 
     def wait_for_suspects(self, patience: float | None = None) -> list[int]:

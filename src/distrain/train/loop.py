@@ -44,6 +44,15 @@ from distrain.emulation import Emulation
 from distrain.errors import ConfigError, DataError
 from distrain.models import build_model
 from distrain.train.checkpoint import CheckpointStore, check_compatible
+from distrain.train.faults import (
+    FaultWatch,
+    Interrupted,
+    NonFinite,
+    grads_finite,
+    injected_nan,
+    maybe_injected_kill,
+    nonfinite_error,
+)
 from distrain.train.metrics import MetricsWriter, batches_of, evaluate, write_json_atomic
 from distrain.train.optim import build_optimizer
 from distrain.train.schedule import LRSchedule, scaled_lr
@@ -104,8 +113,25 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
 
     ``workers_group`` is the group of training workers when the world also holds other
     processes (parameter servers); None when every process is a worker.
+
+    Raises :class:`~distrain.train.faults.Interrupted` after a SIGTERM / Ctrl-C (every worker
+    stopped at the same step and saved a checkpoint), and ``WorkerFailure`` in one line naming
+    the step and the cause when a peer is lost or a value is not finite.
     """
-    run_dir = Path(run_dir)
+    watch = FaultWatch(dist.get_rank())
+    try:
+        return _train(cfg, Path(run_dir), watch, model_fn, train_set, test_set, workers_group)
+    except Exception as exc:
+        replacement = watch.explain(exc)
+        if replacement is exc:
+            raise
+        raise replacement from exc
+    finally:
+        watch.close()
+
+
+def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFactory | None,
+           train_set: Dataset | None, test_set: Dataset | None, workers_group: Any) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.run.threads)
     emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers)  # emulated links, compute speed
     transport = Transport(link_model=emulation.link_model)
@@ -179,6 +205,9 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     time_to_target: float | None = None
     accuracy = test_loss = float("nan")
     eval_seconds = compute_seconds = 0.0
+    params = [p for p in model.parameters() if p.requires_grad]
+    skip_nonfinite = cfg.run.on_nonfinite == "skip"
+    stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
     model.train()
     dist.barrier(group=workers_group)  # start the clock together
     emulation.start()  # emulation: bandwidth traces start now, on every worker
@@ -189,13 +218,39 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     step = start_step
     running = algorithm.keep_going(step, total_steps)
     while running:
+        watch.step = step
+        maybe_injected_kill(rank, step)  # fault injection for tests (environment variable)
         t0 = time.perf_counter()
         x, y = batches_of(train_set, sampler.batch(step))
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         losses = F.cross_entropy(model(x), y, reduction="none")
+        if injected_nan(rank, step):
+            losses = losses * float("nan")
         loss = losses.mean()
         optimizer.zero_grad(set_to_none=False)
-        loss.backward()
+        # Non-finite values are caught before anything leaves this worker: the loss before
+        # backward (all-reduce sends from gradient hooks), the gradients before after_backward
+        # (or, for algorithms that send during backward, by them, bucket by bucket).
+        finite = bool(torch.isfinite(loss))
+        if not finite and not skip_nonfinite:
+            raise nonfinite_error(rank, step, "loss")
+        try:
+            if finite:
+                loss.backward()
+            else:
+                (sum(p.sum() for p in params) * 0.0).backward()  # skip: zero gradients, still sent
+        except NonFinite as exc:
+            raise nonfinite_error(rank, step, exc.what) from None
+        if finite and not algorithm.checks_gradients and not grads_finite(params):
+            if not skip_nonfinite:
+                raise nonfinite_error(rank, step, "gradient")
+            finite = False
+            for p in params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        if not finite:
+            losses = torch.zeros_like(losses)
+            log.warning("worker %d: non-finite loss or gradient at step %d; its gradient is dropped", rank, step)
         emulation.after_compute(time.perf_counter() - t0)  # emulation: a slow worker takes factor x as long
         ctx = StepContext(step=step, epoch=(step + 1) / steps_per_epoch, batch_size=len(y),
                           per_sample_losses=losses.detach(), compute_seconds=time.perf_counter() - t0)
@@ -204,13 +259,18 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
         lr = schedule.apply(optimizer, algorithm.schedule_step(step))
         algorithm.apply_update(ctx)
         algorithm.after_update(ctx)
+        if watch.stop.requested.is_set() and stop_at is None:  # SIGTERM / Ctrl-C: stop together, soon
+            stop_at = watch.agreed_step(step, algorithm.synchronous)
+            algorithm.request_stop()
         running = algorithm.keep_going(step + 1, total_steps)  # asynchronous: the last one waits for the others
+        running = running and (stop_at is None or step + 1 < stop_at)
 
         sent, received, comm_s = traffic(transports)
         record: dict[str, Any] = {
             "step": step + 1, "epoch": ctx.epoch, "time": time.perf_counter() - start - eval_seconds,
-            "loss": loss.item(), "lr": lr, "bytes_sent": sum(sent), "bytes_received": sum(received),
-            "compute_s": ctx.compute_seconds, "comm_s": comm_s, "loss_quantiles": loss_quantiles(losses),
+            "loss": loss.item() if finite else float("nan"), "lr": lr, "bytes_sent": sum(sent),
+            "bytes_received": sum(received), "compute_s": ctx.compute_seconds, "comm_s": comm_s,
+            "loss_quantiles": loss_quantiles(losses),
         }
         if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
             t_eval = time.perf_counter()
@@ -223,6 +283,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
                 if progress is not None:
                     progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{accuracy:.3f}")
             eval_seconds += time.perf_counter() - t_eval
+        if not finite:
+            record["skipped"] = True
         record.update(algorithm.metrics())  # after evaluation: includes what eval_model() measured
         metrics.write(record)
         if progress is not None:
@@ -253,8 +315,10 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
                         dtype=torch.float64)
     rows = [r.tolist() for r in transport.control_all_gather(mine)]
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
-                        time_to_target, eval_seconds, resume_step) if rank == 0 else None
+                        time_to_target, eval_seconds, resume_step, stop_at is not None) if rank == 0 else None
     transport.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
+    if stop_at is not None:
+        raise Interrupted(step)
     return summary
 
 
@@ -280,7 +344,7 @@ def traffic(transports: list[Transport]) -> tuple[list[int], list[int], float]:
 
 def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: int, total_steps: int,
               global_batch: int, accuracy: float, test_loss: float, time_to_target: float | None,
-              eval_seconds: float, resume_step: int | None) -> dict[str, Any]:
+              eval_seconds: float, resume_step: int | None, interrupted: bool = False) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers."""
     wall = rows[0][2]
     n = len(rows)
@@ -301,6 +365,7 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         "bytes_sent_per_peer": [[int(v) for v in r[5 : 5 + n]] for r in rows],
         "compute_s_per_worker": [r[3] for r in workers], "comm_s_per_worker": [r[4] for r in workers],
         "resumed_from_step": resume_step, "run_dir": str(run_dir),
+        "interrupted": interrupted,
     }
     write_json_atomic(run_dir / "summary.json", summary)
     return summary

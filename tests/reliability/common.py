@@ -1,0 +1,89 @@
+"""Helpers for fault tests: run the CLI as a user does, inject faults, look for orphans."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: A quick job: synthetic data, a small MLP, short timeouts (steps per epoch: 1200 / (4 * 16) ~ 18).
+QUICK = ["--dataset", "synthetic", "--num-samples", "2400", "--model", "mlp", "--model-width", "32",
+         "--model-depth", "2", "--batch-size", "16", "--lr", "0.05", "--warmup-epochs", "0", "--lr-decay", "none",
+         "--no-progress", "--timeout", "20", "--peer-timeout", "5"]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    wall: float
+    orphans: list[int]  # processes of the run still alive once the launcher exited
+
+
+def cli_env(tag: str, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "DISTRAIN_TEST_TAG": tag, **extra}
+    return env
+
+
+def start_cli(args: list[str], tag: str, **extra_env: str) -> subprocess.Popen:
+    """``python -m distrain train ARGS`` in its own session (so a signal can reach its group)."""
+    return subprocess.Popen([sys.executable, "-m", "distrain", "train", *args], env=cli_env(tag, **extra_env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run_cli(args: list[str], timeout: float = 180, **extra_env: str) -> Result:
+    tag = uuid.uuid4().hex
+    t0 = time.monotonic()
+    proc = start_cli(args, tag, **extra_env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        wall = time.monotonic() - t0
+        orphans = tagged(tag)
+    finally:
+        proc.kill()
+        kill_tagged(tag)
+    return Result(proc.returncode, out, err, wall, orphans)
+
+
+def tagged(tag: str) -> list[int]:
+    """Processes still alive whose environment carries ``tag`` (orphans of a test run)."""
+    pids = []
+    needle = f"DISTRAIN_TEST_TAG={tag}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_tagged(tag: str) -> None:
+    """Reap whatever a failed test left behind (never needed when the code under test is right)."""
+    import signal
+
+    for pid in tagged(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.05) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,42 @@
+"""A process killed outright (SIGKILL) in a synchronous run: every survivor leaves with one line
+naming the step and the rank that went silent, within --timeout + 30 s, and the launcher reaps
+every process."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.reliability.common import QUICK, run_cli
+
+pytestmark = pytest.mark.timeout(180)
+
+TIMEOUT = 20  # --timeout in QUICK
+
+
+@pytest.mark.parametrize("algorithm,workers,victim,what", [
+    ("allreduce", 3, 1, "worker 1"),
+    ("ps", 2, 1, "worker 1"),
+    ("ps", 2, 2, "server 0 (rank 2)"),  # ranks 0, 1 are workers, rank 2 the server
+])
+def test_survivors_name_the_step_and_the_lost_rank(tmp_path, algorithm, workers, victim, what):
+    mark = tmp_path / "killed-at"
+    run = run_cli([*QUICK, "--workers", str(workers), "--epochs", "3", "--algorithm", algorithm,
+                   "--run-dir", str(tmp_path / "run")],
+                  DISTRAIN_INJECT_KILL=f"{victim}:30", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 1, run.stderr
+    assert run.orphans == []
+    killed_at = float(mark.read_text())
+    nprocs = workers + (1 if algorithm == "ps" else 0)
+    notes = {int(re.search(r"rank-(\d+)", p.name).group(1)): p for p in (tmp_path / "run" / "failures").glob("rank-*.txt")}
+    assert sorted(notes) == sorted(set(range(nprocs)) - {victim})  # every survivor, each one line
+    for note in notes.values():
+        line = note.read_text().strip()
+        assert "\n" not in line
+        assert re.search(rf"lost contact with rank [\d, ]*\b{victim}\b", line), line
+        assert "at step 30" in line or "at step 29" in line or "at step 31" in line, line  # a server counts its own steps
+        assert note.stat().st_mtime - killed_at < TIMEOUT + 30
+    last = run.stderr.strip().splitlines()[-1]
+    assert f"{what} was killed by SIGKILL" in last, run.stderr
+    assert "Traceback" not in run.stderr
