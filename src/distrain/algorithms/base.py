@@ -60,6 +60,13 @@ class Algorithm:
             raise ConfigError("--compress", f"{cls.name} does not compress its traffic; use --compress none, "
                                             f"or --algorithm allreduce or ps to train with {spec}")
 
+    @classmethod
+    def require_peers(cls, config: Any) -> None:
+        """Decentralized algorithms have nobody to average with on one worker."""
+        if config.cluster.workers < 2:
+            raise ConfigError("--workers", f"{cls.name} is decentralized and needs at least 2 workers, got "
+                              f"{config.cluster.workers}; use --algorithm allreduce for one worker")
+
     def __init__(self, config: Any) -> None:
         self.config = config
         compress = getattr(config, "compress", None)

@@ -83,6 +83,7 @@ class DPSGD(Algorithm):
     def check_config(cls, config: Any) -> None:
         """The topology must exist and be connected for ``--workers``, the weights fit it."""
         super().check_config(config)
+        cls.require_peers(config)
         mixing_matrix(build_topology(config.algo.topology, config.cluster.workers), config.algo.mixing)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:

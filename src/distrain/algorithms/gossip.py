@@ -354,6 +354,7 @@ class AsyncGossip(Algorithm):
     @classmethod
     def check_config(cls, config: Any) -> None:
         super().check_config(config)
+        cls.require_peers(config)
         if config.run.resume not in ("none", ""):
             raise ConfigError("--resume", f"{cls.name} is asynchronous (exchanges are in flight at any moment); "
                                           "it cannot resume from a checkpoint: use --resume none")

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +43,37 @@ def check_device(cfg: TrainConfig) -> None:
 def free_port(addr: str = "127.0.0.1") -> int:
     """A port that is free right now on ``addr``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
+        try:
+            s.bind((addr, 0))
+        except (OSError, OverflowError) as exc:
+            raise ConfigError("--master-addr", f"cannot listen on {addr} ({getattr(exc, 'strerror', None) or exc}); "
+                              "a local run needs an address of this machine, e.g. 127.0.0.1") from None
         return s.getsockname()[1]
 
 
 def check_port_free(addr: str, port: int) -> None:
+    free_port(addr)  # the address itself must be this machine's
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((addr, port))
         except OSError as exc:
             raise ConfigError("--master-port", f"{addr}:{port} is not available ({exc.strerror}); pick another port or 0 for a free one") from None
+
+
+def wait_for_master(addr: str, port: int, timeout: float) -> None:
+    """Wait until ``addr:port`` accepts connections; ConfigError naming --master-addr after
+    ``timeout`` seconds (probed quietly: the store client logs every failed attempt)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ConfigError("--master-addr", f"no rendezvous answered at {addr}:{port} within --timeout "
+                                  f"{timeout:g} s ({exc.strerror or exc}); is rank 0 running and reachable "
+                                  "from here?") from None
+            time.sleep(0.2)
 
 
 def init_group(cfg: TrainConfig, rank: int, world: int, init_method: str | None = None,

@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distrain.config import TrainConfig
-from distrain.errors import ConfigError, DataError, DistrainError, WorkerFailure
+from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
 from distrain.launch.common import (
     check_device,
     check_port_free,
@@ -70,6 +70,18 @@ def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
         raise ConfigError("--batch-size", f"worker {smallest}'s shard has {len(parts[smallest])} samples, fewer than one batch of {cfg.data.batch_size}")
 
 
+def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> None:
+    """The checkpoint --resume points at exists, is intact, and was written by this model,
+    algorithm and number of workers (rank 0's file stands for the set)."""
+    from distrain.train.checkpoint import CheckpointStore, check_compatible
+
+    store = CheckpointStore(run_dir, 0, nprocs)
+    step = store.resolve(cfg.run.resume)
+    if step is not None:
+        check_compatible(store.load(step), model=cfg.model.model, algorithm=cfg.algo.algorithm,
+                         world_size=cfg.cluster.workers)
+
+
 def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_dir: str, user: dict[str, Any]) -> None:
     configure_worker_logging(rank)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))  # heartbeats and stop requests meet in the store
@@ -77,7 +89,7 @@ def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_d
     try:
         init_group(cfg, rank, world, store=store_of(addr, port, cfg.cluster.timeout))
         run_role(cfg, rank, world, run_dir, **user)
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, CheckpointError) as exc:
         if rank == 0:
             print(f"distrain: {exc}", file=sys.stderr)
         code = EXIT_BAD_INPUT
@@ -211,6 +223,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     if nprocs == 1:
         return run_in_process(cfg, run_dir, **user)
     preflight(cfg, train_set)
+    check_resume(cfg, run_dir, nprocs)
     shutil.rmtree(run_dir / FAILURES, ignore_errors=True)  # notes of an earlier attempt in this directory
     addr = cfg.cluster.master_addr
     if cfg.cluster.master_port:

@@ -20,6 +20,7 @@ from distrain.launch.common import (
     init_group,
     run_role,
     server_count,
+    wait_for_master,
 )
 
 
@@ -46,6 +47,8 @@ def run_torchrun_worker(cfg: TrainConfig, **user: Any) -> dict[str, Any] | None:
     configure_worker_logging(rank)
     check_device(cfg)
     cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world - server_count(cfg)))
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # someone else hosts the store
+        wait_for_master(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), cfg.cluster.timeout)
     init_group(cfg, rank, world, "env://")
     try:
         run_dir = _shared_run_dir(cfg)
