@@ -27,8 +27,10 @@ from distrain.train.health import Heartbeat
 
 log = logging.getLogger(__name__)
 
-STOP_KEY = "distrain/stop_step"
-FAILURE_KEY = "distrain/failure"
+# Under torchrun the store outlives a restart: keys carry the attempt, so none is read twice.
+_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+STOP_KEY = f"distrain/{_ATTEMPT}/stop_step"
+FAILURE_KEY = f"distrain/{_ATTEMPT}/failure"
 #: A second SIGTERM / SIGINT this long after the first stops a worker at once; sooner, it is the
 #: same request arriving twice (Ctrl-C reaches every process, and the launcher forwards it too).
 REPEAT_WINDOW_S = 3.0

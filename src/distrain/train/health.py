@@ -10,6 +10,7 @@ is gone, its host (rank 0 for local runs) is the suspect.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-KEY = "distrain/heartbeat/{}"
+KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/heartbeat/{}"  # per torchrun attempt
 
 
 class Heartbeat:

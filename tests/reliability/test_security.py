@@ -1,0 +1,62 @@
+"""What distrain puts on the wire and loads from disk cannot run code: tensors and fixed-format
+headers only, sizes checked before allocating, torch.load(weights_only=True); local runs bind
+loopback; the README says torch.distributed has no authentication."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrain.config import TrainConfig
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "distrain"
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def sources() -> list[tuple[Path, str]]:
+    return [(p, p.read_text()) for p in sorted(SRC.rglob("*.py"))]
+
+
+@pytest.mark.parametrize("pattern", [
+    r"\b(send|recv|broadcast|all_gather|gather|scatter)_object(_list)?\b",  # torch.distributed pickles these
+    r"\bpickle\.loads?\(", r"\bmarshal\.loads?\(", r"\bdill\b", r"\bcloudpickle\b",
+    r"allow_pickle\s*=\s*True",
+])
+def test_no_pickled_objects_anywhere_in_distrain(pattern):
+    hits = [f"{p.relative_to(SRC)}:{i}" for p, text in sources()
+            for i, line in enumerate(text.splitlines(), 1) if re.search(pattern, line)]
+    assert hits == []
+
+
+def test_every_torch_load_is_weights_only():
+    calls = [(p, m) for p, text in sources() for m in re.finditer(r"torch\.load\(([^()]|\([^()]*\))*\)", text)]
+    assert calls, "expected at least the checkpoint loader"
+    for path, match in calls:
+        assert "weights_only=True" in match.group(0), f"{path.relative_to(SRC)}: {match.group(0)}"
+
+
+def test_local_runs_bind_loopback_by_default():
+    assert TrainConfig().cluster.master_addr == "127.0.0.1"
+
+
+def test_sparse_headers_are_checked_before_allocating():
+    from distrain.comm.sparse_ring import DENSE, SPARSE, ProtocolError, check_header
+
+    with pytest.raises(ProtocolError):
+        check_header(torch.tensor([SPARSE, 10**12, 4]), 1000, torch.float32)  # more nonzeros than the chunk
+    with pytest.raises(ProtocolError):
+        check_header(torch.tensor([DENSE, 1001, 4]), 1000, torch.float32)
+    with pytest.raises(ProtocolError):
+        check_header(torch.tensor([7, 1, 4]), 1000, torch.float32)  # unknown encoding
+    with pytest.raises(ProtocolError):
+        check_header(torch.tensor([DENSE, 1000, 8]), 1000, torch.float32)  # element size
+
+
+def test_readme_has_a_security_section():
+    text = README.read_text()
+    section = text[text.index("## Security"):]
+    section = section[: section.find("\n## ", 1)]
+    assert "no authentication" in section and "encryption" in section and "trusted" in section
