@@ -12,8 +12,9 @@ Example::
 
     dist.init_process_group("gloo")          # or "nccl"; e.g. under torchrun
     ddp_model = DDP(model)
-    state = GroupTopKState(process_group=None, ratio=0.01, group=1024)
+    state = GroupTopKState(process_group=None, ratio=0.01, group=1024, momentum=0.9)
     ddp_model.register_comm_hook(state, group_topk_hook)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.0)  # the hook has it
     # ... train as usual: loss.backward() now exchanges 1% of each bucket's gradient
 """
 
@@ -48,17 +49,25 @@ class GroupTopKState:
         start_iter: iterations of plain all-reduce before compression starts. DDP rebuilds its
             buckets after the first iteration, so error-feedback memory kept per bucket index is
             only meaningful from the second one on (as in PyTorch's ``PowerSGDState``).
+        momentum: momentum correction (Deep Gradient Compression): each worker applies this
+            momentum to its gradient before compressing, and zeroes the velocity of what it sent,
+            so a coordinate held back for many steps does not arrive amplified by the optimizer's
+            momentum. Build the optimizer without momentum then. At 1% this is what makes a small
+            model train (e.g. MNIST-1D's 1-D CNN: 0.96 test accuracy with it, 0.64 without, in
+            distrain's own all-reduce). 0 leaves momentum to the optimizer.
 
     Example::
 
-        state = GroupTopKState(process_group=None, ratio=0.01, group=1024)
+        state = GroupTopKState(process_group=None, ratio=0.01, group=1024, momentum=0.9)
         ddp_model.register_comm_hook(state, group_topk_hook)
+        optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.0)
     """
 
-    __slots__ = ["process_group", "ratio", "group", "error_feedback", "start_iter", "iter", "residuals"]
+    __slots__ = ["process_group", "ratio", "group", "error_feedback", "start_iter", "momentum", "iter", "residuals",
+                 "velocities"]
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, ratio: float = 0.01, group: int = 1024,
-                 error_feedback: bool = True, start_iter: int = 2) -> None:
+                 error_feedback: bool = True, start_iter: int = 2, momentum: float = 0.0) -> None:
         # Hyperparameters: fixed for the whole run.
         self.process_group = process_group
         self.ratio = check_ratio(ratio)
@@ -72,12 +81,16 @@ class GroupTopKState:
             raise ValueError("start_iter must be >= 2 with error feedback: DDP rebuilds its buckets after the "
                              "first iteration, which would mix up the memory kept per bucket")
         self.start_iter = start_iter
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        self.momentum = float(momentum)
         if self.ratio == 1.0:
             warnings.warn("GroupTopKState(ratio=1.0) keeps every element: it sends more than a plain all-reduce",
                           stacklevel=2)
         # Mutable state: changes every iteration.
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
+        self.velocities: dict[int, torch.Tensor] = {}
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
@@ -87,19 +100,42 @@ class GroupTopKState:
 
     def state_dict(self) -> dict[str, Any]:
         """The mutable state, tensors and ints only (for ``torch.save`` / ``weights_only`` loads)."""
-        return {"iter": self.iter, **{f"residual.{k}": r for k, r in self.residuals.items()}}
+        return {"iter": self.iter, **{f"residual.{k}": r for k, r in self.residuals.items()},
+                **{f"velocity.{k}": v for k, v in self.velocities.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iter = int(state["iter"])
         self.residuals = {int(k.split(".", 1)[1]): v for k, v in state.items() if k.startswith("residual.")}
+        self.velocities = {int(k.split(".", 1)[1]): v for k, v in state.items() if k.startswith("velocity.")}
+
+    def velocity(self, key: int, grad: torch.Tensor) -> torch.Tensor:
+        """Fold ``grad`` into the velocity of bucket ``key`` and return it (not a copy)."""
+        velocity = self.velocities.get(key)
+        if velocity is None or velocity.shape != grad.shape:  # first use, or DDP rebuilt its buckets
+            velocity = grad.clone()
+        else:
+            velocity.mul_(self.momentum).add_(grad)
+        self.velocities[key] = velocity
+        return velocity
+
+
+def one_dimensional_positions(bucket: dist.GradBucket) -> torch.Tensor:
+    """Positions (int64) in the bucket's flat buffer of its parameters of at most one dimension."""
+    parts, offset = [], 0
+    for p in bucket.parameters():
+        if p.dim() <= 1:
+            parts.append(torch.arange(offset, offset + p.numel()))
+        offset += p.numel()
+    return torch.cat(parts).to(bucket.buffer().device) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bucket's gradient from its group top-k sparsification on every worker.
 
     Each worker adds its error-feedback residual to the bucket, keeps the largest magnitudes of
-    every group, and all-gathers (indices, values); every worker then sums the n sparse
-    gradients in rank order and divides by n, so all replicas get the same gradient.
+    every group (one-dimensional parameters whole), and all-gathers (indices, values); every
+    worker then sums the n sparse gradients in rank order and divides by n, so all replicas get
+    the same gradient.
 
     Args:
         state: a :class:`GroupTopKState`.
@@ -115,18 +151,30 @@ def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.fut
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
+    flat = bucket.buffer()
+    key = bucket.index()
+    velocity = state.velocity(key, flat) if state.momentum else None
     if state.iter < state.start_iter:
+        if velocity is not None:  # the optimizer has no momentum: average the velocities
+            flat.copy_(velocity)
         state.maybe_increase_iter(bucket)
         return allreduce_hook(group, bucket)
 
-    flat = bucket.buffer()
-    key = bucket.index()
+    grad = velocity if velocity is not None else flat
     residual = state.residuals.get(key) if state.error_feedback else None
-    compensated = flat + residual if residual is not None and residual.shape == flat.shape else flat.clone()
-    indices = group_topk_indices(compensated, state.ratio, state.group)
-    values = compensated[indices]
+    compensated = grad + residual if residual is not None and residual.shape == grad.shape else grad.clone()
+    # One-dimensional tensors (biases, norm scales) travel whole, as in PowerSGD's hook: few
+    # elements that sparsification would starve. They are zeroed where top-k picks, so a pick
+    # there adds nothing, and every worker sends the same number of elements.
+    dense = one_dimensional_positions(bucket)
+    selectable = compensated.index_fill(0, dense, 0.0) if dense.numel() else compensated
+    top = group_topk_indices(selectable, state.ratio, state.group)
+    indices, values = torch.cat([top, dense]), torch.cat([selectable[top], compensated[dense]])
+    sent = torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, top, True).index_fill_(0, dense, False)
+    if velocity is not None and state.ratio < 1.0:
+        velocity.masked_fill_(sent, 0.0)  # momentum factor masking: what was sent stops pushing
     if state.error_feedback:
-        compensated[indices] = 0
+        compensated.masked_fill_(sent, 0.0).index_fill_(0, dense, 0.0)
         state.residuals[key] = compensated
 
     # Every worker has the same bucket sizes and ratio, hence the same k: plain all-gathers fit.

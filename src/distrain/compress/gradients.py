@@ -9,7 +9,9 @@ Per step, after backward:
 3. during the density warm-up the whole vector is all-reduced densely; afterwards the weights
    part is compensated (error feedback), compressed and summed through the collective the
    compressor calls for, while the one-dimensional part, a small fraction of the parameters that
-   sparsification would starve, is all-reduced densely (as PyTorch's PowerSGD hook does);
+   sparsification would starve, is summed densely (as PyTorch's PowerSGD hook does): with a
+   sparsifier it rides in the same sparse collective, every one of its elements kept, so a step
+   pays one collective's rounds of latency, not two;
 4. the sum is divided by the number of workers and copied back into the gradients.
 
 With ``--compress adaptive:...`` the algorithm's :class:`~distrain.compress.adaptive.AdaptivePolicy`
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from distrain.comm.ring import ring_all_reduce
+from distrain.comm.sparse_ring import SPARSE_COLLECTIVES
 from distrain.comm.transport import Transport
 from distrain.compress.adaptive import AdaptivePolicy
 from distrain.compress.base import CompressInfo, Compressor
@@ -140,6 +143,23 @@ class GradientCompression:
         else:
             transport.all_reduce(tensor).wait()
 
+    def _sparse_with_dense_tail(self, transport: Transport, info: CompressInfo,
+                                extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum the compressed weights part, the whole one-dimensional part and ``extra`` (dense
+        values appended after the gradient, e.g. the adaptive policy's shared slots) in one
+        sparse collective; returns the sum of ``extra`` (empty if None)."""
+        if self.sparse_collective not in SPARSE_COLLECTIVES:
+            raise ValueError(f"sparse_collective must be one of {sorted(SPARSE_COLLECTIVES)}, got {self.sparse_collective!r}")
+        extra = self.flat.new_zeros(0) if extra is None else extra
+        numel = self.flat.numel() + extra.numel()
+        (indices, values), _ = self.compressor.compress(self.flat[: self.split], info)
+        tail = torch.arange(self.split, numel, dtype=indices.dtype, device=indices.device)
+        indices = torch.cat([indices, tail])
+        values = torch.cat([values.to(self.flat.dtype), self.flat[self.split :], extra.to(self.flat.dtype)])
+        total = SPARSE_COLLECTIVES[self.sparse_collective](transport, indices, values, numel)
+        self.flat.copy_(total[: self.flat.numel()])
+        return total[self.flat.numel() :]
+
     def average(self, transport: Transport, *, step: int, epochs_done: float, ratio: float | None = None) -> None:
         """Replace every parameter's gradient with the (compressed) average over all workers.
 
@@ -164,27 +184,38 @@ class GradientCompression:
         else:
             if ratio is None or self.compressor.ratio is None:
                 ratio = self.density.ratio(epochs_done)
-            if weights.numel():
-                info = CompressInfo(step=step, key=WEIGHTS, ratio=ratio, worker=transport.rank)
-                weights.copy_(allreduce_compressed(transport, self.compressor, weights, info,
-                                                   sparse_collective=self.sparse_collective, own_ring=self.own_ring))
-            if self.policy is None:
-                self._dense_all_reduce(transport, one_dim)
+            info = CompressInfo(step=step, key=WEIGHTS, ratio=ratio, worker=transport.rank)
+            if weights.numel() and one_dim.numel() and self.compressor.sparse:
+                shared = None if self.policy is None else self._shared_slots(transport)
+                summed = self._sparse_with_dense_tail(transport, info, shared)
+                if self.policy is not None:
+                    self.policy.observe_cluster(summed.tolist())
             else:
-                self._share_and_all_reduce(transport, one_dim)
+                if weights.numel():
+                    weights.copy_(allreduce_compressed(transport, self.compressor, weights, info,
+                                                       sparse_collective=self.sparse_collective, own_ring=self.own_ring))
+                if self.policy is None:
+                    self._dense_all_reduce(transport, one_dim)
+                else:
+                    self._share_and_all_reduce(transport, one_dim)
             self.ratio = ratio if ratio is not None else self.compressor.wire_bytes(self.split) / max(1, self.flat.element_size() * self.split)
         self.flat.div_(transport.world_size)
         self._scatter()
         self.step_bytes_sent = transport.stats.bytes_sent - sent_before
 
+    def _shared_slots(self, transport: Transport) -> torch.Tensor:
+        """One slot per worker, this worker's holding the policy's shared value: summed over
+        workers, every worker gets every worker's value."""
+        assert self.policy is not None
+        shared = torch.zeros(transport.world_size, dtype=self.flat.dtype, device=self.flat.device)
+        shared[transport.rank] = self.policy.shared_value()
+        return shared
+
     def _share_and_all_reduce(self, transport: Transport, one_dim: torch.Tensor) -> None:
         """All-reduce ``one_dim`` with one more slot per worker, where each worker puts its delay
         per byte (zeros elsewhere): the sum hands every worker the whole cluster's, for the
         adaptive policy's baseline, in the exchange that happens anyway."""
-        assert self.policy is not None
-        shared = torch.zeros(transport.world_size, dtype=one_dim.dtype, device=one_dim.device)
-        shared[transport.rank] = self.policy.shared_value()
-        both = torch.cat([one_dim, shared])
+        both = torch.cat([one_dim, self._shared_slots(transport)])
         self._dense_all_reduce(transport, both)
         one_dim.copy_(both[: one_dim.numel()])
         self.policy.observe_cluster(both[one_dim.numel():].tolist())
