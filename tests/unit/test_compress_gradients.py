@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distrain.comm.transport import TransportStats
 from distrain.compress import CompressInfo, GroupTopK, MomentumCorrection, build_compressor
 from distrain.compress.gradients import GradientCompression, take_momentum
 from distrain.compress.warmup import DensityWarmup
@@ -20,6 +21,7 @@ class OneWorker:
     """The part of a Transport that a world of one uses: collectives are the identity."""
 
     rank, world_size = 0, 1
+    stats = TransportStats(sent=[0], received=[0])
 
     def all_reduce(self, tensor: torch.Tensor) -> _Done:
         return _Done()
