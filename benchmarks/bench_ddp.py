@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -71,6 +72,7 @@ def run_pair(model: str, args: argparse.Namespace, repeat: int, tmp: Path) -> di
     peer = NativeDDP() if args.ddp == "native" else build_peer("ddp")
     times = {}
     order = ["distrain", "ddp"] if repeat % 2 == 0 else ["ddp", "distrain"]  # neither always goes first
+    times["load_before"] = os.getloadavg()[0]
     for side in order:
         cfg = job(model, args.workers, args.epochs, tmp / f"{model}-{side}-{repeat}")
         summary = launch_local(cfg) if side == "distrain" else launch_peer(cfg, peer)
@@ -78,6 +80,7 @@ def run_pair(model: str, args: argparse.Namespace, repeat: int, tmp: Path) -> di
         times[f"{side}_mean"] = summary["wall_time_s"] / summary["steps"]
         times[f"{side}_accuracy"] = summary["final_test_accuracy"]
     times["ratio"] = times["distrain"] / times["ddp"]
+    times["load_after"] = os.getloadavg()[0]
     return times
 
 
@@ -112,6 +115,7 @@ def main() -> None:
                 "median_step_s": {"distrain": statistics.median(r["distrain"] for r in rows),
                                   "ddp": statistics.median(r["ddp"] for r in rows)},
                 "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
+                "load_average": [min(r["load_before"] for r in rows), max(r["load_after"] for r in rows)],
             }
             summary["ratio_of_medians"] = summary["median_step_s"]["distrain"] / summary["median_step_s"]["ddp"]
             results["models"][model] = summary
@@ -122,6 +126,8 @@ def main() -> None:
         print(f"{model:<8}{s['median_step_s']['distrain'] * 1e3:>20.2f}{s['median_step_s']['ddp'] * 1e3:>15.2f}"
               f"{s['median_ratio']:>14.3f}{ok:>16}")
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"load average (1 min) during the runs: {min(r['load_before'] for s in results['models'].values() for r in s['runs']):.1f}"
+          f" to {max(r['load_after'] for s in results['models'].values() for r in s['runs']):.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -174,8 +174,9 @@ class AlgoConfig:
     algorithm: str = _opt("allreduce", "training algorithm")
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for allreduce (communication overlaps backward)")
     ring: str = _opt("gloo", "all-reduce implementation: gloo's native collective or our ring over point-to-point", ("gloo", "own"))
-    workers_per_node: int = _opt(0, "hierarchical all-reduce: ranks per node (reduce inside a node, all-reduce among "
-                                 "node leaders, broadcast inside the node); 0 = flat")
+    workers_per_node: int = _opt(0, "hierarchical aggregation (allreduce, ps): ranks per node (reduce inside a node, "
+                                 "all-reduce among node leaders or push to the servers, broadcast inside the node; "
+                                 "links inside a node are not emulated); 0 = flat")
     topology: str = _opt("ring", "decentralized algorithms (dpsgd, d2, adpsgd): who exchanges models with whom",
                          ("ring", "torus", "exponential", "complete", "bipartite"))
     mixing: str = _opt("lazy", "gossip weights: uniform over neighbours and self (regular graphs only), "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distrain.algorithms.parameter_server import shard_bounds
+from distrain.algorithms.parameter_server import RoundMomentumSGD, shard_bounds
 from distrain.launch import launch_local
 from distrain.train.checkpoint import CheckpointStore
 from tests.conftest import small_config
@@ -25,6 +25,25 @@ def test_shards_are_balanced_and_cover_everything():
         assert max(sizes) - min(sizes) <= 1
 
 
+@pytest.mark.parametrize("momentum,weight_decay", [(0.9, 0.0), (0.0, 0.0), (0.5, 0.01)])
+def test_round_momentum_equals_one_sgd_step_per_round(momentum, weight_decay):
+    torch.manual_seed(0)
+    pushes, rounds = 3, 5
+    start = torch.randn(20)
+    shard = start.clone()
+    opt = RoundMomentumSGD(shard, momentum, weight_decay, pushes)
+    ref = torch.nn.Parameter(start.clone())
+    sgd = torch.optim.SGD([ref], lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    for r in range(rounds):
+        # each push: a gradient taken at the round's starting point (a quadratic's, plus noise)
+        grads = [ref.detach() * (i + 1) / pushes + torch.randn(20) for i in range(pushes)]
+        for g in grads:
+            opt.step(g.clone(), lr=0.1)
+        ref.grad = sum(grads)
+        sgd.step()
+        torch.testing.assert_close(shard, ref.detach(), rtol=1e-5, atol=1e-6, msg=f"round {r}")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("servers", [1, 2])
 def test_sync_ps_equals_single_process_on_concatenated_batches(tmp_path, servers):
@@ -39,7 +58,8 @@ def test_sync_ps_equals_single_process_on_concatenated_batches(tmp_path, servers
 
 @pytest.mark.timeout(240)
 def test_async_ps_with_zero_staleness_equals_sync(tmp_path):
-    settings = {"algorithm": "ps", "servers": 2, "workers": 3, "momentum": 0.0}
+    # with momentum (the default 0.9): the servers' momentum advances once per round of pushes
+    settings = {"algorithm": "ps", "servers": 2, "workers": 3, "weight_decay": 0.001}
     sync = launch_local(small_config(str(tmp_path / "sync"), **settings))
     launch_local(small_config(str(tmp_path / "async"), ps_mode="async", max_staleness=0, **settings))
     steps = sync["steps"]
@@ -47,3 +67,39 @@ def test_async_ps_with_zero_staleness_equals_sync(tmp_path):
     for got in final_models(tmp_path / "async", 3, 2, steps):
         for name, tensor in want.items():
             torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_hierarchical_ps_equals_flat_ps_and_one_process(tmp_path):
+    settings = {"algorithm": "ps", "servers": 2, "workers": 4}
+    flat = launch_local(small_config(str(tmp_path / "flat"), **settings))
+    # nodes {0, 1} and {2, 3}, on an emulated network: timing changes, the result must not
+    cfg = small_config(str(tmp_path / "hier"), workers_per_node=2, network="edge", **settings)
+    hier = launch_local(cfg)
+    steps = flat["steps"]
+    assert hier["steps"] == steps >= 10
+    expected = reference_parameters(cfg, 4, steps)
+    flat_models = final_models(tmp_path / "flat", 4, 2, steps)
+    for rank, got in enumerate(final_models(tmp_path / "hier", 4, 2, steps)):
+        for name, tensor in expected.items():
+            torch.testing.assert_close(got[name], flat_models[rank][name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+    # Only the leaders (0 and 2) talk to the servers (4 and 5); the others only to their leader,
+    # one gradient per step, and each server answers half as many workers as in the flat layout.
+    peers = hier["bytes_sent_per_peer"]
+    grad_bytes = 4 * sum(t.numel() for t in expected.values())
+    for member, leader in ((1, 0), (3, 2)):
+        assert peers[member] == [grad_bytes * steps if p == leader else 0 for p in range(6)]
+        assert peers[leader][member] == grad_bytes * steps
+    for server in (4, 5):
+        assert peers[server][1] == peers[server][3] == 0 < peers[server][0] == peers[server][2]
+        assert 2 * hier["bytes_sent_per_server"][server - 4] == flat["bytes_sent_per_server"][server - 4]
+
+
+@pytest.mark.timeout(240)
+def test_straggler_preset_slows_the_last_worker_not_a_server(tmp_path):
+    # world: workers 0 and 1, server 2; "last" in the preset is worker 1
+    summary = launch_local(small_config(str(tmp_path / "run"), algorithm="ps", servers=1, workers=2, network="straggler"))
+    compute = summary["compute_s_per_worker"]
+    assert compute[1] >= 2.5 * compute[0], compute  # 4x its own compute; the other worker's is similar

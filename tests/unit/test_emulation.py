@@ -249,6 +249,37 @@ def test_uplink_queues_messages_and_jitter_stays_in_bounds():
     assert sum(samples) / len(samples) == pytest.approx(0.01, abs=3e-4)
 
 
+def test_links_inside_a_node_are_not_emulated_only_links_between_nodes():
+    # edge, 4 workers in nodes {0, 1} and {2, 3}, then a parameter server (a node of its own)
+    spec = settings(network="edge").resolve(5, workers=4, workers_per_node=2)
+    assert spec.nodes == [0, 0, 1, 1, 2]
+    assert spec.same_node(0, 1) and spec.same_node(3, 2) and not spec.same_node(1, 2) and not spec.same_node(3, 4)
+    assert not spec.same_node(2, 2)
+    assert settings(network="edge").resolve(4).nodes == [0, 1, 2, 3]  # flat: one worker per node
+    link = LinkModel(spec, 0)
+    link._t0 -= 100.0  # a clock far from zero, so "released at once" and "delayed" cannot be confused
+    M = 2_500_000  # 1 s at 20 Mbit/s
+    before = time.perf_counter()
+    assert link.send(1, M) <= time.perf_counter()  # same node: released at once
+    assert link.receive(1, M) <= time.perf_counter()
+    assert link.collective("all_reduce", M, [0, 1]) <= time.perf_counter()
+    assert link._uplink_free == link._downlink_free == 0.0  # local traffic queues on neither link
+    assert link.send(2, M) - before >= 1.0 + 0.010  # across nodes: the cap and the latency
+    assert link.ring_seconds("all_reduce", M, [0, 1], 0.0) == 0.0
+    # a ring that mixes local and remote links runs at the remote links' pace
+    assert link.ring_seconds("all_reduce", M, [0, 1, 2, 3], 0.0) == pytest.approx(6 * (0.25 + 0.010))
+    assert link.ring_seconds("all_reduce", M, [0, 2], 0.0) == pytest.approx(2 * (0.5 + 0.010))
+
+
+def test_hierarchical_runs_resolve_nodes_for_workers_and_servers():
+    cfg = TrainConfig.from_dict({"network": "edge", "algorithm": "ps", "servers": 2, "workers": 4,
+                                 "workers_per_node": 3}).validate()
+    emulation = Emulation.from_config(cfg.network, 0, 6, workers=4, workers_per_node=cfg.algo.workers_per_node)
+    assert emulation.link_model is not None
+    assert emulation.spec.nodes == [0, 0, 0, 1, 2, 3]
+    assert "3 nodes" not in emulation.spec.describe() and "4 nodes" in emulation.spec.describe()
+
+
 def test_netns_mode_leaves_bandwidth_to_tc():
     spec = NetworkSpec.uniform(2, 8e6, 0.005, mode="netns")
     link = LinkModel(spec, 0)

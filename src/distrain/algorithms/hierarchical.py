@@ -5,7 +5,11 @@ first rank of a node is its leader). A sum over all workers then takes three ste
 
 1. reduce inside each node to its leader (fast intra-node links),
 2. all-reduce among the leaders (the slow inter-node links carry one copy per node, not K),
+   or, with parameter servers (:mod:`~distrain.algorithms.parameter_server`), the leaders push
+   their node's sum to the servers and pull the new parameters,
 3. broadcast from the leader inside each node.
+
+Under emulation the links inside a node are not emulated (``distrain.emulation.network``).
 
 Each step goes through its own :class:`~distrain.comm.transport.Transport` (one per process
 group); their byte counters and delays are folded into the worker's main Transport once a sum
@@ -37,34 +41,51 @@ def global_rank(transport: Transport, group_rank: int) -> int:
     return group_rank if transport.group is None else dist.get_global_rank(transport.group, group_rank)
 
 
+def node_process_groups(workers: int, workers_per_node: int, timeout: float | None = None,
+                        ranks: list[int] | None = None) -> tuple[list[dist.ProcessGroup], dist.ProcessGroup]:
+    """Create the process group of every node, then the group of node leaders.
+
+    ``dist.new_group`` is collective over the whole world: every process (parameter servers
+    too) calls this, with the same arguments, at the same point of its sequence of groups, and
+    gets every group (the ones it is not in are placeholders).
+
+    Args:
+        workers: training workers; nodes are made of them, not of any servers after them.
+        workers_per_node: ranks per node; the last node may be smaller.
+        timeout: seconds any collective in these groups may take (None: the backend's default).
+        ranks: the global rank of every worker (default: ``0..workers-1``).
+    """
+    wait = None if timeout is None else datetime.timedelta(seconds=timeout)
+    ranks = list(range(workers)) if ranks is None else ranks
+    nodes = NodeMap(workers, workers_per_node)
+    groups = [dist.new_group([ranks[r] for r in nodes.members(node)], timeout=wait) for node in range(nodes.num_nodes)]
+    return groups, dist.new_group([ranks[r] for r in nodes.leaders], timeout=wait)
+
+
 class NodeGroups:
     """The process groups of one worker: its node, and (on leaders) the group of node leaders.
-
-    ``dist.new_group`` is collective over the parent group: every rank creates every group, in
-    the same order, even the ones it does not belong to.
 
     Args:
         transport: the worker's main Transport (its group is the parent group).
         workers_per_node: ranks per node; the last node may be smaller.
         timeout: seconds any collective in these groups may take (None: the backend's default).
+        workers: how many of the parent group's ranks are workers (default: all; the others,
+            parameter servers, come last and must call :func:`node_process_groups` meanwhile).
     """
 
-    def __init__(self, transport: Transport, workers_per_node: int, timeout: float | None = None) -> None:
+    def __init__(self, transport: Transport, workers_per_node: int, timeout: float | None = None,
+                 workers: int | None = None) -> None:
         self.parent = transport
-        wait = None if timeout is None else datetime.timedelta(seconds=timeout)
-        self.map = NodeMap(transport.world_size, workers_per_node)
+        workers = transport.world_size if workers is None else workers
+        self.map = NodeMap(workers, workers_per_node)
         rank = transport.rank
         self.node = self.map.node_of(rank)
         self.is_leader = self.map.leaders[self.node] == rank
         link = transport.link_model
-        self.intra: Transport | None = None
-        for node in range(self.map.num_nodes):
-            group = dist.new_group([global_rank(transport, r) for r in self.map.members(node)], timeout=wait)
-            if node == self.node:
-                self.intra = Transport(group, link_model=link)
-        group = dist.new_group([global_rank(transport, r) for r in self.map.leaders], timeout=wait)
-        self.inter = Transport(group, link_model=link) if self.is_leader else None
-        assert self.intra is not None
+        node_groups, leaders = node_process_groups(workers, workers_per_node, timeout,
+                                                   [global_rank(transport, r) for r in range(workers)])
+        self.intra: Transport = Transport(node_groups[self.node], link_model=link)
+        self.inter = Transport(leaders, link_model=link) if self.is_leader else None
         # group rank -> global rank, for folding the counters into the parent's
         self._globals = {id(t): [global_rank(t, r) for r in range(t.world_size)] for t in self.transports}
         self._parent_index = {global_rank(transport, r): r for r in range(transport.world_size)}
@@ -103,7 +124,6 @@ class HierarchicalHandle:
         if self._done:
             return
         nodes = self.nodes
-        assert nodes.intra is not None
         if self.first is not None:
             self.first.wait()
         if nodes.inter is not None and nodes.inter.world_size > 1:
@@ -123,7 +143,6 @@ class HierarchicalAllReduce:
 
     def all_reduce(self, tensor: torch.Tensor) -> HierarchicalHandle:
         intra = self.nodes.intra
-        assert intra is not None
         first = intra.reduce(tensor, dst=0) if intra.world_size > 1 else None
         return HierarchicalHandle(self.nodes, tensor, first)
 

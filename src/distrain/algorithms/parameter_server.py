@@ -13,6 +13,16 @@ Modes:
         (stale-synchronous parallel). With ``--max-staleness 0`` and plain SGD this is the
         sync result, up to the order of floating-point additions.
 
+        Momentum must not act once per push: a round of P pushes would then apply the
+        momentum P times on gradients all computed before the round, which diverges at
+        learning rates sync trains well with. With SGD the server keeps sync's heavy-ball
+        momentum per round (:class:`RoundMomentumSGD`): push i of a round moves the shard by
+        ``lr * (momentum * M / P + g_i)`` and the buffer ``M`` becomes ``momentum * M + sum g_i``
+        once the round's P pushes are in, exactly one sync step per round when no push is stale.
+        Adam steps once per push with ``lr / P`` and ``beta1 ** (1/P)``. A gradient computed on
+        parameters ``tau`` rounds old (more than a round of other pushes applied since its
+        worker's pull) counts ``1 / (1 + tau)`` (staleness-aware SGD, Zhang et al. 2016).
+
 With ``--compress`` (other than none) each worker compresses the gradient of each shard, with
 error feedback kept per shard, and the server decodes every push to a dense gradient before
 summing; pulls stay dense. The density warm-up sends dense pushes; every worker may push a
@@ -20,6 +30,12 @@ different ratio at every step (:meth:`~distrain.algorithms.base.Algorithm.compre
 With a sparsifier, SGD with momentum and ``--momentum-correction on`` (the default), the workers
 apply momentum and weight decay before compressing (Deep Gradient Compression) and the servers
 step with plain SGD.
+
+Hierarchical (``--workers-per-node K``): workers first sum their gradients inside their node
+(:mod:`~distrain.algorithms.hierarchical`); only each node's leader pushes the node's sum to the
+servers and pulls the parameters, which it then broadcasts inside the node. A server divides the
+sum of the pushes by the number of workers, so this is the flat result; in async mode a node's
+push counts as one push.
 
 Wire format (tensors only): at start, worker 0 sends each server an int64 header
 ``[shard_numel, total_steps, steps_per_epoch]`` and the initial shard; each push is an int64
@@ -31,6 +47,7 @@ Example::
 
     distrain train --algorithm ps --servers 2 --ps-mode async --max-staleness 2
     distrain train --algorithm ps --servers 2 --compress group_topk:0.01
+    distrain train --algorithm ps --servers 2 --workers 8 --workers-per-node 4
 """
 
 from __future__ import annotations
@@ -45,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.algorithms.base import Algorithm, StepContext
+from distrain.algorithms.hierarchical import NodeGroups, node_process_groups
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo
 from distrain.compress.momentum_correction import MomentumCorrection
@@ -53,6 +71,7 @@ from distrain.compress.registry import build_compressor
 from distrain.compress.warmup import DensityWarmup
 from distrain.config import TrainConfig
 from distrain.errors import ConfigError, WorkerFailure
+from distrain.topology import NodeMap
 from distrain.train.faults import FaultWatch, maybe_injected_kill
 from distrain.train.optim import build_optimizer
 from distrain.train.schedule import LRSchedule, scaled_lr
@@ -74,6 +93,51 @@ def worker_momentum(cfg: TrainConfig) -> float:
     if o.optimizer != "sgd" or o.momentum <= 0:
         return 0.0
     return o.momentum if build_compressor(c.compress, error_feedback=False).ratio is not None else 0.0
+
+
+class RoundMomentumSGD:
+    """Heavy-ball SGD for asynchronous pushes whose momentum advances once per round of
+    ``pushes`` pushes; a round then equals one synchronous momentum step on the sum of its
+    pushes (with every push computed on the parameters the round started from).
+
+    Example::
+
+        opt = RoundMomentumSGD(shard, momentum=0.9, weight_decay=0.0, pushes=4)
+        for g in pushes_of_one_round:          # each the gradient / workers
+            opt.step(g, lr=0.1)
+    """
+
+    def __init__(self, shard: torch.Tensor, momentum: float, weight_decay: float, pushes: int) -> None:
+        self.shard, self.momentum, self.weight_decay, self.pushes = shard, momentum, weight_decay, pushes
+        self.buffer = torch.zeros_like(shard)  # sync's momentum buffer as of the last full round
+        self.pending = torch.zeros_like(shard)  # this round's gradients so far
+        self.count = 0
+        self.decay = torch.zeros_like(shard) if weight_decay else None  # weight decay at the round's start
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor, lr: float) -> None:
+        if self.decay is not None:
+            if self.count == 0:
+                torch.mul(self.shard, self.weight_decay / self.pushes, out=self.decay)
+            grad = grad.add(self.decay)
+        self.shard.add_(self.buffer, alpha=-lr * self.momentum / self.pushes).add_(grad, alpha=-lr)
+        self.pending.add_(grad)
+        self.count += 1
+        if self.count == self.pushes:
+            self.buffer.mul_(self.momentum).add_(self.pending)
+            self.pending.zero_()
+            self.count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"buffer": self.buffer, "pending": self.pending, "count": self.count}
+        return state if self.decay is None else {**state, "decay": self.decay}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.copy_(state["buffer"])
+        self.pending.copy_(state["pending"])
+        self.count = int(state["count"])
+        if self.decay is not None:
+            self.decay.copy_(state["decay"])
 
 
 def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
@@ -100,6 +164,8 @@ class ParameterServer(Algorithm):
             raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
         if cfg.ps.ps_mode == "async" and cfg.run.resume not in ("none", ""):
             raise ConfigError("--resume", "resuming is supported for --ps-mode sync only")
+        if cfg.algo.workers_per_node and cfg.compress.compress.strip() != "none":
+            raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
@@ -121,6 +187,11 @@ class ParameterServer(Algorithm):
                 compressor = MomentumCorrection(compressor.inner, self.momentum)
             self.push = ShardPush(compressor)
             self.density = DensityWarmup(compressor.ratio, c.density_warmup_epochs, c.density_decay_epochs)
+        # --workers-per-node: sum inside the node; only its leader talks to the servers
+        k = self.config.algo.workers_per_node
+        self.nodes = (NodeGroups(transport, k, timeout=self.config.cluster.timeout, workers=self.num_workers)
+                      if k else None)
+        self.pushes = self.nodes is None or self.nodes.is_leader
 
     def _push_info(self, ctx: StepContext) -> tuple[CompressInfo, bool]:
         """How this step's pushes are compressed (key 0; set per shard), and whether they are dense."""
@@ -146,16 +217,32 @@ class ParameterServer(Algorithm):
 
     def after_backward(self, ctx: StepContext) -> None:
         torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self.params], out=self.grad)
-        if self.push is not None:
-            info, dense = self._push_info(ctx)
-            if self.momentum and self.config.optim.weight_decay:  # the servers' SGD has none
-                self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]), alpha=self.config.optim.weight_decay)
+        info, dense = self._push_info(ctx) if self.push is not None else (None, True)
+        if self.push is not None and self.momentum and self.config.optim.weight_decay:  # the servers' SGD has none
+            self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]), alpha=self.config.optim.weight_decay)
         self.clock += 1
+        intra = self.nodes.intra if self.nodes is not None and self.nodes.intra.world_size > 1 else None
+        if intra is not None:
+            intra.reduce(self.grad, dst=0).wait()  # the leader holds the node's sum
+        if self.pushes:
+            self._push_pull(info, dense)
+        if intra is not None:
+            intra.broadcast(self.flat, src=0).wait()
+        if self.nodes is not None:
+            self.nodes.fold_stats()
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _push_pull(self, info: CompressInfo | None, dense: bool) -> None:
+        """Send every server its gradient shard (with this step's clock); receive its parameters."""
         self._clock_header[0] = self.clock
         handles: list[Handle] = []
         for shard, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
             handles.append(self.transport.send(self._clock_header, server))
-            if self.push is None:
+            if self.push is None or info is None:
                 handles.append(self.transport.send(self.grad[lo:hi], server))
             else:
                 info.key = shard
@@ -163,20 +250,12 @@ class ParameterServer(Algorithm):
             handles.append(self.transport.recv(self.flat[lo:hi], server))
         for h in handles:
             h.wait()
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
 
     def apply_update(self, ctx: StepContext) -> None:
         """The servers took the optimizer step."""
 
     def metrics(self) -> dict[str, float]:
-        if self.push is None:
-            return {}
-        adaptive = {} if self.adaptive is None else self.adaptive.metrics(self.transport)
-        return {"compress_ratio": self.ratio, **adaptive}
+        return {} if self.push is None else {"compress_ratio": self.ratio}
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"clock": self.clock}
@@ -189,6 +268,10 @@ class ParameterServer(Algorithm):
         if self.push is not None and "compressor" in state:
             self.push.compressor.load_state_dict(state["compressor"])
 
+    def close(self) -> None:
+        if self.nodes is not None:
+            self.nodes.close()
+
 
 class ShardServer:
     """One server process: owns a shard of the parameters and its optimizer state."""
@@ -199,6 +282,8 @@ class ShardServer:
         self.run_dir = Path(run_dir)
         self.num_workers = cfg.cluster.workers
         self.index = transport.rank - self.num_workers
+        k = cfg.algo.workers_per_node  # hierarchical: only node leaders push, each its node's sum
+        self.pushers = NodeMap(self.num_workers, k).leaders if k else list(range(self.num_workers))
         header = torch.zeros(HEADER, dtype=torch.int64)
         transport.recv(header, 0).wait()
         numel, self.total_steps, self.steps_per_epoch = (int(v) for v in header)
@@ -213,7 +298,16 @@ class ShardServer:
         momentum, weight_decay = o.momentum, o.weight_decay
         if worker_momentum(cfg):  # the workers applied both before compressing
             momentum, weight_decay = 0.0, 0.0
-        self.optimizer = build_optimizer(o.optimizer, [self.shard], lr=peak, momentum=momentum, weight_decay=weight_decay)
+        pushes = len(self.pushers)
+        self.optimizer: torch.optim.Optimizer | RoundMomentumSGD
+        if cfg.ps.ps_mode == "async" and o.optimizer == "sgd":
+            self.optimizer = RoundMomentumSGD(self.shard.data, momentum, weight_decay, pushes)
+        elif cfg.ps.ps_mode == "async":  # adam: one step per push, a P-th of the rate, the momentum per round
+            self.optimizer = build_optimizer(o.optimizer, [self.shard], lr=peak, momentum=momentum ** (1 / pushes),
+                                             weight_decay=weight_decay)
+        else:
+            self.optimizer = build_optimizer(o.optimizer, [self.shard], lr=peak, momentum=momentum, weight_decay=weight_decay)
+        self.lr_factor = 1 / pushes if cfg.ps.ps_mode == "async" and o.optimizer != "sgd" else 1.0
         self.shard.grad = torch.zeros(numel)
         self.updates = 0
         c = cfg.compress
@@ -228,10 +322,16 @@ class ShardServer:
         out.copy_(self.decoder.recv(self.transport, worker))
         return None
 
-    def _step(self, grad: torch.Tensor, schedule_step: int) -> None:
-        self.shard.grad.copy_(grad)
-        self.schedule.apply(self.optimizer, schedule_step)
-        self.optimizer.step()
+    def _step(self, grad: torch.Tensor, schedule_step: int, weight: float = 1.0) -> None:
+        """One optimizer step on ``grad`` (the averaged or pushed gradient), counted ``weight``."""
+        lr = self.schedule.lr_at(schedule_step)
+        if isinstance(self.optimizer, RoundMomentumSGD):
+            self.optimizer.step(grad.mul_(weight), lr)
+        else:
+            self.shard.grad.copy_(grad)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr * self.lr_factor * weight
+            self.optimizer.step()
         self.updates += 1
 
     def run(self, start_step: int = 0, watch: Any = None) -> None:
@@ -242,22 +342,23 @@ class ShardServer:
             self._run_async()
 
     def _run_sync(self, start_step: int) -> None:
-        workers = range(self.num_workers)
-        clocks = torch.zeros(self.num_workers, 1, dtype=torch.int64)
-        grads = torch.zeros(self.num_workers, self.shard.numel())
+        pushers = self.pushers
+        clocks = torch.zeros(len(pushers), 1, dtype=torch.int64)
+        grads = torch.zeros(len(pushers), self.shard.numel())
         every = self.cfg.run.checkpoint_every
         for step in range(start_step, self.total_steps):
             maybe_injected_kill(self.transport.rank, step)  # fault injection for tests
             if self.watch is not None:
                 self.watch.step = step
-            handles = [self.transport.recv(clocks[w], w) for w in workers]
-            handles += [h for w in workers if (h := self._recv_push(grads[w], w)) is not None]
+            handles = [self.transport.recv(clocks[i], w) for i, w in enumerate(pushers)]
+            handles += [h for i, w in enumerate(pushers) if (h := self._recv_push(grads[i], w)) is not None]
             for h in handles:
                 h.wait()
             if not bool((clocks == step + 1).all()):
-                raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers sent clocks {clocks.view(-1).tolist()}")
+                raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers {pushers} sent clocks "
+                                    f"{clocks.view(-1).tolist()}")
             self._step(grads.sum(0).div_(self.num_workers), step)
-            for h in [self.transport.send(self.shard.data, w) for w in workers]:
+            for h in [self.transport.send(self.shard.data, w) for w in pushers]:
                 h.wait()
             if every and (step + 1) % every == 0:
                 self.save(step + 1)
@@ -272,25 +373,29 @@ class ShardServer:
 
     def _run_async(self) -> None:
         """Apply pushes in arrival order; hold back answers to workers too far ahead."""
-        n, limit = self.num_workers, self.cfg.ps.max_staleness
+        n, limit = len(self.pushers), self.cfg.ps.max_staleness
+        index = {w: i for i, w in enumerate(self.pushers)}
         clocks = [0] * n
+        pulled = [0] * n  # self.updates when each pusher last got the parameters
         waiting: deque[int] = deque()
         header = torch.zeros(1, dtype=torch.int64)
         grad = torch.zeros(self.shard.numel())
         for _ in range(n * self.total_steps):
             worker = self.transport.recv_any(header)
             clock = int(header[0])
-            if not (0 <= worker < n) or clock != clocks[worker] + 1:
+            if worker not in index or clock != clocks[index[worker]] + 1:
                 raise WorkerFailure(f"server {self.index}: unexpected push (worker {worker}, clock {clock})")
             handle = self._recv_push(grad, worker)
             if handle is not None:
                 handle.wait()
-            clocks[worker] = clock
-            self._step(grad.div_(n), self.updates // n)
+            clocks[index[worker]] = clock
+            stale_rounds = (self.updates - pulled[index[worker]]) // n
+            self._step(grad.div_(self.num_workers), self.updates // n, 1 / (1 + stale_rounds))
             waiting.append(worker)
             slowest = min(clocks)
-            for w in [w for w in waiting if clocks[w] - slowest <= limit]:
+            for w in [w for w in waiting if clocks[index[w]] - slowest <= limit]:
                 waiting.remove(w)
+                pulled[index[w]] = self.updates
                 self.transport.send(self.shard.data, w).wait()
         if waiting:
             raise WorkerFailure(f"server {self.index}: workers {list(waiting)} still waiting at the end")
@@ -331,8 +436,11 @@ def _serve(cfg: TrainConfig, run_dir: str | Path, watch: FaultWatch) -> None:
     from distrain.emulation import Emulation
     from distrain.train.checkpoint import CheckpointStore
 
-    emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers)
+    emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers,
+                                      workers_per_node=cfg.algo.workers_per_node)
     transport = Transport(link_model=emulation.link_model)  # servers' links are emulated too
+    if cfg.algo.workers_per_node:  # the workers create their node groups: collective over the world
+        node_process_groups(cfg.cluster.workers, cfg.algo.workers_per_node, cfg.cluster.timeout)
     emulation.start()
     start = time.perf_counter()
     server = ShardServer(cfg, transport, run_dir)

@@ -48,11 +48,12 @@ class Emulation:
 
     @classmethod
     def from_config(cls, network: Any, rank: int | None = None, world: int | None = None, seed: int = 0,
-                    workers: int | None = None) -> Emulation:
+                    workers: int | None = None, workers_per_node: int = 0) -> Emulation:
         """From a :class:`~distrain.config.NetworkConfig`; a no-op when nothing is emulated.
 
         ``rank`` and ``world`` default to this process's place in the default process group;
-        ``workers`` is how many of the world train (default: all; parameter servers come last).
+        ``workers`` is how many of the world train (default: all; parameter servers come last);
+        ``workers_per_node`` groups them into nodes whose inner links are not emulated.
         """
         if rank is None or world is None:
             import torch.distributed as dist
@@ -64,7 +65,7 @@ class Emulation:
         if settings.mode == "netns" and not os.environ.get(NETNS_WORKER_ENV):
             raise ConfigError("--emulation", "netns workers are started by 'distrain train' itself, which creates "
                               "the namespaces; under torchrun use --emulation model")
-        spec = settings.resolve(world, workers)
+        spec = settings.resolve(world, workers, workers_per_node)
         if rank == 0:
             log.info("emulated network %s", spec.describe())
         return cls(spec, rank, seed)

@@ -10,6 +10,10 @@ receiving side, messages that arrive together queue on the receiver's downlink (
 real transfer then runs, so a measured delay is the emulated one plus the real one (small on
 loopback or a bridge).
 
+Links between two ranks of one node (``--workers-per-node``) are local: messages over them are
+released at once and use neither the uplink nor the downlink queue; a ring that mixes local and
+remote links runs at the pace of its slowest remote link.
+
 In ``netns`` mode ``tc`` shapes bandwidth on real links, so this model adds latency and jitter
 only.
 
@@ -77,7 +81,8 @@ class LinkModel:
         """Bytes per second through the slowest of ``links`` at time ``t`` (None: unlimited)."""
         if not self.shapes_bandwidth:
             return None
-        rates = [b for i, j in links for b in (self.spec.bandwidth(i, t), self.spec.bandwidth(j, t)) if b is not None]
+        remote = [(i, j) for i, j in links if not self.spec.same_node(i, j)]
+        rates = [b for i, j in remote for b in (self.spec.bandwidth(i, t), self.spec.bandwidth(j, t)) if b is not None]
         return min(rates) / 8 if rates else None
 
     def transmit(self, t: float, nbytes: float, links: list[tuple[int, int]]) -> float:
@@ -100,6 +105,8 @@ class LinkModel:
         if n <= 1:
             return 0.0
         links = [(ring[i], ring[(i + 1) % n]) for i in range(n)]
+        if all(self.spec.same_node(i, j) for i, j in links):
+            return 0.0  # one node: local links only
         if op == "broadcast":  # pipelined along the ring: the tensor once over the slowest link
             return self.transmit(t, nbytes, links) + sum(self.latency() for _ in range(n - 1)) - t
         piece = nbytes / n if op in ("all_reduce", "reduce_scatter") else nbytes
@@ -110,8 +117,14 @@ class LinkModel:
 
     # -- what the Transport asks: perf_counter() deadlines ------------------------------------
 
+    def local(self, ranks: list[int]) -> bool:
+        """Whether ``ranks`` (global) all sit on this worker's node: their links are not emulated."""
+        return all(self.spec.same_node(self.rank, r) for r in ranks if r != self.rank)
+
     def send(self, dst: int, nbytes: int) -> float:
         """Release time of a message to ``dst``, queued behind earlier ones on this worker's uplink."""
+        if self.local([dst]):
+            return time.perf_counter()
         with self._lock:
             start = max(self.now(), self._uplink_free)
             self._uplink_free = self.transmit(start, nbytes, [(self.rank, dst)])
@@ -119,6 +132,8 @@ class LinkModel:
 
     def collective(self, op: str, nbytes: int, ring: list[int]) -> float:
         """Release time of a collective (``nbytes``: the tensor; for reduce-scatter, one output)."""
+        if self.local(ring):
+            return time.perf_counter()
         with self._lock:
             start = max(self.now(), self._uplink_free)
             if op == "reduce_scatter":
@@ -130,6 +145,8 @@ class LinkModel:
     def receive(self, src: int, nbytes: int) -> float:
         """Delivery time of a message that has just arrived from ``src``: after the ones before it
         have gone through this worker's downlink."""
+        if self.local([src]):
+            return time.perf_counter()
         with self._lock:
             now = self.now()
             if not self.shapes_bandwidth:

@@ -7,6 +7,10 @@ jitter, uniform in ``[-jitter, +jitter]``, never below zero) after it was sent; 
 message, not per link, so it is not added twice (it is the max of the two ends, which are equal
 unless a preset says otherwise). Compute slowdown is a factor per worker.
 
+With ``--workers-per-node K`` the workers form nodes of K consecutive ranks (parameter servers
+are nodes of their own): links between two ranks of one node are local (shared memory, NVLink)
+and not emulated, only links between nodes carry the bandwidth cap and the latency.
+
 Presets (``--network``), for n workers; explicit flags override the preset field by field:
 
 ========== ============================================================================
@@ -116,11 +120,13 @@ class NetworkSettings:
             out.fluctuate = (parse_bandwidth(high), parse_bandwidth(low), parse_duration(period))
         return out
 
-    def resolve(self, world: int, workers: int | None = None) -> NetworkSpec:
+    def resolve(self, world: int, workers: int | None = None, workers_per_node: int = 0) -> NetworkSpec:
         """The per-process network for a world of ``world`` processes; ConfigError if a rank does
         not exist. ``workers``: how many of them train (the rest are parameter servers, last);
-        ``last`` names the last training worker."""
-        last = (world if workers is None else min(workers, world)) - 1
+        ``last`` names the last training worker. ``workers_per_node``: workers per node (0: one
+        each); links inside a node are not emulated."""
+        workers = world if workers is None else min(workers, world)
+        last = workers - 1
 
         def rank_of(spec: RankSpec, setting: str) -> int:
             rank = last if spec == "last" else int(spec)
@@ -140,7 +146,18 @@ class NetworkSettings:
         if self.trace is not None:
             schedules = self.trace.resolve(world, last)
         return NetworkSpec(world=world, base_bandwidth=bandwidth, schedules=schedules, latency=self.latency,
-                           jitter=self.jitter, compute_factors=factors, mode=self.mode, preset=self.preset)
+                           jitter=self.jitter, compute_factors=factors, mode=self.mode, preset=self.preset,
+                           nodes=node_ids(world, workers, workers_per_node))
+
+
+def node_ids(world: int, workers: int, workers_per_node: int) -> list[int]:
+    """The node of every process: workers in nodes of ``workers_per_node`` consecutive ranks
+    (0: one per node), then each parameter server on a node of its own."""
+    if workers_per_node <= 0:
+        return list(range(world))
+    ids = [r // workers_per_node for r in range(workers)]
+    first = ids[-1] + 1 if ids else 0
+    return ids + list(range(first, first + world - workers))
 
 
 @dataclass
@@ -155,6 +172,7 @@ class NetworkSpec:
     compute_factors: list[float] = field(default_factory=list)
     mode: str = "model"
     preset: str = "none"
+    nodes: list[int] = field(default_factory=list)  # node of every rank; empty: one rank per node
 
     @classmethod
     def uniform(cls, world: int, bandwidth: float | None = None, latency: float = 0.0, jitter: float = 0.0,
@@ -162,6 +180,10 @@ class NetworkSpec:
         """Every link the same: ``bandwidth`` bits/s (None: unlimited), ``latency`` seconds."""
         return cls(world=world, base_bandwidth=[bandwidth] * world, schedules=[None] * world, latency=latency,
                    jitter=jitter, compute_factors=[1.0] * world, mode=mode)
+
+    def same_node(self, a: int, b: int) -> bool:
+        """Whether ranks ``a`` and ``b`` are distinct ranks of one node (a local, unemulated link)."""
+        return bool(self.nodes) and a != b and self.nodes[a] == self.nodes[b]
 
     def bandwidth(self, rank: int, t: float) -> float | None:
         """Worker ``rank``'s link bandwidth at time ``t`` (bits/s; None: unlimited)."""
@@ -192,4 +214,6 @@ class NetworkSpec:
         parts.append("/".join(bws) + (" (traced)" if any(self.schedules) else ""))
         parts.append(f"{self.latency * 1e3:g}ms" + (f" +-{self.jitter * 1e3:g}ms" if self.jitter else ""))
         slow = [f"worker {r} computes {f:g}x slower" for r, f in enumerate(self.compute_factors) if f != 1]
+        if self.nodes and len(set(self.nodes)) < self.world:
+            slow.append(f"{len(set(self.nodes))} nodes, links inside a node not emulated")
         return f"{self.preset} ({self.mode}): " + ", ".join(parts) + ("; " + "; ".join(slow) if slow else "")

@@ -15,7 +15,10 @@ frames (MTU 9000, ``DISTRAIN_NETNS_MTU`` to change), so headers cost under 1% of
 ``distrain train --emulation netns`` uses :func:`launch_netns`: worker r runs
 ``python -m distrain train --config RUN_DIR/netns/config.json`` inside namespace r, with
 ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` (rank 0's address) set as torchrun would and
-``GLOO_SOCKET_IFNAME=eth0``. Bandwidth traces are replayed with ``tc qdisc change``.
+``GLOO_SOCKET_IFNAME=eth0``. Bandwidth traces are replayed with ``tc qdisc change``. With
+``--workers-per-node K`` a namespace is a node: its K workers share one capped link and talk to
+each other over the namespace's own loopback (unshaped), as on one machine; each parameter
+server has a namespace of its own.
 
 Example::
 
@@ -235,8 +238,10 @@ class TraceApplier:
     """Replays bandwidth traces on a cluster with ``tc qdisc change``, from when a file appears
     (rank 0 makes it when training starts) or at once if ``clock_file`` is None."""
 
-    def __init__(self, cluster: NetnsCluster, spec: NetworkSpec, clock_file: Path | None = None) -> None:
+    def __init__(self, cluster: NetnsCluster, spec: NetworkSpec, clock_file: Path | None = None,
+                 ranks: list[int] | None = None) -> None:
         self.cluster, self.spec, self.clock_file = cluster, spec, clock_file
+        self.ranks = list(range(cluster.size)) if ranks is None else ranks  # member i follows rank ranks[i]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distrain-trace", daemon=True)
         self.changes = 0
@@ -254,12 +259,12 @@ class TraceApplier:
             t0 = time.monotonic()
             while not self._stop.is_set():
                 t = time.monotonic() - t0
-                for r in range(self.cluster.size):
+                for i, r in enumerate(self.ranks):
                     bits = self.spec.bandwidth(r, t)
-                    if bits != self.cluster.rates[r]:
-                        self.cluster.set_rate(r, bits)
+                    if bits != self.cluster.rates[i]:
+                        self.cluster.set_rate(i, bits)
                         self.changes += 1
-                self._stop.wait(min(self.spec.next_change(t) - t, 1.0) + 0.0005)
+                self._stop.wait(min(self.spec.next_change(t, self.ranks) - t, 1.0) + 0.0005)
         except BaseException as exc:  # noqa: BLE001 - reported by the launcher
             self.error = exc
             log.warning("bandwidth trace stopped: %s", exc)
@@ -352,7 +357,9 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     require_netns()
     check_device(cfg)
     world = cfg.cluster.workers + server_count(cfg)  # parameter servers get namespaces too
-    spec = NetworkSettings.from_config(cfg.network).resolve(world, cfg.cluster.workers)
+    spec = NetworkSettings.from_config(cfg.network).resolve(world, cfg.cluster.workers, cfg.algo.workers_per_node)
+    host_of = spec.nodes  # one namespace per node; its first rank's link settings are the node's
+    firsts = [host_of.index(h) for h in range(max(host_of) + 1)]
     preflight(cfg)
     run_dir = default_run_dir(cfg, time.time()).resolve()
     work = run_dir / "netns"
@@ -364,7 +371,7 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     clock_file.unlink(missing_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)
 
-    cluster = NetnsCluster(world, rates=[spec.bandwidth(r, 0.0) for r in range(world)])
+    cluster = NetnsCluster(len(firsts), rates=[spec.bandwidth(r, 0.0) for r in firsts])
     procs: list[subprocess.Popen] = []
     logs = [work / f"rank{r}.log" for r in range(world)]
     applier: TraceApplier | None = None
@@ -373,16 +380,18 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
             cluster.create()
             log.info("netns cluster %s: %s", cluster.bridge, spec.describe())
             if any(s is not None for s in spec.schedules):
-                applier = TraceApplier(cluster, spec, clock_file).start()
+                applier = TraceApplier(cluster, spec, clock_file, ranks=firsts).start()
             for r in range(world):
-                env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": cluster.addresses[0], "MASTER_PORT": str(MASTER_PORT),
+                host = host_of[r]
+                env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r - firsts[host]),
+                       "LOCAL_WORLD_SIZE": str(host_of.count(host)), "MASTER_ADDR": cluster.addresses[0],
+                       "MASTER_PORT": str(MASTER_PORT),
                        "GLOO_SOCKET_IFNAME": INTERFACE, NETNS_WORKER_ENV: "1", CLOCK_FILE_ENV: str(clock_file),
                        "PYTHONUNBUFFERED": "1"}
                 env.pop("TORCHELASTIC_RUN_ID", None)
                 env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns that namespaces have no host names
                 with open(logs[r], "wb") as out:
-                    procs.append(cluster.popen(r, [sys.executable, "-m", "distrain", "train", "--config", str(config_path)],
+                    procs.append(cluster.popen(host, [sys.executable, "-m", "distrain", "train", "--config", str(config_path)],
                                                env=env, stdin=subprocess.DEVNULL, stdout=out,
                                                stderr=None if r == 0 else subprocess.STDOUT))
             failures = supervise(procs, grace=min(cfg.cluster.timeout, 30.0))

@@ -133,7 +133,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
 def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFactory | None,
            train_set: Dataset | None, test_set: Dataset | None, workers_group: Any) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.run.threads)
-    emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers)  # emulated links, compute speed
+    emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers,
+                                      workers_per_node=cfg.algo.workers_per_node)  # emulated links, compute speed
     transport = Transport(link_model=emulation.link_model)
     rank, world = transport.rank, dist.get_world_size(workers_group)  # world: training workers only
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
