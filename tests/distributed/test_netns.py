@@ -147,6 +147,36 @@ def test_train_in_namespaces_counts_the_same_bytes_and_cleans_up(tmp_path):
     assert ours(proc.pid) == []
 
 
+@needs_netns
+@pytest.mark.timeout(200)
+def test_a_node_is_one_namespace_and_its_workers_share_its_link(tmp_path):
+    # 4 workers in nodes {0, 1}, {2, 3}: 2 namespaces; a server would get a third
+    run = tmp_path / "run"
+    proc = subprocess.Popen(distrain_cmd("train", "--network", "edge", "--emulation", "netns", "--workers", "4",
+                                         "--workers-per-node", "2", "--epochs", "1", "--run-dir", str(run), *QUICK),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        names = _wait_for_namespaces(proc.pid, 2)
+        deadline = time.monotonic() + 60
+        while True:  # the launcher starts the workers one after the other
+            members = [subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
+                       for n in names]
+            if all(len(m) >= 2 for m in members) or time.monotonic() > deadline or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert all(len(m) >= 2 for m in members), members  # each namespace runs its node's 2 workers
+    summary = json.loads((run / "summary.json").read_text())
+    sent = summary["bytes_sent_per_worker"]
+    assert sent[0] == sent[2] == 2 * sent[1] == 2 * sent[3] > 0  # leaders: to the other leader and to their member
+    assert ours(proc.pid) == []
+
+
 def _wait_for_namespaces(pid: int, n: int, timeout: float = 60) -> list[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

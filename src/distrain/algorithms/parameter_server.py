@@ -255,7 +255,10 @@ class ParameterServer(Algorithm):
         """The servers took the optimizer step."""
 
     def metrics(self) -> dict[str, float]:
-        return {} if self.push is None else {"compress_ratio": self.ratio}
+        if self.push is None:
+            return {}
+        adaptive = {} if self.adaptive is None else self.adaptive.metrics(self.transport)
+        return {"compress_ratio": self.ratio, **adaptive}
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"clock": self.clock}
