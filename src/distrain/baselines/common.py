@@ -266,7 +266,7 @@ def launch_peer(cfg: TrainConfig, peer: Peer) -> dict[str, Any]:
     for p in procs:
         p.start()
     try:
-        _supervise(procs, grace=min(cfg.cluster.timeout, 30.0))
+        _supervise(procs, grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers)
     except BaseException:
         _stop(procs)
         raise
