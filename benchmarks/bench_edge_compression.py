@@ -41,6 +41,22 @@ def load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def time_to(run_dir: Path, targets: list[float]) -> dict[str, float | None]:
+    """Training time (evaluation excluded) at which rank 0's test accuracy first reached each target."""
+    lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines() if line]
+    evals = [(line["time"], line["test_accuracy"]) for line in lines if line.get("test_accuracy") is not None]
+    return {f"{t:g}": next((time for time, acc in evals if acc >= t), None) for t in targets}
+
+
+def sweep(comparison: dict[str, Any], out: Path, targets: list[float]) -> dict[str, dict[str, Any]]:
+    """Per configuration (first repeat): time to each target, and DDP's time over it."""
+    times = {c["label"]: time_to(out / c["runs"][0]["run_dir"], targets)
+             for c in comparison["configs"] if c["runs"] and c["runs"][0].get("status") == "ok"}
+    ddp = times.get("ddp", {})
+    return {label: {t: {"time_s": v, "speedup_vs_ddp": ddp[t] / v if v and ddp.get(t) else None} for t, v in row.items()}
+            for label, row in times.items()}
+
+
 def rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
     by_label = {c["label"]: c for c in comparison["configs"]}
     ddp = by_label.get("ddp", {}).get("time_to_target_s")
@@ -67,10 +83,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--target", type=float, default=0.5, help="target test accuracy (0..1)")
     parser.add_argument("--eval-every", type=float, default=0.1, help="epochs between evaluations")
-    parser.add_argument("--compress", default="group_topk:0.01")
+    parser.add_argument("--compress", default="group_topk:0.01", help="comma-separated compressor specs")
     parser.add_argument("--sparse-collective", default="allgather", choices=("ring", "allgather"))
     parser.add_argument("--baselines", default=BASELINES)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--sweep", default="0.3,0.35,0.4,0.45,0.5,0.55,0.6,0.65,0.7",
+                        help="targets for the time-to-accuracy sweep, read from the runs' metrics")
     parser.add_argument("--out", type=Path, default=RESULTS / "edge-compression")
     parser.add_argument("--summary", type=Path, default=RESULTS / "edge_compression.json")
     args = parser.parse_args()
@@ -92,7 +110,9 @@ def main() -> None:
     table = rows(load(args.out / "comparison.json"))
     summary = {"command": "distrain " + " ".join(command), "elapsed_s": elapsed,
                "load_average_before": load_before, "load_average_after": os.getloadavg(),
-               "target_accuracy": args.target, "epochs": args.epochs, "configs": table}
+               "target_accuracy": args.target, "epochs": args.epochs, "configs": table,
+               "sweep": sweep(load(args.out / "comparison.json"), args.out,
+                              [float(t) for t in args.sweep.split(",") if t])}
     args.summary.parent.mkdir(parents=True, exist_ok=True)
     args.summary.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nedge, ~1M-parameter MLP, 4 workers, {args.epochs:g} epochs, target {args.target:.0%}; "
@@ -104,6 +124,11 @@ def main() -> None:
         acc = f"{r['final_test_accuracy']:.4f}" if r["final_test_accuracy"] is not None else "-"
         per_step = f"{r['bytes_sent_per_worker_per_step']:,.0f}" if r["bytes_sent_per_worker_per_step"] else "-"
         print(f"  {r['label']:<34}{acc:>9}{ttt:>11}{per_step:>13}{speed:>8}")
+    print("  time to each target (s), and DDP's time over it:")
+    for label, row in summary["sweep"].items():
+        cells = [f"{t}: {v['time_s']:.0f}s" + (f" ({v['speedup_vs_ddp']:.1f}x)" if v["speedup_vs_ddp"] else "")
+                 if v["time_s"] is not None else f"{t}: -" for t, v in row.items()]
+        print(f"  {label:<34}" + "  ".join(cells))
     print(f"wrote {args.summary} and {args.out}/")
 
 

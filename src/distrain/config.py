@@ -248,8 +248,10 @@ class CompressConfig:
     compress: str = _opt("none", "compressor spec: none, fp16, bf16, topk:RATIO, randomk:RATIO, "
                          "group_topk:RATIO[:group=N], qsgd:8bit|4bit (RATIO = kept fraction in (0, 1])")
     error_feedback: str = _opt("on", "keep what a lossy compressor dropped and add it to the next step", ("on", "off"))
-    sparse_collective: str = _opt("ring", "how sparse payloads (topk, group_topk) are summed: sparse ring "
-                                  "reduce-scatter + all-gather, or all-gather of every worker's payload", ("ring", "allgather"))
+    sparse_collective: str = _opt("allgather", "how sparse payloads (topk, group_topk) are summed: all-gather of "
+                                  "every worker's payload (n - 1 latency-bound rounds when all workers keep the same "
+                                  "count), or the sparse ring reduce-scatter + all-gather (2(n - 1) rounds; fewer bytes "
+                                  "when workers are many and their indices overlap)", ("ring", "allgather"))
     momentum_correction: str = _opt("on", "with a sparsifier and SGD, apply momentum on each worker before compressing "
                                     "(Deep Gradient Compression)", ("on", "off"))
     density_warmup_epochs: float = _opt(0.0, "epochs of dense all-reduce before compression starts")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from distrain.comm.ring import ring_all_reduce
-from distrain.comm.sparse_ring import SPARSE_COLLECTIVES
+from distrain.comm.sparse_ring import SPARSE_COLLECTIVES, sparse_allgather_allreduce
 from distrain.comm.transport import Transport
 from distrain.compress.adaptive import AdaptivePolicy
 from distrain.compress.base import CompressInfo, Compressor
@@ -144,10 +144,11 @@ class GradientCompression:
             transport.all_reduce(tensor).wait()
 
     def _sparse_with_dense_tail(self, transport: Transport, info: CompressInfo,
-                                extra: torch.Tensor | None = None) -> torch.Tensor:
+                                extra: torch.Tensor | None = None, *, same_size: bool = False) -> torch.Tensor:
         """Sum the compressed weights part, the whole one-dimensional part and ``extra`` (dense
         values appended after the gradient, e.g. the adaptive policy's shared slots) in one
-        sparse collective; returns the sum of ``extra`` (empty if None)."""
+        sparse collective; returns the sum of ``extra`` (empty if None). ``same_size``: every
+        worker compresses with the same ratio, so the all-gather needs no exchange of sizes."""
         if self.sparse_collective not in SPARSE_COLLECTIVES:
             raise ValueError(f"sparse_collective must be one of {sorted(SPARSE_COLLECTIVES)}, got {self.sparse_collective!r}")
         extra = self.flat.new_zeros(0) if extra is None else extra
@@ -156,7 +157,10 @@ class GradientCompression:
         tail = torch.arange(self.split, numel, dtype=indices.dtype, device=indices.device)
         indices = torch.cat([indices, tail])
         values = torch.cat([values.to(self.flat.dtype), self.flat[self.split :], extra.to(self.flat.dtype)])
-        total = SPARSE_COLLECTIVES[self.sparse_collective](transport, indices, values, numel)
+        if self.sparse_collective == "allgather":
+            total = sparse_allgather_allreduce(transport, indices, values, numel, same_size=same_size)
+        else:
+            total = SPARSE_COLLECTIVES[self.sparse_collective](transport, indices, values, numel)
         self.flat.copy_(total[: self.flat.numel()])
         return total[self.flat.numel() :]
 
@@ -182,12 +186,14 @@ class GradientCompression:
             self._dense_all_reduce(transport, self.flat)
             self.ratio = 1.0
         else:
-            if ratio is None or self.compressor.ratio is None:
+            per_worker = ratio is not None and self.compressor.ratio is not None
+            if not per_worker:
                 ratio = self.density.ratio(epochs_done)
             info = CompressInfo(step=step, key=WEIGHTS, ratio=ratio, worker=transport.rank)
             if weights.numel() and one_dim.numel() and self.compressor.sparse:
                 shared = None if self.policy is None else self._shared_slots(transport)
-                summed = self._sparse_with_dense_tail(transport, info, shared)
+                # the schedule's ratio is the same on every worker; a per-worker one may not be
+                summed = self._sparse_with_dense_tail(transport, info, shared, same_size=not per_worker)
                 if self.policy is not None:
                     self.policy.observe_cluster(summed.tolist())
             else:
