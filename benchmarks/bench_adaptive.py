@@ -51,7 +51,9 @@ CONFIGS: dict[str, str] = {
     "adaptive": f"adaptive:{BASE}",
     "importance": f"adaptive:{BASE}:beta=0",
     "network": f"adaptive:{BASE}:alpha=0",
+    "gentle": f"adaptive:{BASE}:beta=0.5",  # not in the default set: g(C) = sqrt(C)
 }
+DEFAULT_CONFIGS = "fixed,adaptive,importance,network"
 
 JOB: dict[str, Any] = {
     "workers": 4, "dataset": "mnist1d", "model": "mlp", "model_width": 974, "algorithm": "allreduce",
@@ -88,11 +90,21 @@ def median_or_none(values: list[float | None]) -> float | None:
     return statistics.median(values)  # type: ignore[arg-type]
 
 
+#: Besides the target: times to these accuracies too, read from the evaluation curves.
+LEVELS = (0.35, 0.40, 0.45, 0.50, 0.55, 0.60)
+
+
+def time_to(curve: list[tuple[float, float]], level: float) -> float | None:
+    return next((t for t, a in curve if a >= level), None)
+
+
 def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
         mine = [r for r in runs if r["config"] == name]
         out[name] = {
+            "median_time_to_level_s": {f"{level:.2f}": median_or_none([time_to(r["accuracy_vs_time"], level) for r in mine])
+                                       for level in LEVELS},
             "compress": CONFIGS[name],
             "median_time_to_target_s": median_or_none([r["time_to_target_s"] for r in mine]),
             "median_final_test_accuracy": statistics.median(r["final_test_accuracy"] for r in mine),
@@ -108,6 +120,9 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
         row["speedup_time_to_target"] = t_fixed / t_mine if t_fixed and t_mine else None
         row["speedup_wall_time"] = fixed["median_wall_time_s"] / row["median_wall_time_s"]
         row["accuracy_gap_points"] = 100 * (row["median_final_test_accuracy"] - fixed["median_final_test_accuracy"])
+        row["speedup_at_level"] = {
+            level: (fixed["median_time_to_level_s"][level] / t if t and fixed["median_time_to_level_s"][level] else None)
+            for level, t in row["median_time_to_level_s"].items()}
     return out
 
 
@@ -121,11 +136,15 @@ def print_table(summary: dict[str, Any], target: float) -> None:
         print(f"  {name:<12}{ttt:>11}{speed:>10}{r['median_final_test_accuracy']:>11.4f}"
               f"{r.get('accuracy_gap_points', 0.0):>+10.2f}{r['median_wall_time_s']:>8.1f}s"
               f"{r['median_bytes_per_worker_per_step']:>12,.0f}{r['mean_ratio']:>12.4f}")
+    print("  speed-up in median time to other accuracies (fixed / config):")
+    for name, r in summary.items():
+        cells = [f"{level}: {v:.2f}x" if v else f"{level}: -" for level, v in r.get("speedup_at_level", {}).items()]
+        print(f"    {name:<12}" + "  ".join(cells))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated: {', '.join(CONFIGS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--eval-every", type=float, default=0.125, help="epochs between evaluations")

@@ -157,6 +157,7 @@ def step_delay_per_byte(exchanges: Iterable[Exchange], floor: float) -> tuple[fl
 
 
 def message_delays(exchanges: Iterable[Exchange]) -> list[float]:
+    """Delays of the point-to-point messages in ``exchanges`` that this worker sent."""
     return [e.link_seconds if e.link_seconds is not None else e.seconds
             for e in exchanges if e.op == "send" and e.bytes_sent > 0]
 
@@ -178,6 +179,7 @@ class AdaptivePolicy:
         self._cluster: deque[float] = deque(maxlen=settings.window)  # past lowest ``delay`` of any worker
         self._floors: deque[float] = deque(maxlen=settings.window)  # smallest message delay per step
         self._seen = 0  # transport.stats.recorded already read
+        self._bytes_at_choice: int | None = None  # transport.stats.bytes_sent when the ratio was chosen
 
     @property
     def baseline(self) -> float | None:
@@ -249,16 +251,15 @@ class AdaptivePolicy:
         self.observe_losses(losses)
         if transport is not None:
             self.observe_network(transport)
-            self._bytes_at_choice: int | None = transport.stats.bytes_sent
+            self._bytes_at_choice = transport.stats.bytes_sent
         return self.ratio(base)
 
     def metrics(self, transport: Transport | None = None) -> dict[str, float]:
         """The signals for metrics.jsonl; with ``transport``, also the bytes sent since the last
         :meth:`choose` (``step_bytes_sent``: this step's)."""
         out = {"importance": self.importance, "congestion": self.congestion}
-        since = getattr(self, "_bytes_at_choice", None)
-        if transport is not None and since is not None:
-            out["step_bytes_sent"] = transport.stats.bytes_sent - since
+        if transport is not None and self._bytes_at_choice is not None:
+            out["step_bytes_sent"] = transport.stats.bytes_sent - self._bytes_at_choice
         if self.delay is not None:
             out["delay_s_per_mb"] = self.delay * 1e6
         if self.baseline is not None:
