@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
+import time
 from typing import Any
 
 import torch
@@ -47,6 +49,8 @@ from distrain.algorithms.gossip import AsyncGossip, GossipEngine, SharedModel, g
 from distrain.comm.transport import Transport
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.topology import Graph, bipartite_sets, build_topology
+from distrain.train.faults import is_comm_error
+from distrain.train.health import Liveness
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,14 @@ class PairwiseGossip(GossipEngine):
         transport: a Transport on a process group of all workers, used by this engine only.
         graph: a connected bipartite graph over the group's ranks.
         seed: seeds the choice of partners (each worker draws its own sequence).
+        liveness: where lost peers are declared and looked up (``None``: a lost peer fails the
+            run, as in a synchronous algorithm).
+        peer_timeout: seconds a caller may stay silent before a passive worker checks whether
+            it is gone (its heartbeat).
+
+    A peer whose connection closes, or (for an active caller of a passive worker) that stays
+    silent past the group's timeout with a stale heartbeat, is dropped: declared dead in the
+    store, counted as done, and never called or waited for again.
 
     Example::
 
@@ -81,8 +93,10 @@ class PairwiseGossip(GossipEngine):
         engine.join(timeout=60)  # returns once every worker is done
     """
 
-    def __init__(self, state: SharedModel, transport: Transport, graph: Graph, seed: int = 0) -> None:
+    def __init__(self, state: SharedModel, transport: Transport, graph: Graph, seed: int = 0,
+                 liveness: Liveness | None = None, peer_timeout: float = 120.0) -> None:
         super().__init__(state)
+        self.liveness, self.peer_timeout = liveness, peer_timeout
         if graph.n != transport.world_size:
             raise ValueError(f"the graph has {graph.n} workers, the group {transport.world_size}")
         self.transport = transport
@@ -96,12 +110,18 @@ class PairwiseGossip(GossipEngine):
         self.theirs = torch.empty_like(self.sent)
         self.header_len = 1 + 2 * state.world
         self.exchanges = 0  # exchanges this worker started (active) or served (passive)
+        self._graveyard: list[torch.Tensor] = []  # buffers of abandoned exchanges (see _lose)
+        self._calling: set[int] = set(self.peers)  # passive: callers that have not said DONE
+        self._heard = dict.fromkeys(self.peers, time.monotonic())  # passive: when each was last heard from
+        self._served = threading.Event()  # passive: the serving thread has ended
 
     def _threads(self) -> list[tuple[str, Any]]:
         if not self.peers:
             return []
-        role = "active" if self.active else "passive"
-        return [(f"distrain-adpsgd-{role}", self._run_active if self.active else self._run_passive)]
+        if self.active:
+            return [("distrain-adpsgd-active", self._run_active)]
+        watch = [("distrain-adpsgd-watch", self._watch_callers)] if self.liveness is not None else []
+        return [("distrain-adpsgd-passive", self._run_passive), *watch]
 
     # -- active side --
 
@@ -111,9 +131,36 @@ class PairwiseGossip(GossipEngine):
             gossiped, _ = self.wait_for_round(gossiped)
             if self.state.all_done:
                 break
-            self._call(self.rng.choice(self.peers))
+            if not self.peers:
+                raise WorkerFailure(f"worker {self.transport.rank}: every neighbour was lost; nobody left to average with")
+            peer = self.rng.choice(self.peers)
+            try:
+                self._call(peer)
+            except Exception as exc:
+                self._lose(peer, exc)
         for peer in self.peers:
-            self.transport.send(self.state.progress_header(DONE), peer).wait()
+            try:
+                self.transport.send(self.state.progress_header(DONE), peer).wait()
+            except Exception as exc:
+                self._lose(peer, exc)
+
+    def _lose(self, peer: int, exc: BaseException) -> None:
+        """Drop ``peer`` after a failed exchange, if peers can be dropped and it looks gone."""
+        if self.liveness is None or not is_comm_error(exc):
+            raise exc
+        if self.transport.rank in self.liveness.dead_ranks():  # we were the silent one (e.g. SIGSTOP)
+            raise WorkerFailure(f"worker {self.transport.rank} was silent past --peer-timeout and its peers went on "
+                                "without it; leaving") from exc
+        self.liveness.declare_dead(peer)  # before counting it done: see AsyncGossip._survivors
+        # A receive that timed out may still be posted in the backend and land later: give it the
+        # old buffers to write into, and use new ones from now on.
+        self._graveyard += [self.sent, self.theirs]
+        self.sent, self.theirs = torch.empty_like(self.sent), torch.empty_like(self.theirs)
+        if peer in self.peers:
+            self.peers.remove(peer)
+        self.state.mark_lost(peer)
+        log.warning("worker %d: lost worker %d (%s); going on without it", self.transport.rank, peer,
+                    str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
 
     def _call(self, peer: int) -> None:
         t = self.transport
@@ -137,28 +184,80 @@ class PairwiseGossip(GossipEngine):
 
     def _run_passive(self) -> None:
         t = self.transport
-        calling = set(self.peers)  # active neighbours that have not said DONE
+        calling = self._calling = set(self.peers)  # active neighbours that have not said DONE
         header = torch.empty(self.header_len, dtype=torch.int64)
-        while calling:
-            src = t.recv_any(header)
-            kind = int(header[0])
-            if src not in calling or kind not in (REQUEST, DONE):
-                raise WorkerFailure(f"worker {t.rank}: unexpected message kind {kind} from worker {src}")
+        errors = 0
+        try:
+            while calling:
+                try:
+                    src = t.recv_any(header)
+                except Exception as exc:
+                    # A caller's connection closed under our any-source receive (it died): the
+                    # others' connections still work, and the watch finds who it was. A timeout
+                    # is different: gloo closes every connection then.
+                    errors += 1
+                    if self.liveness is None or not is_comm_error(exc) or "timed out" in str(exc).lower() \
+                            or errors > 3 * len(self.peers):
+                        raise
+                    self._graveyard.append(header)
+                    header = torch.empty(self.header_len, dtype=torch.int64)
+                    continue
+                errors = 0
+                self._heard[src] = time.monotonic()
+                if self._serve(src, header, calling):
+                    with self.state.lock:
+                        calling -= self.state.lost  # callers the watch gave up on: no DONE will come
+                    if calling and self.liveness is not None:  # or that another worker gave up on
+                        calling -= set(self.liveness.dead_ranks())
+        finally:
+            self._served.set()
+
+    def _watch_callers(self) -> None:
+        """A passive worker's second thread: once a second, give up on callers silent past the
+        peer timeout whose heartbeat stopped too (killed, cut off). A caller given up on counts
+        as done; our next replies say so, so the others can finish without it."""
+        assert self.liveness is not None
+        live = Liveness(self.liveness.host, self.liveness.port, self.liveness.world_size)  # its own store client
+        while not self._served.wait(1.0):
+            now = time.monotonic()
+            quiet = [p for p in list(self._calling) if p not in self.state.lost and now - self._heard[p] > self.peer_timeout]
+            for peer in live.silent(quiet) if quiet else []:
+                live.declare_dead(peer)  # before counting it done: see AsyncGossip._survivors
+                self.state.mark_lost(peer)
+                log.warning("worker %d: lost worker %d (silent for more than %g s, no heartbeat); going on without it",
+                            self.transport.rank, peer, self.peer_timeout)
+
+    def _serve(self, src: int, header: torch.Tensor, calling: set[int]) -> bool:
+        """Answer one message; True when something changed in who is still calling."""
+        t = self.transport
+        kind = int(header[0])
+        dropped = src in self.state.lost  # back after we gave up on it: answered, never averaged
+        if (src not in calling and not dropped) or kind not in (REQUEST, DONE):
+            raise WorkerFailure(f"worker {t.rank}: unexpected message kind {kind} from worker {src}")
+        if not dropped:
             self.state.merge(header[1:])
-            if kind == DONE:
-                calling.discard(src)
-                continue
-            self.state.read(out=self.sent)
+        if kind == DONE:
+            calling.discard(src)
+            return True
+        self.state.read(out=self.sent)
+        try:
             handles = [t.recv(self.theirs, src), t.send(self.state.progress_header(REPLY), src), t.send(self.sent, src)]
             for handle in handles:
                 handle.wait()
+        except Exception as exc:
+            calling.discard(src)
+            self._lose(src, exc)
+            return True
+        if not dropped:  # a dropped worker learns from our header that it counts as done
             self._average()
+        return bool(self.state.lost)
 
 
 class ADPSGD(AsyncGossip):
     """Asynchronous decentralized SGD (see the module docstring)."""
 
     name = "adpsgd"
+    survives_lost_workers = True  # survivors drop a lost worker and finish (see PairwiseGossip)
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -170,7 +269,8 @@ class ADPSGD(AsyncGossip):
         self.graph = bipartite_graph(self.config.algo.topology, transport.world_size)  # under torchrun: WORLD_SIZE
         group = gossip_group(g.peer_timeout)
         return PairwiseGossip(self.state, Transport(group, link_model=transport.link_model), self.graph,
-                              seed=self.config.run.seed)
+                              seed=self.config.run.seed, liveness=Liveness.from_env(transport.world_size),
+                              peer_timeout=g.peer_timeout)
 
     def info(self) -> dict[str, Any]:
         if self.engine is None:

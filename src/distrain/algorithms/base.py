@@ -47,6 +47,11 @@ class Algorithm:
     #: True when the algorithm checks gradients for NaN / Inf itself before sending them (those
     #: that send during backward); otherwise the loop checks them before ``after_backward``.
     checks_gradients: bool = False
+    #: True when the others go on without a worker that dies (asynchronous gossip that drops it).
+    survives_lost_workers: bool = False
+    #: Workers lost and left behind during the run (rank -> when declared dead); asynchronous
+    #: algorithms only.
+    lost_workers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -136,6 +141,11 @@ class Algorithm:
         """Transports besides the loop's (an algorithm's own process groups, over the same
         ranks): their traffic counts as this worker's."""
         return []
+
+    def control_transport(self) -> Transport | None:
+        """After training: the transport for the final collectives (evaluation, summary) when
+        some workers were lost and the others went on without them; None: every worker."""
+        return None
 
     def consensus_history(self) -> Iterator[tuple[dict[str, float], torch.nn.Module]]:
         """After training, asynchronous algorithms: ``({"time": s, ...}, consensus model)`` at

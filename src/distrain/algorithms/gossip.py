@@ -43,6 +43,7 @@ import torch.distributed as dist
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.comm.transport import Transport
 from distrain.errors import ConfigError, WorkerFailure
+from distrain.train.health import Liveness
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class SharedModel:
         self.counts = [0] * world
         self.done = [0] * world
         self.rounds = 0  # averagings this worker took part in
+        self.lost: set[int] = set()  # peers this worker found gone (asynchronous runs go on without them)
         self.steps_at_round = 0  # this worker's steps when its last averaging ended
         self.lag_seconds = 0.0  # time the main thread waited for an averaging (--max-lag)
         self.step_seconds = 0.01  # moving average of this worker's step time (paces idle gossip)
@@ -127,6 +129,13 @@ class SharedModel:
         return True
 
     # -- progress --
+
+    def mark_lost(self, rank: int) -> None:
+        """A peer is gone: it counts as done, so the others can finish without it."""
+        with self.lock:
+            self.lost.add(rank)
+            self.done[rank] = 1
+            self.lock.notify_all()
 
     def finish(self) -> None:
         """This worker's training budget is used up: mark it done and wake the gossip."""
@@ -376,6 +385,8 @@ class AsyncGossip(Algorithm):
         self.engine: GossipEngine | None = self.build_engine(transport) if transport.world_size > 1 else None
         self._drained = False
         self._stop_requested = False
+        self.control: Transport | None = None  # after training: the survivors' group, if workers were lost
+        self.lost_workers: dict[int, float] = {}
         self._last_step_at: float | None = None
         self._consensus_distance: float | None = None
 
@@ -469,14 +480,45 @@ class AsyncGossip(Algorithm):
         self._snapshot_if_due()
         self._scatter(self.state.x)  # the module holds this worker's final model
         self._drained = True
+        self.control = self._survivors()
+
+    def _survivors(self) -> Transport | None:
+        """A group of the workers still alive, when some were lost (None: everyone is here).
+
+        Every survivor reads the same dead set: a lost worker is declared dead in the store
+        before anyone counts it done, and training is over only once all are done.
+        """
+        assert self.transport is not None
+        live = Liveness.from_env(self.state.world) if self.state.world > 1 else None
+        if live is None:
+            return None
+        self.lost_workers = live.dead_ranks()
+        if not self.lost_workers:
+            return None
+        if self.transport.rank in self.lost_workers:
+            raise WorkerFailure(f"worker {self.transport.rank} was silent past --peer-timeout and its peers went on "
+                                "without it; leaving")
+        survivors = [r for r in range(self.state.world) if r not in self.lost_workers]
+        log.warning("worker %d: the consensus is over workers %s (lost: %s)", self.transport.rank, survivors,
+                    sorted(self.lost_workers))
+        group = dist.new_group(survivors, backend="gloo", timeout=timedelta(seconds=self.config.gossip.peer_timeout),
+                               use_local_synchronization=True)
+        return Transport(group)
+
+    def control_transport(self) -> Transport | None:
+        return self.control
+
+    def _ctl(self) -> Transport:
+        assert self.transport is not None
+        return self.control if self.control is not None else self.transport
 
     # -- evaluation --
 
     def _consensus_of(self, vector: torch.Tensor) -> torch.nn.Module:
         """Average ``vector`` over all workers (collective) into the consensus module."""
-        assert self.transport is not None
-        n = self.transport.world_size
-        average = self.transport.control_all_reduce(vector.to(self.device)).div_(n) if n > 1 else vector.to(self.device)
+        ctl = self._ctl()
+        n = ctl.world_size
+        average = ctl.control_all_reduce(vector.to(self.device)).div_(n) if n > 1 else vector.to(self.device)
         params = [p for p in self.consensus.parameters() if p.requires_grad]
         with torch.no_grad():
             for p, chunk in zip(params, average.split(self.sizes), strict=True):
@@ -499,15 +541,15 @@ class AsyncGossip(Algorithm):
         assert self.transport is not None
         average = torch.cat([p.detach().reshape(-1).cpu() for p in consensus.parameters() if p.requires_grad])
         spread = torch.tensor([float((mine - average).double().pow(2).sum())], dtype=torch.float64, device=self.device)
-        if self.transport.world_size > 1:
-            self.transport.control_all_reduce(spread)
-        return float(spread) / self.transport.world_size
+        if self._ctl().world_size > 1:
+            self._ctl().control_all_reduce(spread)
+        return float(spread) / self._ctl().world_size
 
     def consensus_history(self) -> Iterator[tuple[dict[str, float], torch.nn.Module]]:
         """The consensus model at every snapshot point (collective; each worker iterates fully)."""
         assert self.transport is not None
         mine = torch.tensor([self.snapshots.level, self.snapshots.last], dtype=torch.int64, device=self.device)
-        rows = self.transport.control_all_gather(mine) if self.transport.world_size > 1 else [mine]
+        rows = self._ctl().control_all_gather(mine) if self._ctl().world_size > 1 else [mine]
         level = max(int(r[0]) for r in rows)
         last = min(int(r[1]) for r in rows)
         points = self.snapshots.common_points(level, last)
@@ -515,7 +557,7 @@ class AsyncGossip(Algorithm):
             return
         facts = torch.tensor([[self.snapshots.points[k].seconds, self.snapshots.points[k].steps] for k in points],
                              dtype=torch.float64, device=self.device)
-        gathered = self.transport.control_all_gather(facts) if self.transport.world_size > 1 else [facts]
+        gathered = self._ctl().control_all_gather(facts) if self._ctl().world_size > 1 else [facts]
         seconds = torch.stack(gathered).amax(0)[:, 0].tolist()  # the consensus exists once the last copy is taken
         steps = torch.stack(gathered).sum(0)[:, 1].tolist()
         per_epoch = self.steps_per_epoch * self.state.world

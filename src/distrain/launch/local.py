@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from distrain.algorithms import ALGORITHMS
 from distrain.config import TrainConfig
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
 from distrain.launch.common import (
@@ -157,11 +158,13 @@ class _Signals:
 
 
 def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: int,
-               signals: _Signals | None = None) -> None:
+               signals: _Signals | None = None, survivable: bool = False) -> None:
     """Wait for every worker; once one fails, give the others ``grace`` seconds, then stop them.
 
     After a SIGTERM / Ctrl-C, workers get ``STOP_GRACE_S`` seconds to agree on a step, save a
-    checkpoint and leave; then they are killed.
+    checkpoint and leave; then they are killed. With ``survivable`` (an asynchronous algorithm
+    that goes on without lost workers), a failed worker does not stop the others: every wait
+    of theirs is bounded by --peer-timeout, and the run succeeds if they all finish.
     """
     pending = list(procs)
     failed_at: float | None = None
@@ -179,9 +182,16 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
             pending.remove(p)
             if p.exitcode not in (0, EXIT_INTERRUPTED):
                 failures.append((procs.index(p), p.exitcode))
-                failed_at = failed_at or time.monotonic()
+                if not survivable or p.exitcode == EXIT_BAD_INPUT:
+                    failed_at = failed_at or time.monotonic()
     if signals is not None and signals.at is not None:
         raise Interrupted(-1)
+    finished = [r for r, p in enumerate(procs) if p.exitcode == 0]
+    if failures and survivable and finished and len(finished) + len(failures) == len(procs) \
+            and all(code != EXIT_BAD_INPUT for _, code in failures):
+        for rank, code in failures:
+            log.warning("%s; the other workers finished without it", _describe_exit(run_dir, rank, code, nworkers))
+        return
     if failures:
         if all(code == EXIT_BAD_INPUT for _, code in failures):
             raise SystemExit(EXIT_BAD_INPUT)
@@ -241,7 +251,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
         for p in procs:
             p.start()
         _supervise(procs, grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
-                   signals=signals)
+                   signals=signals, survivable=ALGORITHMS[cfg.algo.algorithm].survives_lost_workers)
     except Interrupted:
         from distrain.train.checkpoint import CheckpointStore
 

@@ -106,3 +106,60 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval + 1)
+
+
+DEAD_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/dead/{}"
+
+
+class Liveness:
+    """Which workers the others have given up on (asynchronous algorithms drop them and go on).
+
+    A worker that finds a peer gone (its connection closed, or silent past the peer timeout
+    with a stale heartbeat) declares it dead in the store; every survivor then leaves it out of
+    the final consensus. One instance per thread (each holds its own store client).
+
+    Example::
+
+        live = Liveness.from_env(world_size=4)
+        live.declare_dead(3)
+        live.dead_ranks()      # {3: time it was declared}
+    """
+
+    def __init__(self, host: str, port: int, world_size: int, stale_after: float = 3.0) -> None:
+        self.host, self.port, self.world_size, self.stale_after = host, port, world_size, stale_after
+        self._store: dist.TCPStore | None = None
+
+    @classmethod
+    def from_env(cls, world_size: int) -> Liveness | None:
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        return cls(host, int(port), world_size) if host and port else None
+
+    def _client(self) -> dist.TCPStore:
+        if self._store is None:
+            self._store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=10))
+        return self._store
+
+    def declare_dead(self, rank: int) -> None:
+        self._client().compare_set(DEAD_KEY.format(rank), "", repr(time.time()))
+
+    def dead_ranks(self) -> dict[int, float]:
+        """Ranks declared dead, with when (Unix time) the first survivor declared them."""
+        store = self._client()
+        out = {}
+        for r in range(self.world_size):
+            key = DEAD_KEY.format(r)
+            if store.check([key]):
+                out[r] = float(store.get(key).decode())
+        return out
+
+    def silent(self, ranks: list[int] | set[int]) -> list[int]:
+        """Of ``ranks``: those declared dead, or whose heartbeat is missing or stale."""
+        store = self._client()
+        now, out = time.time(), []
+        for r in sorted(ranks):
+            beat = KEY.format(r)
+            if store.check([DEAD_KEY.format(r)]) or not store.check([beat]) \
+                    or now - float(store.get(beat).decode()) > self.stale_after:
+                out.append(r)
+        return out

@@ -220,7 +220,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     running = algorithm.keep_going(step, total_steps)
     while running:
         watch.step = step
-        maybe_injected_kill(rank, step)  # fault injection for tests (environment variable)
+        maybe_injected_kill(rank, step)  # fault injection for tests (environment variables)
         t0 = time.perf_counter()
         x, y = batches_of(train_set, sampler.batch(step))
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -276,7 +276,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
             t_eval = time.perf_counter()
             eval_model = algorithm.eval_model()  # collective for decentralized algorithms
-            if rank == 0:
+            if leads(algorithm, transport):
                 accuracy, test_loss = evaluate(eval_model, test_set, device)
                 record.update(test_accuracy=accuracy, test_loss=test_loss)
                 if time_to_target is None and accuracy >= cfg.run.target_accuracy:
@@ -299,7 +299,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # Asynchronous algorithms: the consensus at points during the run (from copies every worker
     # took then), evaluated only now, so that nobody paused for it.
     for point, eval_model in algorithm.consensus_history():  # collective
-        if rank == 0:
+        if leads(algorithm, transport):
             point_accuracy, point_loss = evaluate(eval_model, test_set, device)
             metrics.write({**point, "test_accuracy": point_accuracy, "test_loss": point_loss, "snapshot": True})
             if point_accuracy >= cfg.run.target_accuracy and (time_to_target is None or point["time"] < time_to_target):
@@ -314,10 +314,14 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     sent, received, comm_s = traffic(transports)
     mine = torch.tensor([steps_done, steps_done * cfg.data.batch_size, wall, compute_seconds, comm_s, *sent, *received],
                         dtype=torch.float64)
-    rows = [r.tolist() for r in transport.control_all_gather(mine)]
+    control = algorithm.control_transport() or transport  # the survivors, if workers were lost
+    rows = [[0.0] * len(mine) for _ in range(transport.world_size)]  # lost workers: rows of zeros
+    for i, row in enumerate(control.control_all_gather(mine)):
+        rows[i if control is transport else dist.get_global_rank(control.group, i)] = row.tolist()
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
-                        time_to_target, eval_seconds, resume_step, stop_at is not None) if rank == 0 else None
-    transport.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
+                        time_to_target, eval_seconds, resume_step, stop_at is not None,
+                        algorithm.lost_workers) if leads(algorithm, transport) else None
+    control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
     if stop_at is not None:
         raise Interrupted(step)
     return summary
@@ -333,6 +337,11 @@ def loss_quantiles(losses: torch.Tensor) -> list[float]:
     return [float(f"{v:.4g}") for v in values.tolist()]
 
 
+def leads(algorithm: Any, transport: Transport) -> bool:
+    """Whether this worker evaluates and writes the summary: rank 0, or the first survivor."""
+    return (algorithm.control_transport() or transport).rank == 0
+
+
 def traffic(transports: list[Transport]) -> tuple[list[int], list[int], float]:
     """Bytes sent and received per peer, and seconds in exchanges, over a worker's transports
     (each over the same ranks)."""
@@ -345,7 +354,8 @@ def traffic(transports: list[Transport]) -> tuple[list[int], list[int], float]:
 
 def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: int, total_steps: int,
               global_batch: int, accuracy: float, test_loss: float, time_to_target: float | None,
-              eval_seconds: float, resume_step: int | None, interrupted: bool = False) -> dict[str, Any]:
+              eval_seconds: float, resume_step: int | None, interrupted: bool = False,
+              lost_workers: dict[int, float] | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers."""
     wall = rows[0][2]
     n = len(rows)
@@ -367,6 +377,9 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         "compute_s_per_worker": [r[3] for r in workers], "comm_s_per_worker": [r[4] for r in workers],
         "resumed_from_step": resume_step, "run_dir": str(run_dir),
         "interrupted": interrupted,
+        # workers lost during an asynchronous run (the others finished without them): when each
+        # was declared dead (Unix time)
+        "lost_workers": {str(r): t for r, t in sorted((lost_workers or {}).items())},
     }
     write_json_atomic(run_dir / "summary.json", summary)
     return summary

