@@ -24,7 +24,7 @@ def torchrun(run_dir, **env: str) -> tuple[subprocess.CompletedProcess, list[int
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.5",
            "-m", "distrain", "train", *QUICK, "--epochs", "2", "--checkpoint-every", "20", "--resume", "auto",
-           "--run-dir", str(run_dir)]
+           "--timeout", "60", "--run-dir", str(run_dir)]  # a restart on a loaded machine takes a while
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=360, env=cli_env(tag, **env))
         return out, tagged(tag)
