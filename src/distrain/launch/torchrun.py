@@ -20,6 +20,7 @@ from distrain.launch.common import (
     init_group,
     run_role,
     server_count,
+    store_of,
     wait_for_master,
 )
 
@@ -47,9 +48,15 @@ def run_torchrun_worker(cfg: TrainConfig, **user: Any) -> dict[str, Any] | None:
     configure_worker_logging(rank)
     check_device(cfg)
     cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world - server_count(cfg)))
-    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # someone else hosts the store
-        wait_for_master(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), cfg.cluster.timeout)
-    init_group(cfg, rank, world, "env://")
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    hosted_elsewhere = rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if hosted_elsewhere:  # the torchrun agent (or rank 0) hosts the store
+        wait_for_master(addr, port, cfg.cluster.timeout)
+    # The agent's store outlives a restart: each attempt meets under its own prefix, or a
+    # restarted worker could read the addresses of the attempt before and connect to nobody.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"distrain/attempt-{attempt}", store_of(addr, port, cfg.cluster.timeout, host=not hosted_elsewhere))
+    init_group(cfg, rank, world, store=store)
     try:
         run_dir = _shared_run_dir(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
