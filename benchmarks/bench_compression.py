@@ -42,25 +42,29 @@ CODECS = ["none", "fp16", "bf16", "qsgd:8bit", "qsgd:4bit", "randomk:0.01", "top
 
 JOBS: dict[str, dict[str, Any]] = {
     "mnist1d": {},  # the default job: 4 workers, cnn1d, 15 epochs
-    "digits": {"workers": 2, "dataset": "digits", "model": "cnn2d", "epochs": 20},
+    "digits": {"dataset": "digits", "model": "cnn2d", "epochs": 20},  # 4 workers
     "mlp1m": {"workers": 4, "model": "mlp", "model_width": 974, "epochs": 1},  # 999,334 parameters
 }
 
-# The recipe for 1% on small models: momentum correction (default on), dense 1-D tensors
-# (always), 2 dense epochs, then the ratio falls from 1 to 0.01 over 3 epochs.
+# The recipes for 1% on small models: momentum correction (default on), dense 1-D tensors
+# (always), and one dense epoch (warmup1), or 2 dense epochs then the ratio falling from 1 to
+# 0.01 over 3 epochs (warmup).
 WARMUP = {"density_warmup_epochs": 2.0, "density_decay_epochs": 3.0}
 VARIANTS: dict[str, dict[str, Any]] = {
     "dense": {"compress": "none"},
     "group_topk": {"compress": "group_topk:0.01"},
+    "group_topk+warmup1": {"compress": "group_topk:0.01", "density_warmup_epochs": 1.0},
     "group_topk+warmup": {"compress": "group_topk:0.01", **WARMUP},
-    "group_topk+allgather": {"compress": "group_topk:0.01", "sparse_collective": "allgather"},
+    "group_topk+nomc": {"compress": "group_topk:0.01", "momentum_correction": "off"},
+    "group_topk+ring": {"compress": "group_topk:0.01", "sparse_collective": "ring"},
     "topk": {"compress": "topk:0.01"},
     "randomk": {"compress": "randomk:0.01"},
     "qsgd4": {"compress": "qsgd:4bit"},
     "fp16": {"compress": "fp16"},
 }
-DEFAULT_VARIANTS = {"mnist1d": "group_topk,group_topk+warmup", "digits": "group_topk,group_topk+warmup",
-                    "mlp1m": "group_topk,group_topk+allgather"}
+DEFAULT_VARIANTS = {"mnist1d": "group_topk,group_topk+warmup1,group_topk+warmup",
+                    "digits": "group_topk,group_topk+warmup1,group_topk+warmup",
+                    "mlp1m": "group_topk,group_topk+ring"}
 
 
 def bench_codecs(numel: int, repeats: int) -> list[dict[str, Any]]:
