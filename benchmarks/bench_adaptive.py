@@ -3,7 +3,8 @@
 The scenario: 4 workers whose links alternate 2 s at 50 Mbit/s and 2 s at 5 Mbit/s with shifted
 phases (``benchmarks/traces/fluctuating-4.csv``, 5 ms latency), a ~1M-parameter MLP
 (``--model mlp --model-width 974``: 999,334 parameters) on MNIST-1D, all-reduce over the sparse
-ring with error feedback. Configurations, run alternately (one repeat of each, then the next):
+ring (``--sparse-collective ring``, where each worker's k counts) with error feedback.
+Configurations, run alternately (one repeat of each, then the next):
 
 * ``fixed``: ``group_topk`` at the base ratio (0.01);
 * ``adaptive``: ``adaptive:base=0.01:min=0.001:max=0.1`` (importance and network);
@@ -57,7 +58,7 @@ DEFAULT_CONFIGS = "fixed,adaptive,importance,network"
 
 JOB: dict[str, Any] = {
     "workers": 4, "dataset": "mnist1d", "model": "mlp", "model_width": 974, "algorithm": "allreduce",
-    "network": "fluctuating", "bandwidth_trace": str(TRACE), "progress": False,
+    "network": "fluctuating", "bandwidth_trace": str(TRACE), "sparse_collective": "ring", "progress": False,
 }
 
 

@@ -18,7 +18,7 @@ SPEC = "adaptive:base=0.25:min=0.05:max=1:group=64"
 def test_workers_on_slower_links_choose_smaller_ratios_and_train_like_dense(tmp_path):
     # Worker 2's link is slow, so the ring's links 1 -> 2 and 2 -> 3 are: workers 1 and 2 send
     # over a slow link, workers 3 and 0 over fast ones.
-    network = {"bandwidth": "100mbit", "slow_link": "2:2mbit", "latency": "1ms"}
+    network = {"bandwidth": "100mbit", "slow_link": "2:2mbit", "latency": "1ms", "sparse_collective": "ring"}
     settings = {"workers": WORLD, "epochs": 5, **network}
     adaptive = launch_local(small_config(str(tmp_path / "adaptive"), compress=SPEC, density_warmup_epochs=1, **settings))
     dense = launch_local(small_config(str(tmp_path / "dense"), compress="none", **settings))
@@ -51,14 +51,18 @@ def test_parameter_server_workers_push_smaller_ratios_while_their_link_is_slow(t
     dense = launch_local(small_config(str(tmp_path / "dense"), compress="none", **settings))
 
     lines = {rank: read_metrics(tmp_path / "adaptive", rank) for rank in range(3)}
-    compressed = {rank: [m for m in lines[rank] if m["epoch"] > 1.5] for rank in range(3)}
+    compressed = {rank: [m for m in lines[rank] if m["epoch"] > 1] for rank in range(3)}  # past the warm-up
     for rank in range(3):
         assert all(0.05 <= m["compress_ratio"] <= 1 for m in lines[rank])
         assert all(m["step_bytes_sent"] > 0 for m in compressed[rank])
-    mean = {rank: statistics.mean(m["compress_ratio"] for m in compressed[rank]) for rank in range(3)}
-    lowest = {rank: min(m["compress_ratio"] for m in compressed[rank]) for rank in range(3)}
-    assert mean[1] < 0.7 * min(mean[0], mean[2]), mean
-    assert lowest[1] <= 0.06 < min(lowest[0], lowest[2]), lowest  # 2 Mbit/s: C ~ 50, the ratio hits min
+    peak = {rank: max(m["congestion"] for m in compressed[rank]) for rank in range(3)}
+    # 2 Mbit/s against its own 100 Mbit/s: C ~ 50 while slow, and the ratio at min then; the
+    # others see little (their first compressed steps lump the warm-up's messages together, a
+    # few units at most). Slow steps are few
+    # (they take long), so compare those steps, not means over steps.
+    assert peak[1] > 20 and max(peak[0], peak[2]) < 0.2 * peak[1], peak
+    congested = [m["compress_ratio"] for m in compressed[1] if m["congestion"] > 10]
+    assert congested and statistics.median(congested) == pytest.approx(0.05), congested
     # Compressed pushes on this 240-sample test set are noisy: fixed group_topk at 0.25 and 0.1
     # ended at 0.75 and 0.90 against dense 0.90 here; the tolerance allows that spread.
     gap = dense["final_test_accuracy"] - adaptive["final_test_accuracy"]

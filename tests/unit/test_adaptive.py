@@ -155,3 +155,20 @@ def test_metrics_and_state():
     other = AdaptivePolicy(SETTINGS)
     other.load_state_dict(policy.state_dict())
     assert other.loss_ema == policy.loss_ema == 2.0
+
+
+def test_a_step_without_sends_is_timed_by_its_collectives():
+    policy = AdaptivePolicy(SETTINGS)
+
+    def gather_step(bits_per_s: float) -> list[Exchange]:
+        size = [Exchange("all_gather", 24, 24, 0.05, LATENCY + 24 * 8 / bits_per_s)]
+        body = [Exchange("all_gather", 90_000, 90_000, 0.5, LATENCY + 90_000 * 8 / bits_per_s)]
+        return size + body + [Exchange("recv", 0, 100, 0.01)]
+
+    for _ in range(10):
+        policy.observe_exchanges(gather_step(50e6))
+    assert policy.congestion == pytest.approx(1.0)
+    for _ in range(10):
+        policy.observe_exchanges(gather_step(5e6))
+    assert policy.congestion == pytest.approx(10.0, rel=0.05)
+

@@ -15,7 +15,9 @@ first batch has I = 1.
 **Congestion** ``C``: the worker's current delay per byte over a baseline. Every point-to-point
 message this worker sends is timed by the Transport; with the in-process link model the time is
 the emulated link's (uplink queue, transmission at the link's bandwidth, latency), so a worker on
-a slower link sees a larger delay per byte. Per step::
+a slower link sees a larger delay per byte. (A step without point-to-point messages, e.g. with
+the sparse all-gather, is timed by its collectives instead; those run at the slowest link's pace,
+the same for every worker, so use ``--sparse-collective ring`` to tell workers apart.) Per step::
 
     delay per byte = sum(delay_i - floor) / sum(bytes_i)     over the step's messages
 
@@ -144,22 +146,28 @@ def policy_ratio(settings: AdaptiveSettings, importance: float, congestion: floa
     return min(max(ratio, settings.min), max(settings.max, base))
 
 
-def step_delay_per_byte(exchanges: Iterable[Exchange], floor: float) -> tuple[float, int] | None:
-    """(seconds per byte beyond ``floor``, bytes) of the point-to-point messages in ``exchanges``
-    that this worker sent; None when there were none."""
-    delay, nbytes = 0.0, 0
-    for e in exchanges:
-        if e.op == "send" and e.bytes_sent > 0:
-            seconds = e.link_seconds if e.link_seconds is not None else e.seconds
-            delay += max(0.0, seconds - floor)
-            nbytes += e.bytes_sent
-    return (delay / nbytes, nbytes) if nbytes else None
+#: Operations whose delay stands for the network when a step has no point-to-point sends: the
+#: sparse all-gather's (its sizes, then the payloads; timed as ring collectives, so at the
+#: slowest link's pace). A dense all-reduce alone (the density warm-up) is one message per step,
+#: which leaves nothing above the latency floor to measure, so it is not used.
+COLLECTIVES = ("all_gather",)
 
 
-def message_delays(exchanges: Iterable[Exchange]) -> list[float]:
-    """Delays of the point-to-point messages in ``exchanges`` that this worker sent."""
-    return [e.link_seconds if e.link_seconds is not None else e.seconds
-            for e in exchanges if e.op == "send" and e.bytes_sent > 0]
+def timed_messages(exchanges: Iterable[Exchange]) -> list[tuple[float, int]]:
+    """(delay, bytes sent) of the point-to-point messages this worker sent in ``exchanges``; when
+    there were none, of its collectives instead."""
+    def pick(ops: tuple[str, ...]) -> list[tuple[float, int]]:
+        return [(e.link_seconds if e.link_seconds is not None else e.seconds, e.bytes_sent)
+                for e in exchanges if e.op in ops and e.bytes_sent > 0]
+
+    exchanges = list(exchanges)
+    return pick(("send",)) or pick(COLLECTIVES)
+
+
+def step_delay_per_byte(messages: list[tuple[float, int]], floor: float) -> float | None:
+    """Seconds per byte beyond ``floor`` of ``(delay, bytes)`` messages; None when there were none."""
+    nbytes = sum(b for _, b in messages)
+    return sum(max(0.0, d - floor) for d, _ in messages) / nbytes if nbytes else None
 
 
 class AdaptivePolicy:
@@ -225,12 +233,12 @@ class AdaptivePolicy:
         return self.observe_exchanges(recent)
 
     def observe_exchanges(self, exchanges: list[Exchange]) -> float:
-        delays = message_delays(exchanges)
-        if delays:
-            self._floors.append(min(delays))
-        measured = step_delay_per_byte(exchanges, min(self._floors)) if self._floors else None
-        if measured is not None:
-            estimate = measured[0]
+        """Take in one step's exchanges (see :func:`timed_messages`); update and return C."""
+        messages = timed_messages(exchanges)
+        if messages:
+            self._floors.append(min(d for d, _ in messages))
+        estimate = step_delay_per_byte(messages, min(self._floors)) if self._floors else None
+        if estimate is not None:
             fast = self.settings.fast
             self.delay = estimate if self.delay is None else fast * self.delay + (1 - fast) * estimate
             self._history.append(self.delay)

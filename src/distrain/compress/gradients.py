@@ -23,6 +23,7 @@ delay per byte for the policy's baseline.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -117,6 +118,10 @@ class GradientCompression:
                 compressor = MomentumCorrection(compressor.inner, momentum)
             else:
                 log.info("momentum correction needs SGD with momentum; %s keeps its optimizer as is", compressor.name)
+        if compressor.name == "adaptive" and c.sparse_collective == "allgather":
+            warnings.warn("--compress adaptive with --sparse-collective allgather: messages are padded to the "
+                          "largest worker's k and timed at the slowest link's pace; --sparse-collective ring "
+                          "lets each worker's ratio and link count", stacklevel=2)
         density = DensityWarmup(compressor.ratio, c.density_warmup_epochs, c.density_decay_epochs)
         return cls(compressor, params, density, sparse_collective=c.sparse_collective, own_ring=own_ring,
                    weight_decay=weight_decay)
