@@ -10,8 +10,8 @@ Modes:
     async: a server applies each push as it arrives (gradient / workers, one optimizer step per
         push) and answers that worker at once, unless the worker is more than
         ``--max-staleness`` pushes ahead of the slowest worker: then its answer waits
-        (stale-synchronous parallel). With ``--max-staleness 0`` and plain SGD this is the
-        sync result, up to the order of floating-point additions.
+        (stale-synchronous parallel). With ``--max-staleness 0`` and SGD (with or without
+        momentum) this is the sync result, up to the order of floating-point additions.
 
         Momentum must not act once per push: a round of P pushes would then apply the
         momentum P times on gradients all computed before the round, which diverges at
