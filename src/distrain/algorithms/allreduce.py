@@ -23,7 +23,7 @@ from distrain.algorithms.hierarchical import build_hierarchy
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.gradients import GradientCompression
-from distrain.train.faults import NonFinite
+from distrain.train.faults import NonFinite, all_finite
 
 
 @dataclass
@@ -134,7 +134,7 @@ class AllReduce(Algorithm):
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.gather_grads()
-            if not bool(torch.isfinite(bucket.flat).all()):  # a NaN is never averaged into a peer
+            if not all_finite(bucket.flat):  # a NaN is never averaged into a peer
                 if self.config.run.on_nonfinite != "skip":
                     raise NonFinite("gradient")
                 bucket.flat.zero_()  # this worker's share of the bucket is dropped for this step
