@@ -188,7 +188,17 @@ class Schedule:
         return self.values[-1] if cycles else None
 
     def next_change(self, t: float) -> float:
-        """The first time after ``t`` at which the bandwidth may change (inf if never)."""
+        """The first time after ``t`` at which the bandwidth may change (inf if never); always
+        strictly later than ``t``, also where rounding puts ``t`` on a change point (``base +
+        times[i]`` can round back to ``t``: callers that step from change to change would spin)."""
+        probe = t
+        while True:
+            change = self._next_change(probe)
+            if change > t:
+                return change
+            probe = math.nextafter(max(probe, change), math.inf)
+
+    def _next_change(self, t: float) -> float:
         base = 0.0
         if self.period_s is not None and t >= 0:
             cycles, _ = divmod(t, self.period_s)
