@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test test-all lint clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Also the tests marked slow (stress and fault-injection runs), about 5 more minutes.
+test-all: setup
+	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -38,6 +38,7 @@ def test_workers_on_slower_links_choose_smaller_ratios_and_train_like_dense(tmp_
     assert gap <= 0.03, (adaptive["final_test_accuracy"], dense["final_test_accuracy"])
 
 
+@pytest.mark.slow  # `make test-all`
 @pytest.mark.timeout(300)
 def test_parameter_server_workers_push_smaller_ratios_while_their_link_is_slow(tmp_path):
     # Worker 1's link alternates each second between 100 and 2 Mbit/s; the others stay at
@@ -55,12 +56,14 @@ def test_parameter_server_workers_push_smaller_ratios_while_their_link_is_slow(t
     for rank in range(3):
         assert all(0.05 <= m["compress_ratio"] <= 1 for m in lines[rank])
         assert all(m["step_bytes_sent"] > 0 for m in compressed[rank])
-    peak = {rank: max(m["congestion"] for m in compressed[rank]) for rank in range(3)}
-    # 2 Mbit/s against its own 100 Mbit/s: C ~ 50 while slow, and the ratio at min then; the
-    # others see little (their first compressed steps lump the warm-up's messages together, a
-    # few units at most). Slow steps are few
-    # (they take long), so compare those steps, not means over steps.
-    assert peak[1] > 20 and max(peak[0], peak[2]) < 0.2 * peak[1], peak
+    # 2 Mbit/s against its own 100 Mbit/s: C ~ 50 while slow, and the ratio at min then. The
+    # others see little, but one step can stand out (the first compressed step lumps the
+    # warm-up's messages together; a server busy with worker 1's slow push delays a reply), so
+    # count congested steps rather than compare single peaks. Slow steps are few (they take
+    # long), so compare those steps, not means over steps.
+    hot = {rank: sum(m["congestion"] > 10 for m in compressed[rank]) for rank in range(3)}
+    assert max(m["congestion"] for m in compressed[1]) > 20, hot
+    assert hot[1] >= 3 and max(hot[0], hot[2]) < hot[1] / 3, hot
     congested = [m["compress_ratio"] for m in compressed[1] if m["congestion"] > 10]
     assert congested and statistics.median(congested) == pytest.approx(0.05), congested
     # Compressed pushes on this 240-sample test set are noisy: fixed group_topk at 0.25 and 0.1

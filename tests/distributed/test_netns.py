@@ -190,6 +190,7 @@ def _wait_for_namespaces(pid: int, n: int, timeout: float = 60) -> list[str]:
 
 
 @needs_netns
+@pytest.mark.slow  # `make test-all`
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("how", ["kill-worker", "sigterm-launcher"])
 def test_an_interrupted_run_leaves_nothing_behind(tmp_path, how):

@@ -11,7 +11,7 @@ import torch
 from distrain.train.checkpoint import load_checkpoint
 from tests.reliability.common import QUICK, run_cli
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # `make test-all`
 
 PEER_TIMEOUT = 5  # --peer-timeout in QUICK
 # A larger test set than QUICK's, so that two runs' accuracies differ by less than the 2 points allowed.
