@@ -424,15 +424,7 @@ def serve(cfg: TrainConfig, run_dir: str | Path, control_group: Any = None) -> N
     """Run one parameter server until the workers' budget is used; then join the final gather."""
 
     watch = FaultWatch(dist.get_rank(), role="server")
-    try:
-        _serve(cfg, run_dir, watch)
-    except Exception as exc:
-        replacement = watch.explain(exc)
-        if replacement is exc:
-            raise
-        raise replacement from exc
-    finally:
-        watch.close()
+    watch.run(_serve, cfg, run_dir, watch)
 
 
 def _serve(cfg: TrainConfig, run_dir: str | Path, watch: FaultWatch) -> None:

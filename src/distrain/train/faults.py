@@ -16,14 +16,17 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from distrain.errors import WorkerFailure
 from distrain.train.health import Heartbeat
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +248,19 @@ class FaultWatch:
 
     def agreed_step(self, step: int, synchronous: bool) -> int:
         return self.stop.agreed_step(step, synchronous, self.store)
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` under this watch: an exception is replaced by its explanation (see
+        :meth:`explain`), and the watch is closed whatever happens."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            replacement = self.explain(exc)
+            if replacement is exc:
+                raise
+            raise replacement from exc
+        finally:
+            self.close()
 
     def close(self) -> None:
         self.stop.uninstall()

@@ -119,15 +119,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     the step and the cause when a peer is lost or a value is not finite.
     """
     watch = FaultWatch(dist.get_rank())
-    try:
-        return _train(cfg, Path(run_dir), watch, model_fn, train_set, test_set, workers_group)
-    except Exception as exc:
-        replacement = watch.explain(exc)
-        if replacement is exc:
-            raise
-        raise replacement from exc
-    finally:
-        watch.close()
+    return watch.run(_train, cfg, Path(run_dir), watch, model_fn, train_set, test_set, workers_group)
 
 
 def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFactory | None,
