@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import multiprocessing as mp
 import sys
 import time
@@ -37,7 +36,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrain.baselines.wire import WireMeter
 from distrain.config import TrainConfig
-from distrain.data.sampler import ShardSampler
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError, DataError, DistrainError
 from distrain.launch.common import (
@@ -49,7 +47,7 @@ from distrain.launch.common import (
     init_group,
 )
 from distrain.models import build_model
-from distrain.train.loop import labels_of, shard_report, summarize, worker_data
+from distrain.train.loop import plan_worker_data, summarize
 from distrain.train.metrics import MetricsWriter, batches_of, evaluate, write_json_atomic
 from distrain.train.optim import build_optimizer
 from distrain.train.schedule import LRSchedule, scaled_lr
@@ -125,16 +123,8 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
 
     # --- data and model exactly as in distrain.train.loop -----------------------------------
-    train_set, shard, test_set = worker_data(cfg, rank, world, None, None)
-    num_classes = int(max(labels_of(test_set).max(), labels_of(train_set).max())) + 1
-    shards = shard_report(train_set, shard, num_classes)
-    if min(s["size"] for s in shards) < cfg.data.batch_size:
-        small = min(shards, key=lambda s: s["size"])
-        raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
-    total_train = sum(s["size"] for s in shards)
-    steps_per_epoch = max(1, total_train // (world * cfg.data.batch_size))
-    total_steps = max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
-    sampler = ShardSampler(shard, cfg.data.batch_size, cfg.run.seed, rank)
+    train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler = plan_worker_data(
+        cfg, rank, world, None, None)
     torch.manual_seed(cfg.run.seed)
     sample_shape = tuple(batches_of(train_set, torch.tensor([0]))[0].shape[1:])
     module = build_model(cfg.model.model, sample_shape, num_classes, width=cfg.model.model_width,

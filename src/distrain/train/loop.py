@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -98,6 +98,33 @@ def control_all_gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Te
     return outputs
 
 
+class WorkerData(NamedTuple):
+    train_set: Dataset
+    test_set: Dataset
+    num_classes: int
+    shards: list[dict[str, Any]]  # every worker's shard size and label histogram
+    steps_per_epoch: int
+    total_steps: int
+    sampler: ShardSampler
+
+
+def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | None, test_set: Dataset | None,
+                     group: Any = None) -> WorkerData:
+    """This worker's shard and the run's length (collective over ``group``): ConfigError naming
+    ``--batch-size`` if some worker's shard is smaller than one batch."""
+    train_set, shard, test_set = worker_data(cfg, rank, world, train_set, test_set)
+    num_classes = int(max(labels_of(test_set).max(), labels_of(train_set).max())) + 1
+    shards = shard_report(train_set, shard, num_classes, group)
+    if min(s["size"] for s in shards) < cfg.data.batch_size:
+        small = min(shards, key=lambda s: s["size"])
+        raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
+    total_train = sum(s["size"] for s in shards)
+    steps_per_epoch = max(1, total_train // (world * cfg.data.batch_size))
+    total_steps = max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
+    sampler = ShardSampler(shard, cfg.data.batch_size, cfg.run.seed, rank)
+    return WorkerData(train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler)
+
+
 def shard_report(dataset: Dataset, shard: np.ndarray, num_classes: int, group: Any = None) -> list[dict[str, Any]]:
     """Every worker's shard size and label histogram (gathered; each worker knows only its own)."""
     labels = labels_of(dataset)[shard] if len(shard) else np.zeros(0, dtype=np.int64)
@@ -132,16 +159,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
 
     # --- data: each worker trains on its own shard ----------------------------------------------
-    train_set, shard, test_set = worker_data(cfg, rank, world, train_set, test_set)
-    num_classes = int(max(labels_of(test_set).max(), labels_of(train_set).max())) + 1
-    shards = shard_report(train_set, shard, num_classes, workers_group)
-    if min(s["size"] for s in shards) < cfg.data.batch_size:
-        small = min(shards, key=lambda s: s["size"])
-        raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
-    total_train = sum(s["size"] for s in shards)
-    steps_per_epoch = max(1, total_train // (world * cfg.data.batch_size))
-    total_steps = max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
-    sampler = ShardSampler(shard, cfg.data.batch_size, cfg.run.seed, rank)
+    train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler = plan_worker_data(
+        cfg, rank, world, train_set, test_set, workers_group)
 
     # --- model: identical initial parameters on every worker ------------------------------------
     torch.manual_seed(cfg.run.seed)
