@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distrain.algorithms.parameter_server import RoundMomentumSGD, shard_bounds
+from distrain.algorithms.parameter_server import RoundMomentumSGD, async_momentum, shard_bounds
 from distrain.launch import launch_local
 from distrain.train.checkpoint import CheckpointStore
 from tests.conftest import small_config
@@ -42,6 +42,20 @@ def test_round_momentum_equals_one_sgd_step_per_round(momentum, weight_decay):
         ref.grad = sum(grads)
         sgd.step()
         torch.testing.assert_close(shard, ref.detach(), rtol=1e-5, atol=1e-6, msg=f"round {r}")
+
+
+def test_async_momentum_keeps_the_total_inertia():
+    for momentum in (0.5, 0.9, 0.95, 0.99):
+        assert async_momentum(momentum, pushers=4, max_staleness=0) == momentum  # sync's rounds
+        assert async_momentum(momentum, pushers=1, max_staleness=3) == momentum  # nobody out of step
+        previous = momentum
+        for pushers in (2, 4, 8, 16):
+            explicit = async_momentum(momentum, pushers, max_staleness=2)
+            assert 0.0 <= explicit <= previous  # more pushers out of step: more implicit momentum
+            if explicit > 0:  # (1 - explicit) * (1 - implicit) = 1 - momentum, implicit = 1 - 1/P
+                assert (1 - explicit) / pushers == pytest.approx(1 - momentum)
+            previous = explicit
+    assert async_momentum(0.9, pushers=16, max_staleness=1) == 0.0  # clipped, never negative
 
 
 @pytest.mark.timeout(240)

@@ -23,6 +23,16 @@ Modes:
         parameters ``tau`` rounds old (more than a round of other pushes applied since its
         worker's pull) counts ``1 / (1 + tau)`` (staleness-aware SGD, Zhang et al. 2016).
 
+        Asynchrony itself acts as momentum (Mitliagkas et al. 2016): with ``--max-staleness``
+        above 0, P pushers applying gradients some pushes old behave like SGD with an implicit
+        momentum of about ``1 - 1/P``. Added to an explicit 0.9 this overshoots at the rates
+        sync trains well with (the default job lost 2-10 points at ``--max-staleness 2``), so
+        the servers lower the explicit momentum to keep the total inertia at the configured
+        value: ``(1 - explicit) * (1/P) = 1 - momentum``, i.e.
+        ``explicit = max(0, 1 - P * (1 - momentum))`` (:func:`async_momentum`; 0.6 for 4
+        pushers and 0.9). ``--max-staleness 0`` holds every answer until the round is complete,
+        has no implicit momentum, and keeps the configured value.
+
 With ``--compress`` (other than none) each worker compresses the gradient of each shard, with
 error feedback kept per shard, and the server decodes every push to a dense gradient before
 summing; pulls stay dense. The density warm-up sends dense pushes; every worker may push a
@@ -93,6 +103,21 @@ def worker_momentum(cfg: TrainConfig) -> float:
     if o.optimizer != "sgd" or o.momentum <= 0:
         return 0.0
     return o.momentum if build_compressor(c.compress, error_feedback=False).ratio is not None else 0.0
+
+
+def async_momentum(momentum: float, pushers: int, max_staleness: int) -> float:
+    """The explicit momentum an asynchronous server applies so that, with the implicit momentum
+    of ``pushers`` workers pushing out of step (about ``1 - 1/pushers``), the total matches
+    ``momentum``; unchanged with ``max_staleness`` 0 (sync's rounds) or a single pusher.
+
+    Example::
+
+        async_momentum(0.9, pushers=4, max_staleness=2)   # 0.6
+        async_momentum(0.9, pushers=4, max_staleness=0)   # 0.9
+    """
+    if max_staleness <= 0 or pushers <= 1:
+        return momentum
+    return max(0.0, 1.0 - pushers * (1.0 - momentum))
 
 
 class RoundMomentumSGD:
@@ -304,7 +329,11 @@ class ShardServer:
         pushes = len(self.pushers)
         self.optimizer: torch.optim.Optimizer | RoundMomentumSGD
         if cfg.ps.ps_mode == "async" and o.optimizer == "sgd":
-            self.optimizer = RoundMomentumSGD(self.shard.data, momentum, weight_decay, pushes)
+            explicit = async_momentum(momentum, pushes, cfg.ps.max_staleness)
+            if explicit != momentum:
+                log.info("server %d: momentum %g lowered to %.3g for %d pushers out of step (--max-staleness %d)",
+                         self.index, momentum, explicit, pushes, cfg.ps.max_staleness)
+            self.optimizer = RoundMomentumSGD(self.shard.data, explicit, weight_decay, pushes)
         elif cfg.ps.ps_mode == "async":  # adam: one step per push, a P-th of the rate, the momentum per round
             self.optimizer = build_optimizer(o.optimizer, [self.shard], lr=peak, momentum=momentum ** (1 / pushes),
                                              weight_decay=weight_decay)
