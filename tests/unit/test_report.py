@@ -173,3 +173,14 @@ def test_snapshot_lines_of_asynchronous_runs(tmp_path: Path) -> None:
     assert run.series("consensus_distance") == [(0.25, 3.0)]
     files = make_plots(group_by_label([run]), tmp_path / "out")
     assert "consensus_distance.png" in [p.name for p in files]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+def test_loss_quantiles_match_torch_quantile(n: int) -> None:
+    import torch
+
+    from distrain.train.loop import LOSS_QUANTILES, loss_quantiles
+
+    losses = torch.rand(n, generator=torch.Generator().manual_seed(n)) * 5
+    expected = torch.quantile(losses, torch.tensor(LOSS_QUANTILES)).tolist()
+    assert loss_quantiles(losses) == pytest.approx(expected, rel=1e-3)
