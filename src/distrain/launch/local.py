@@ -204,6 +204,7 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
 
 
 def _stop(procs: list[mp.Process], wait: float = 5.0) -> None:
+    procs = [p for p in procs if p.pid is not None]  # a failed start leaves the rest unstarted: its error is the news
     for p in procs:
         if p.is_alive():
             p.terminate()
