@@ -207,3 +207,20 @@ def test_density_warmup_schedule():
     assert all(a > b for a, b in zip(ratios, ratios[1:], strict=False))  # strictly falling over the decay span
     assert DensityWarmup(target=0.05).ratio(0.0) == 0.05 and not DensityWarmup(target=0.05).dense(0.0)
     assert DensityWarmup(target=None, warmup=1.0, decay=3.0).ratio(1.5) is None
+
+
+@pytest.mark.parametrize("spec", ["topk:0.05", "group_topk:0.05:group=64"])
+def test_error_feedback_of_a_sparsifier_matches_compensate_minus_sent(spec):
+    """The in-place residual of sparsifiers that send their input's values is exactly the
+    reference ``(g + residual) - decompress(payload)``, step after step, and the input is untouched."""
+    ef = build_compressor(spec, error_feedback=True)
+    assert ef.inner.keeps_values
+    reference = torch.zeros(300)
+    for step in range(5):
+        g = randn(300, seed=step)
+        before = g.clone()
+        compensated = g + reference
+        payload, ctx = ef.compress(g, CompressInfo(step=step))
+        reference = compensated - ef.decompress(payload, ctx)
+        assert torch.equal(ef.residuals[0], reference) and torch.equal(g, before)
+        assert torch.equal(payload[1], compensated[payload[0]])

@@ -63,13 +63,17 @@ class Compressor:
       all-reduce of the payload tensors gives the payload of the sum (fp16, random-k with a
       shared seed); otherwise payloads are gathered, or, when ``sparse``, reduced by a sparse ring;
     * ``sparse``: the payload is ``[indices (int64), values]`` of the flattened tensor;
-    * ``lossy``: whether error feedback has anything to feed back.
+    * ``lossy``: whether error feedback has anything to feed back;
+    * ``keeps_values``: the payload is ``[indices, values]`` with ``values`` the input's own
+      elements at ``indices`` (top-k, group top-k), so what was not sent is the input with those
+      elements zeroed and error feedback needs no decompression.
     """
 
     name: str = "base"
     summable: bool = False
     sparse: bool = False
     lossy: bool = True
+    keeps_values: bool = False
     #: the kept fraction for compressors that sparsify; None for the others
     ratio: float | None = None
 
@@ -142,6 +146,7 @@ class SparseCompressor(Compressor):
     """Base for compressors whose payload is ``[indices, values]`` of the flattened tensor."""
 
     sparse = True
+    keeps_values = True  # subclasses that scale or round the values must set it False
 
     def __init__(self, ratio: float) -> None:
         self.ratio = check_ratio(ratio)

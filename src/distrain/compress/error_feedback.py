@@ -48,17 +48,38 @@ class ErrorFeedback(Compressor):
         return tensor + residual
 
     def compress(self, tensor: torch.Tensor, info: CompressInfo) -> tuple[Payload, Any]:
+        if self.inner.keeps_values:
+            return self._compress_kept(tensor, info)
         compensated = self.compensate(tensor, info.key)
         payload, ctx = self.inner.compress(compensated, info)
         # Taken now, before the payload is handed to a collective that may reduce it in place;
         # out of place, because a payload may be a view of ``compensated`` (the identity).
         sent = self.inner.decompress(payload, ctx)
-        self.residuals[info.key] = compensated - sent
-        self.after_send(sent, info.key)
+        residual = compensated - sent
+        self.residuals[info.key] = residual
+        self.after_send(sent.reshape(-1).nonzero().squeeze(1), bool(residual.any()), info.key)
         return payload, ctx
 
-    def after_send(self, sent: torch.Tensor, key: int) -> None:
-        """Called with what this worker sent (decompressed); a hook for subclasses."""
+    def _compress_kept(self, tensor: torch.Tensor, info: CompressInfo) -> tuple[Payload, Any]:
+        """The same for sparsifiers that send the input's own values: the residual becomes the
+        compensated tensor, in place, with the sent elements zeroed (exactly ``compensated -
+        sent``), so a step costs no dense decompression, subtraction or new residual tensor."""
+        residual = self.residuals.get(info.key)
+        if residual is not None and (residual.shape, residual.dtype, residual.device) == (
+                tensor.shape, tensor.dtype, tensor.device):
+            compensated = residual.add_(tensor)  # the same sum as tensor + residual, in place
+        else:
+            compensated = self.compensate(tensor, info.key).contiguous()
+        payload, ctx = self.inner.compress(compensated, info)  # its values are copies
+        indices = payload[0]
+        compensated.view(-1).index_fill_(0, indices, 0.0)
+        self.residuals[info.key] = compensated
+        self.after_send(indices, indices.numel() < compensated.numel(), info.key)
+        return payload, ctx
+
+    def after_send(self, indices: torch.Tensor, held_back: bool, key: int) -> None:
+        """Called with the flat indices this worker sent and whether anything was held back (a
+        nonzero residual); a hook for subclasses."""
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         return self.inner.decompress(payload, ctx)

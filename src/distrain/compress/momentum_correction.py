@@ -46,7 +46,7 @@ class MomentumCorrection(ErrorFeedback):
         """Fold ``tensor`` into the velocity kept for ``key`` and return that velocity (not a copy)."""
         velocity = self.velocities.get(key)
         if velocity is None or velocity.shape != tensor.shape:
-            velocity = tensor.detach().clone()
+            velocity = tensor.detach().clone(memory_format=torch.contiguous_format)
         else:
             velocity.mul_(self.momentum).add_(tensor)
         self.velocities[key] = velocity
@@ -55,11 +55,11 @@ class MomentumCorrection(ErrorFeedback):
     def compress(self, tensor: torch.Tensor, info: CompressInfo) -> tuple[Payload, Any]:
         return super().compress(self.accumulate(tensor, info.key), info)
 
-    def after_send(self, sent: torch.Tensor, key: int) -> None:
+    def after_send(self, indices: torch.Tensor, held_back: bool, key: int) -> None:
         # When nothing was held back, nothing is stale: keep the momentum, so that at ratio 1 this
         # is exactly momentum SGD (DGC's masking would turn it into SGD without momentum).
-        if bool(self.residuals[key].any()):
-            self.velocities[key].masked_fill_(sent != 0, 0.0)
+        if held_back:
+            self.velocities[key].view(-1).index_fill_(0, indices, 0.0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {**super().state_dict(), **{f"velocity.{k}": v for k, v in self.velocities.items()}}
