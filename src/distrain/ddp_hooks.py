@@ -12,7 +12,7 @@ Example::
 
     dist.init_process_group("gloo")          # or "nccl"; e.g. under torchrun
     ddp_model = DDP(model)
-    state = GroupTopKState(process_group=None, ratio=0.01, group=1024, momentum=0.9)
+    state = GroupTopKState(process_group=None, ratio=0.01, momentum=0.9)
     ddp_model.register_comm_hook(state, group_topk_hook)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.0)  # the hook has it
     # ... train as usual: loss.backward() now exchanges 1% of each bucket's gradient
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from distrain.compress.base import check_ratio
-from distrain.compress.group_topk import group_topk_indices
+from distrain.compress.group_topk import DEFAULT_GROUP, group_topk_indices
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class GroupTopKState:
         process_group: the group to average in; ``None`` means the default (world) group.
         ratio: kept fraction in every group, 0 < ratio <= 1.
         group: elements per group: each bucket's flat gradient is split into groups of this size
-            and each group keeps its round(ratio * group) (at least 1) largest magnitudes.
+            and each group keeps its round(ratio * group) (at least 1) largest magnitudes; default
+            2**18 (see :data:`~distrain.compress.group_topk.DEFAULT_GROUP`).
         error_feedback: keep what was dropped and add it to the next step's gradient (per
             bucket), so compressed training converges like uncompressed training.
         start_iter: iterations of plain all-reduce before compression starts. DDP rebuilds its
@@ -58,7 +59,7 @@ class GroupTopKState:
 
     Example::
 
-        state = GroupTopKState(process_group=None, ratio=0.01, group=1024, momentum=0.9)
+        state = GroupTopKState(process_group=None, ratio=0.01, momentum=0.9)
         ddp_model.register_comm_hook(state, group_topk_hook)
         optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.0)
     """
@@ -66,7 +67,7 @@ class GroupTopKState:
     __slots__ = ["process_group", "ratio", "group", "error_feedback", "start_iter", "momentum", "iter", "residuals",
                  "velocities"]
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, ratio: float = 0.01, group: int = 1024,
+    def __init__(self, process_group: dist.ProcessGroup | None = None, ratio: float = 0.01, group: int = DEFAULT_GROUP,
                  error_feedback: bool = True, start_iter: int = 2, momentum: float = 0.0) -> None:
         # Hyperparameters: fixed for the whole run.
         self.process_group = process_group
@@ -146,7 +147,7 @@ def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.fut
 
     Example::
 
-        state = GroupTopKState(process_group=None, ratio=0.01, group=1024)
+        state = GroupTopKState(process_group=None, ratio=0.01)
         ddp_model.register_comm_hook(state, group_topk_hook)
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD

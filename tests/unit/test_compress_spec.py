@@ -23,7 +23,7 @@ def test_valid_specs_build(spec, name, ratio):
 def test_group_size_and_bits_are_parsed():
     c = build_compressor("group_topk:0.02:group=256")
     assert isinstance(c, ErrorFeedback) and isinstance(c.inner, GroupTopK) and c.inner.group == 256
-    assert build_compressor("group_topk:0.02").inner.group == 1024
+    assert build_compressor("group_topk:0.02").inner.group == 2**18
     assert build_compressor("qsgd:4bit").inner.bits == 4
 
 

@@ -18,7 +18,7 @@ from distrain.compress.adaptive import AdaptiveGroupTopK, parse_adaptive
 from distrain.compress.base import Compressor
 from distrain.compress.error_feedback import ErrorFeedback
 from distrain.compress.fp16 import FP16Compressor
-from distrain.compress.group_topk import GroupTopK
+from distrain.compress.group_topk import DEFAULT_GROUP, GroupTopK
 from distrain.compress.none import NoneCompressor
 from distrain.compress.qsgd import QSGD
 from distrain.compress.randomk import RandomK
@@ -82,7 +82,7 @@ def _randomk(spec: Spec, seed: int) -> Compressor:
 
 def _group_topk(spec: Spec, seed: int) -> Compressor:
     _no_options(spec, ("group",))
-    text = spec.options.get("group", "1024")
+    text = spec.options.get("group", str(DEFAULT_GROUP))
     try:
         group = int(text)
     except ValueError:
