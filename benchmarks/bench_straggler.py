@@ -68,6 +68,7 @@ def run_one(algorithm: str, network: str, args: argparse.Namespace, run_dir: Pat
         "algorithm": algorithm, "network": network, "time_to_target_s": s["time_to_target_s"],
         "final_test_accuracy": s["final_test_accuracy"], "wall_time_s": s["wall_time_s"],
         "steps_per_worker": s["steps_per_worker"], "bytes_sent_per_worker": s["bytes_sent_per_worker"],
+        "cpu_s_per_worker": s["cpu_s_per_worker"],  # against wall time: were the host's cores the limit?
         "launch_s": time.perf_counter() - started,
     }
 

@@ -466,7 +466,7 @@ def _serve(cfg: TrainConfig, run_dir: str | Path, watch: FaultWatch) -> None:
     if cfg.algo.workers_per_node:  # the workers create their node groups: collective over the world
         node_process_groups(cfg.cluster.workers, cfg.algo.workers_per_node, cfg.cluster.timeout)
     emulation.start()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     server = ShardServer(cfg, transport, run_dir)
     resume = CheckpointStore(run_dir, transport.rank, transport.world_size).resolve(cfg.run.resume)
     start_step = 0
@@ -476,7 +476,8 @@ def _serve(cfg: TrainConfig, run_dir: str | Path, watch: FaultWatch) -> None:
     server.run(start_step, watch)
     wall = time.perf_counter() - start
     # Join the workers' final gather of counters (train.loop), as a row that trained no samples.
-    mine = torch.tensor([0, 0, wall, 0.0, transport.stats.comm_seconds, *transport.stats.sent, *transport.stats.received],
+    mine = torch.tensor([0, 0, wall, 0.0, transport.stats.comm_seconds, *transport.stats.sent, *transport.stats.received,
+                         time.process_time() - cpu_start],
                         dtype=torch.float64)
     transport.control_all_gather(mine)
     transport.control_barrier()

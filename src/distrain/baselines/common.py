@@ -157,7 +157,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     model.train()
     dist.barrier()
     emulation.start()  # t = 0 of bandwidth traces; meter.link_model is the emulation's
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for step in range(total_steps):
         t0 = time.perf_counter()
         x, y = batches_of(train_set, sampler.batch(step))
@@ -195,7 +195,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     meter.close()
 
     mine = torch.tensor([total_steps, total_steps * cfg.data.batch_size, wall, compute_seconds, meter.comm_seconds,
-                         *meter.sent, *meter.received], dtype=torch.float64)
+                         *meter.sent, *meter.received, time.process_time() - cpu_start], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine)
     summary = summarize(out_cfg, run_dir, [r.tolist() for r in rows], world, total_steps, global_batch, accuracy,

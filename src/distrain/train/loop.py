@@ -224,7 +224,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     dist.barrier(group=workers_group)  # start the clock together
     emulation.start()  # emulation: bandwidth traces start now, on every worker
     algorithm.start(total_steps, steps_per_epoch)  # after the barrier: asynchronous algorithms start their clocks
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     # Asynchronous algorithms (AD-PSGD, Prague) decide when a worker stops (its own budget; faster
     # workers take more steps), evaluate only at the end, and give the consensus over time after it.
     step = start_step
@@ -305,6 +305,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             save(step + 1)
         step += 1
     wall = time.perf_counter() - start - eval_seconds
+    cpu = time.process_time() - cpu_start  # every thread of this process: the gossip's and the backend's too
     if progress is not None:
         progress.close()
     # Asynchronous algorithms: the consensus at points during the run (from copies every worker
@@ -323,7 +324,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # --- summary: every process's counters (servers too), gathered on rank 0 ---------------------
     steps_done = step - start_step
     sent, received, comm_s = traffic(transports)
-    mine = torch.tensor([steps_done, steps_done * cfg.data.batch_size, wall, compute_seconds, comm_s, *sent, *received],
+    mine = torch.tensor([steps_done, steps_done * cfg.data.batch_size, wall, compute_seconds, comm_s, *sent, *received, cpu],
                         dtype=torch.float64)
     control = algorithm.control_transport() or transport  # the survivors, if workers were lost
     rows = [[0.0] * len(mine) for _ in range(transport.world_size)]  # lost workers: rows of zeros
@@ -378,7 +379,8 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
               global_batch: int, accuracy: float, test_loss: float, time_to_target: float | None,
               eval_seconds: float, resume_step: int | None, interrupted: bool = False,
               lost_workers: dict[int, float] | None = None) -> dict[str, Any]:
-    """Write summary.json from every process's counters: rows of the workers, then of any servers."""
+    """Write summary.json from every process's counters: rows of the workers, then of any servers,
+    each ``[steps, samples, wall, compute, comm, *sent per peer, *received per peer, cpu]``."""
     wall = rows[0][2]
     n = len(rows)
     workers, servers = rows[:world], rows[world:]
@@ -392,11 +394,15 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         "wall_time_s": wall, "eval_time_s": eval_seconds, "samples_per_s": samples / wall if wall > 0 else None,
         "samples_per_s_per_worker": [r[1] / r[2] if r[2] > 0 else None for r in workers],
         "bytes_sent_per_worker": [int(sum(r[5 : 5 + n])) for r in workers],
-        "bytes_received_per_worker": [int(sum(r[5 + n :])) for r in workers],
+        "bytes_received_per_worker": [int(sum(r[5 + n : 5 + 2 * n])) for r in workers],
         "bytes_sent_per_server": [int(sum(r[5 : 5 + n])) for r in servers],
-        "bytes_received_per_server": [int(sum(r[5 + n :])) for r in servers],
+        "bytes_received_per_server": [int(sum(r[5 + n : 5 + 2 * n])) for r in servers],
         "bytes_sent_per_peer": [[int(v) for v in r[5 : 5 + n]] for r in rows],
         "compute_s_per_worker": [r[3] for r in workers], "comm_s_per_worker": [r[4] for r in workers],
+        # CPU time of each worker process (all its threads) from the common start to its last
+        # step, evaluation included: against wall time it shows whether the host's cores were
+        # the limit (workers sharing a machine) rather than the network or a slow peer
+        "cpu_s_per_worker": [r[5 + 2 * n] for r in workers],
         "resumed_from_step": resume_step, "run_dir": str(run_dir),
         "interrupted": interrupted,
         # workers lost during an asynchronous run (the others finished without them): when each
