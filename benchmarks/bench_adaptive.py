@@ -9,7 +9,10 @@ Configurations, run alternately (one repeat of each, then the next):
 * ``fixed``: ``group_topk`` at the base ratio (0.01);
 * ``adaptive``: ``adaptive:base=0.01:min=0.001:max=0.1`` (importance and network);
 * ``importance``: the same with ``beta=0`` (importance only);
-* ``network``: the same with ``alpha=0`` (network only).
+* ``network``: the same with ``alpha=0`` (network only);
+* not run unless named in ``--configs``: ``absolute`` (``budget=0``: congestion only lowers the
+  ratio), ``gentle`` (the same with ``beta=0.5``), ``fixed0037`` and ``fixed0018`` (fixed ratios
+  at the mean ratios those two reach, to tell a policy's gain from merely sending less).
 
 Per configuration: median over repeats of the time to the target accuracy (training wall time,
 evaluation excluded, first evaluation at or above the target), of the final accuracy (same
@@ -52,7 +55,12 @@ CONFIGS: dict[str, str] = {
     "adaptive": f"adaptive:{BASE}",
     "importance": f"adaptive:{BASE}:beta=0",
     "network": f"adaptive:{BASE}:alpha=0",
-    "gentle": f"adaptive:{BASE}:beta=0.5",  # not in the default set: g(C) = sqrt(C)
+    # not in the default set: the policy without the budget (congestion only takes bytes away),
+    # its gentler form (g(C) = sqrt(C)), and fixed ratios near their mean ratios, for comparison
+    "absolute": f"adaptive:{BASE}:budget=0",
+    "gentle": f"adaptive:{BASE}:beta=0.5:budget=0",
+    "fixed0037": "group_topk:0.0037:group=1024",
+    "fixed0018": "group_topk:0.0018:group=1024",
 }
 DEFAULT_CONFIGS = "fixed,adaptive,importance,network"
 

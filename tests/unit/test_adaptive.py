@@ -20,6 +20,7 @@ from distrain.compress.error_feedback import ErrorFeedback
 from distrain.errors import ConfigError
 
 SETTINGS = AdaptiveSettings(base=0.01, min=0.001, max=0.1)
+ABSOLUTE = AdaptiveSettings(base=0.01, min=0.001, max=0.1, budget=0)  # congestion only takes bytes away
 LATENCY = 0.005
 
 
@@ -55,6 +56,7 @@ def test_spec_builds_group_topk_with_error_feedback_and_round_trips():
     ("adaptive:ema=1", "ema and fast"),
     ("adaptive:window=2.5", "window must be an integer"),
     ("adaptive:group=0", "window and group"),
+    ("adaptive:budget=2", "budget must be 0 or 1"),
     ("adaptive:speed=3", "unknown option 'speed'"),
     ("adaptive:0.01:base=0.01", "once"),
 ])
@@ -115,7 +117,7 @@ def test_importance_is_batch_loss_over_its_moving_average():
 
 
 def test_a_slower_link_raises_congestion_and_sending_less_does_not():
-    policy = AdaptivePolicy(SETTINGS)
+    policy = AdaptivePolicy(ABSOLUTE)
     for body in [30_000, 3_000, 60_000, 10_000] * 5:  # one bandwidth, varying payloads
         policy.observe_exchanges(step_messages(50e6, body))
     assert policy.congestion == pytest.approx(1.0, abs=0.05)
@@ -142,7 +144,56 @@ def test_shared_baseline_makes_a_constantly_slow_worker_congested():
         policy.observe_cluster(shared)
     assert fast.congestion == pytest.approx(1.0)
     assert slow.congestion == pytest.approx(5.0, rel=0.05)
-    assert slow.ratio() < fast.ratio() == pytest.approx(0.01)
+    # the budget: bytes in proportion to the link's speed, the two together sending 2 * base
+    assert fast.ratio() / slow.ratio() == pytest.approx(5.0, rel=0.05)
+    assert fast.ratio() + slow.ratio() == pytest.approx(2 * SETTINGS.base, rel=1e-6)
+    absolute = [AdaptivePolicy(ABSOLUTE) for _ in range(2)]
+    for policy, bits in zip(absolute, (50e6, 10e6), strict=True):
+        for _ in range(10):
+            policy.observe_exchanges(step_messages(bits, 30_000))
+    for policy in absolute:
+        policy.observe_cluster([p.shared_value() for p in absolute])
+    assert absolute[1].ratio() < absolute[0].ratio() == pytest.approx(0.01)
+
+
+def test_budget_spends_the_base_ratio_on_average_and_moves_it_to_fast_links():
+    # One worker's link alternates 10 steps at 50 Mbit/s and 30 at 5 Mbit/s; no sharing, so
+    # its own recent steps make the budget. Over the run it sends about what fixed ``base``
+    # sends, most of it while the link is fast; without the budget, mostly the minimum.
+    means = {}
+    for settings in (SETTINGS, ABSOLUTE):
+        policy = AdaptivePolicy(settings)
+        fast_ratios, slow_ratios = [], []
+        for step in range(400):
+            bits = 50e6 if step % 40 < 10 else 5e6
+            policy.observe_exchanges(step_messages(bits, 30_000))
+            if step >= 200:  # a full window of history
+                (fast_ratios if bits == 50e6 else slow_ratios).append(policy.ratio())
+                assert settings.min <= policy.ratio() <= settings.max
+        means[settings.budget] = sum(fast_ratios + slow_ratios) / len(fast_ratios + slow_ratios)
+        assert sum(fast_ratios) / len(fast_ratios) > sum(slow_ratios) / len(slow_ratios)
+    assert means[1] == pytest.approx(SETTINGS.base, rel=0.15)
+    assert means[0] < 0.5 * SETTINGS.base
+
+
+def test_budget_gives_hard_batches_more_and_keeps_the_mean_at_base():
+    torch.manual_seed(0)
+    policy = AdaptivePolicy(SETTINGS)
+    ratios, by_loss = [], []
+    for step in range(600):
+        level = 2.0 * 0.997 ** step  # a falling loss, so I < 1 on most batches
+        losses = level * (1 + 0.3 * torch.randn(64).abs())
+        policy.observe_losses(losses)
+        ratios.append(policy.ratio())
+        by_loss.append((policy.importance, ratios[-1]))
+    assert sum(ratios[100:]) / len(ratios[100:]) == pytest.approx(SETTINGS.base, rel=0.02)
+    ordered = [r for _, r in sorted(by_loss[100:])]  # by importance
+    easy, hard = ordered[: len(ordered) // 4], ordered[-len(ordered) // 4 :]
+    assert max(easy) < SETTINGS.base < min(hard)
+    absolute = AdaptivePolicy(ABSOLUTE)
+    for step in range(600):
+        absolute.observe_losses(torch.full((64,), 2.0 * 0.997 ** step))
+    assert absolute.ratio() < 0.999 * SETTINGS.base  # without the budget, a falling loss sends less
 
 
 def test_metrics_and_state():

@@ -3,9 +3,20 @@
 ``--compress adaptive:base=0.01:min=0.001:max=0.1`` sparsifies like ``group_topk`` (same groups,
 same error feedback, a different k on every worker and step), with the ratio::
 
-    ratio = clip(base * f(importance) / g(congestion), min, max)
+    ratio = clip(base * F(importance) * N(congestion), min, max)
     f(I) = I ** alpha        (alpha = 1 by default; 0 switches importance off)
     g(C) = C ** beta         (beta = 1 by default; 0 switches the network off)
+
+**Budget** (``budget=1``, the default): the signals decide *where* the base ratio's bytes go, not
+how many there are. ``F = f(I) / mean f`` (the moving average of f over the worker's past
+batches, weight of the past ``ema``) and ``N = g(C)^-1 / mean g^-1``, the mean taken over every
+worker of the step where the workers share their delays (all-reduce), else over the worker's own
+last ``window`` steps (a parameter server's workers). Both average 1, so the run sends about what
+fixed group top-k at ``base`` sends: a hard batch gets more than an easy one, a worker on a fast
+link (with beta = 1: bytes in proportion to its link's speed) more than one on a slow link, and
+error feedback carries what a worker holds back until it sends it. ``budget=0`` drops the
+denominators (``F = f``, ``N = 1 / g``): congestion then only takes bytes away, trading
+information per step for time per step, which is what a lower fixed ratio does too.
 
 **Importance** ``I``: the batch's mean per-sample cross-entropy loss over an exponential moving
 average of the worker's past batch losses (``ema``: the weight of the past, 0.9). A batch the
@@ -77,6 +88,7 @@ class AdaptiveSettings:
     fast: float = 0.5
     window: int = 200
     group: int = 1024
+    budget: int = 1
 
     def spec(self) -> str:
         default = AdaptiveSettings()
@@ -103,7 +115,7 @@ def parse_adaptive(args: Iterable[str], options: dict[str, str] | None = None) -
     """Settings from the parts of an ``adaptive:...`` spec; ValueError (one line) when invalid.
 
     ``args`` may hold the base ratio alone (``adaptive:0.01``); ``options`` the ``key=value``
-    parts: base, min, max, alpha, beta, ema, fast, window, group.
+    parts: base, min, max, alpha, beta, ema, fast, window, group, budget.
     """
     args, options = list(args), dict(options or {})
     allowed = {f.name for f in fields(AdaptiveSettings)}
@@ -125,6 +137,8 @@ def parse_adaptive(args: Iterable[str], options: dict[str, str] | None = None) -
         raise ValueError(f"ema and fast must be in [0, 1), got ema={s.ema:g} fast={s.fast:g}")
     if s.window < 1 or s.group < 1:
         raise ValueError(f"window and group must be integers >= 1, got window={s.window} group={s.group}")
+    if s.budget not in (0, 1):
+        raise ValueError(f"budget must be 0 or 1, got budget={s.budget}")
     return s
 
 
@@ -138,12 +152,16 @@ def g_congestion(congestion: float, beta: float) -> float:
     return max(congestion, 1e-12) ** beta
 
 
-def policy_ratio(settings: AdaptiveSettings, importance: float, congestion: float, base: float | None = None) -> float:
-    """clip(base * f(importance) / g(congestion), min, max); ``base`` overrides the settings' base
-    (a density warm-up's scheduled ratio, which also lifts ``max`` while it is larger)."""
+def policy_ratio(settings: AdaptiveSettings, importance: float, congestion: float, base: float | None = None,
+                 *, mean_f: float = 1.0, mean_inv_g: float = 1.0) -> float:
+    """clip(base * F * N, min, max) with F = f(importance) / mean_f and N = (1 / g(congestion)) /
+    mean_inv_g; the means are the budget's denominators (1: none). ``base`` overrides the
+    settings' base (a density warm-up's scheduled ratio, which also lifts ``max`` while it is
+    larger)."""
     base = settings.base if base is None else base
-    ratio = base * f_importance(importance, settings.alpha) / g_congestion(congestion, settings.beta)
-    return min(max(ratio, settings.min), max(settings.max, base))
+    share_f = f_importance(importance, settings.alpha) / mean_f if mean_f > 0 else 1.0
+    share_n = 1.0 / g_congestion(congestion, settings.beta) / mean_inv_g if mean_inv_g > 0 else 1.0
+    return min(max(base * share_f * share_n, settings.min), max(settings.max, base))
 
 
 #: Operations whose delay stands for the network when a step has no point-to-point sends: the
@@ -182,6 +200,9 @@ class AdaptivePolicy:
         self.loss_ema: float | None = None
         self.importance = 1.0
         self.congestion = 1.0
+        self.mean_f = 1.0  # the budget's moving average of f(I) over past batches
+        self._inv_g: deque[float] = deque(maxlen=settings.window)  # past 1 / g(C) of this worker
+        self._cluster_inv_g: float | None = None  # mean 1 / g(C) over the workers at the last share
         self.delay: float | None = None  # current seconds per byte (moving average)
         self._history: deque[float] = deque(maxlen=settings.window)  # past values of ``delay``
         self._cluster: deque[float] = deque(maxlen=settings.window)  # past lowest ``delay`` of any worker
@@ -202,11 +223,16 @@ class AdaptivePolicy:
 
     def observe_cluster(self, values: Iterable[float]) -> None:
         """Every worker's :meth:`shared_value` of this step (0: unknown); the lowest known one
-        enters the baseline's window."""
+        enters the baseline's window, and the mean of 1 / g(C) over the known ones becomes the
+        budget's denominator."""
         known = [v for v in values if v > 0 and math.isfinite(v)]
         if known:
             self._cluster.append(min(known))
             self._update_congestion()
+            baseline = self.baseline
+            assert baseline is not None
+            self._cluster_inv_g = sum(1.0 / g_congestion(self._congestion_of(v, baseline), self.settings.beta)
+                                      for v in known) / len(known)
 
     def observe_losses(self, losses: torch.Tensor | None) -> float:
         """Update and return the importance of a batch with these per-sample losses."""
@@ -220,8 +246,10 @@ class AdaptivePolicy:
             self.importance = 1.0
             self.loss_ema = mean
         else:
+            ema = self.settings.ema
+            self.mean_f = ema * self.mean_f + (1 - ema) * f_importance(self.importance, self.settings.alpha)
             self.importance = mean / self.loss_ema
-            self.loss_ema = self.settings.ema * self.loss_ema + (1 - self.settings.ema) * mean
+            self.loss_ema = ema * self.loss_ema + (1 - ema) * mean
         return self.importance
 
     def observe_network(self, transport: Transport) -> float:
@@ -243,16 +271,34 @@ class AdaptivePolicy:
             self.delay = estimate if self.delay is None else fast * self.delay + (1 - fast) * estimate
             self._history.append(self.delay)
         self._update_congestion()
+        if estimate is not None:
+            self._inv_g.append(1.0 / g_congestion(self.congestion, self.settings.beta))
         return self.congestion
+
+    @staticmethod
+    def _congestion_of(delay: float, baseline: float) -> float:
+        return max(1.0, (delay + EPSILON_S_PER_BYTE) / (baseline + EPSILON_S_PER_BYTE))
 
     def _update_congestion(self) -> None:
         baseline = self.baseline
         if self.delay is not None and baseline is not None:
-            self.congestion = max(1.0, (self.delay + EPSILON_S_PER_BYTE) / (baseline + EPSILON_S_PER_BYTE))
+            self.congestion = self._congestion_of(self.delay, baseline)
+
+    @property
+    def mean_inv_g(self) -> float:
+        """The budget's network denominator: mean 1 / g(C) over the workers of the last share,
+        else over this worker's recent steps; 1 before anything is known or with ``budget=0``."""
+        if not self.settings.budget:
+            return 1.0
+        if self._cluster_inv_g is not None:
+            return self._cluster_inv_g
+        return sum(self._inv_g) / len(self._inv_g) if self._inv_g else 1.0
 
     def ratio(self, base: float | None = None) -> float:
         """The ratio for the current signals (see :func:`policy_ratio`)."""
-        return policy_ratio(self.settings, self.importance, self.congestion, base)
+        mean_f = self.mean_f if self.settings.budget else 1.0
+        return policy_ratio(self.settings, self.importance, self.congestion, base,
+                            mean_f=mean_f, mean_inv_g=self.mean_inv_g)
 
     def choose(self, losses: torch.Tensor | None, transport: Transport | None, base: float | None = None) -> float:
         """Take in this step's losses and the exchanges since the last step; the ratio to send with."""
@@ -275,11 +321,16 @@ class AdaptivePolicy:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self.loss_ema is None else {"loss_ema": torch.tensor(self.loss_ema, dtype=torch.float64)}
+        if self.loss_ema is None:
+            return {}
+        return {"loss_ema": torch.tensor(self.loss_ema, dtype=torch.float64),
+                "mean_f": torch.tensor(self.mean_f, dtype=torch.float64)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if "loss_ema" in state:
             self.loss_ema = float(state["loss_ema"])
+        if "mean_f" in state:
+            self.mean_f = float(state["mean_f"])
 
 
 def policy_from_spec(text: str) -> AdaptivePolicy | None:
