@@ -15,8 +15,18 @@ pauses the clock); the asynchronous algorithms copy every worker's model every
 (allreduce, adpsgd, prague, then the next repeat in a rotated order) so drifting machine load
 hits all alike; each figure is the median over repeats, and the ratios are of medians.
 
+``--device-slowdown F`` emulates devices F times slower than this host: every worker's compute
+is stretched F times (by sleeping, as the straggler's is) and the straggler's 4F times, so it is
+still 4x slower than the others. Four workers on a 2-core host cannot all compute at once; the
+asynchronous algorithms, whose fast workers never wait, then run out of cores while all-reduce
+(paced by the straggler) leaves them idle, and the ratio measures the host, not the algorithm.
+With F large enough that the fast workers' CPU fits the cores (``cpu_s_per_worker`` in the
+results against the wall time shows it), the ratio is the one a cluster of real devices sees.
+
     python benchmarks/bench_straggler.py                          # 3 repeats, all scenarios
     python benchmarks/bench_straggler.py --scenarios straggler --repeats 1
+    python benchmarks/bench_straggler.py --scenarios straggler --device-slowdown 4 \
+        --output benchmarks/results/straggler_devices.json
 
 Writes ``benchmarks/results/straggler.json`` (every run) and prints a table.
 """
@@ -36,6 +46,7 @@ from typing import Any
 import torch
 
 from distrain.config import TrainConfig
+from distrain.emulation.network import PRESETS
 from distrain.launch import launch_local
 
 RESULTS = Path(__file__).parent / "results"
@@ -57,8 +68,21 @@ def job(algorithm: str, network: str, args: argparse.Namespace, run_dir: Path) -
     return TrainConfig.from_dict({
         "algorithm": algorithm, "network": network, "workers": args.workers, "epochs": args.epochs,
         "eval_every": args.eval_every, "snapshot_every": args.snapshot_every, "target_accuracy": args.target,
-        "seed": args.seed, "progress": False, "run_dir": str(run_dir),
+        "seed": args.seed, "progress": False, "run_dir": str(run_dir), **device_slowdown(network, args),
     }).validate()
+
+
+def device_slowdown(network: str, args: argparse.Namespace) -> dict[str, str]:
+    """``--slow-worker`` stretching every worker's compute ``--device-slowdown`` times on top of the
+    preset's own slowdowns (the straggler preset's last worker: 4x that)."""
+    factor = args.device_slowdown
+    if factor == 1:
+        return {}
+    preset = PRESETS[network].get("slow_worker", "")
+    extra = {spec.split(":")[0]: float(spec.split(":")[1].rstrip("x")) for spec in preset.split(",") if spec}
+    last = str(args.workers - 1)
+    factors = [factor * extra.get(str(r), extra.get("last", 1.0) if str(r) == last else 1.0) for r in range(args.workers)]
+    return {"slow_worker": ",".join(f"{r}:{f:g}x" for r, f in enumerate(factors))}
 
 
 def run_one(algorithm: str, network: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
@@ -123,8 +147,12 @@ def main() -> None:
     parser.add_argument("--eval-every", type=float, default=0.25, help="all-reduce: epochs between evaluations")
     parser.add_argument("--snapshot-every", type=float, default=0.25, help="adpsgd, prague: seconds between snapshots")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device-slowdown", type=float, default=1.0,
+                        help="every worker computes this many times slower than the host (the straggler 4x that)")
     parser.add_argument("--output", default=str(RESULTS / "straggler.json"))
     args = parser.parse_args()
+    if not args.device_slowdown >= 1:
+        parser.error(f"--device-slowdown must be >= 1, got {args.device_slowdown}")
     scenarios = [s for s in args.scenarios.split(",") if s]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
