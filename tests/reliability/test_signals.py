@@ -66,3 +66,50 @@ def test_stop_request_ends_every_worker_with_a_checkpoint(tmp_path, algorithm, w
     assert all(steps == last for steps in summary["steps_per_worker"])  # every worker stopped there
     for rank in range(nprocs):
         assert CheckpointStore(run_dir, rank, nprocs).load(last)["step"] == last
+
+
+@pytest.mark.slow  # a real run: 10-30 s on 2 busy cores
+def test_workers_die_with_a_launcher_killed_outright(tmp_path):
+    """SIGKILL gives the launcher no chance to stop anyone: its workers and server must notice."""
+    tag = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    proc = start_cli([*QUICK, "--workers", "2", "--epochs", "200", "--algorithm", "ps", "--checkpoint-every", "5",
+                      "--run-dir", str(run_dir)], tag)
+    try:
+        wait_for(_started(run_dir), 120, "the first checkpoint")
+        assert len(tagged(tag)) >= 4  # the launcher, two workers and a server
+        proc.kill()
+        proc.communicate(timeout=10)
+        wait_for(lambda: tagged(tag) == [], 10, "every worker and the server to exit")
+    finally:
+        proc.kill()
+        kill_tagged(tag)
+
+
+@pytest.mark.parametrize("use_prctl", [True, False])
+def test_a_worker_ends_when_its_launcher_is_killed(use_prctl):
+    """The kernel's signal (Linux), and the fallback where there is none: a thread polls for a
+    new parent and exits with a message."""
+    import subprocess
+    import sys
+
+    from tests.reliability.common import cli_env
+
+    tag = uuid.uuid4().hex
+    worker = ("import os, time; from distrain.launch.common import die_with_parent; "
+              f"how = die_with_parent(os.getppid(), use_prctl={use_prctl}); print(how, flush=True); time.sleep(60)")
+    launcher = (f"import subprocess, sys; w = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+                "w.wait()")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], env=cli_env(tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == ("prctl" if use_prctl else "poll")
+        assert len(tagged(tag)) == 2
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        wait_for(lambda: tagged(tag) == [], 5, "the worker to notice")
+        if not use_prctl:
+            assert "the launcher (process" in err and "is gone; exiting" in err
+    finally:
+        proc.kill()
+        kill_tagged(tag)

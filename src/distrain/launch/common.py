@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -118,6 +122,52 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+#: prctl option: the signal this process gets when the thread that started it ends (Linux).
+PR_SET_PDEATHSIG = 1
+#: How often the fallback watch (no prctl) checks that the launcher is still there.
+PARENT_POLL_S = 0.5
+
+
+def die_with_parent(parent: int, use_prctl: bool = True) -> str:
+    """End this worker when its launcher (process ``parent``) dies, however it dies (SIGKILL too).
+
+    A worker whose launcher is gone has nobody to report to, and without this it would keep
+    training (and holding ports and memory) until its own timeouts. On Linux the kernel sends
+    SIGKILL at once (``PR_SET_PDEATHSIG``); elsewhere a daemon thread checks every
+    ``PARENT_POLL_S`` seconds whether the parent changed, and exits with a one-line message.
+    Returns how it watches: ``"prctl"`` or ``"poll"`` (also with ``use_prctl=False``).
+
+    Example::
+
+        die_with_parent(os.getppid())   # first thing in a spawned worker
+    """
+    how = "poll"
+    try:
+        if not use_prctl:
+            raise OSError("prctl not wanted")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            how = "prctl"
+    except (OSError, AttributeError):  # not Linux: no prctl
+        pass
+    if os.getppid() != parent:  # the launcher died before the watch was set
+        _orphaned(parent)
+    if how == "poll":
+        threading.Thread(target=_watch_parent, args=(parent,), name="distrain-parent-watch", daemon=True).start()
+    return how
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    _orphaned(parent)
+
+
+def _orphaned(parent: int) -> None:
+    print(f"distrain: process {os.getpid()}: the launcher (process {parent}) is gone; exiting", file=sys.stderr)
+    exit_now(1)
 
 
 def server_count(cfg: TrainConfig) -> int:

@@ -28,6 +28,7 @@ from distrain.launch.common import (
     close_group,
     configure_worker_logging,
     default_run_dir,
+    die_with_parent,
     exit_now,
     free_port,
     init_group,
@@ -83,7 +84,9 @@ def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> None:
                          world_size=cfg.cluster.workers)
 
 
-def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_dir: str, user: dict[str, Any]) -> None:
+def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_dir: str, user: dict[str, Any],
+            launcher: int) -> None:
+    die_with_parent(launcher)  # nobody outlives the launcher, even one killed outright
     configure_worker_logging(rank)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))  # heartbeats and stop requests meet in the store
     code = 0
@@ -245,7 +248,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     store = store_of(addr, port, cfg.cluster.timeout, host=True)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, name=f"distrain-worker-{rank}",
-                         args=(rank, nprocs, cfg, addr, port, str(run_dir), user))
+                         args=(rank, nprocs, cfg, addr, port, str(run_dir), user, os.getpid()))
              for rank in range(nprocs)]
     signals = _Signals(procs).install()
     try:

@@ -50,6 +50,7 @@ from distrain.config import TrainConfig
 from distrain.emulation import CLOCK_FILE_ENV, NETNS_WORKER_ENV, NetworkSettings, NetworkSpec
 from distrain.emulation.units import tc_rate
 from distrain.errors import ConfigError, WorkerFailure
+from distrain.launch.common import PR_SET_PDEATHSIG
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def cleanup_stale() -> list[str]:
 def _die_with_parent() -> None:
     """In a child, before exec: get SIGKILL when the launcher dies, however it dies."""
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 # -- the cluster -----------------------------------------------------------------------------
