@@ -55,6 +55,23 @@ def test_sparse_headers_are_checked_before_allocating():
         check_header(torch.tensor([DENSE, 1000, 8]), 1000, torch.float32)  # element size
 
 
+def test_a_server_checks_its_start_header_before_allocating():
+    from distrain.algorithms.parameter_server import MAX_SHARD_BYTES, check_start_header
+    from distrain.errors import WorkerFailure
+
+    gib = 2**30
+    assert check_start_header([1000, 50, 10], pushers=4, memory=gib) == (1000, 50, 10)
+    limit = MAX_SHARD_BYTES // 4
+    assert check_start_header([limit, 1, 1], pushers=1, memory=None)[0] == limit  # no memory figure: the limit alone
+    for values, words in [([limit + 1, 1, 1], "a server accepts 1 to"), ([0, 1, 1], "a server accepts 1 to"),
+                          ([-5, 1, 1], "a server accepts 1 to"), ([2**62, 1, 1], "a server accepts 1 to"),
+                          ([10, 0, 1], "run length"), ([10, 1, -1], "run length"), ([10, 1], "expected 3")]:
+        with pytest.raises(WorkerFailure, match=words):
+            check_start_header(values, pushers=4, memory=64 * gib)
+    with pytest.raises(WorkerFailure, match="use more --servers"):  # 7 copies of 1 GiB do not fit in 4 GiB
+        check_start_header([gib // 4, 1, 1], pushers=4, memory=4 * gib)
+
+
 def test_readme_has_a_security_section():
     text = README.read_text()
     section = text[text.index("## Security"):]

@@ -48,7 +48,9 @@ sum of the pushes by the number of workers, so this is the flat result; in async
 push counts as one push.
 
 Wire format (tensors only): at start, worker 0 sends each server an int64 header
-``[shard_numel, total_steps, steps_per_epoch]`` and the initial shard; each push is an int64
+``[shard_numel, total_steps, steps_per_epoch]`` (checked before the server allocates: at most
+``MAX_SHARD_BYTES`` of parameters, and what the server keeps of the shard must fit in its
+machine's memory) and the initial shard; each push is an int64
 ``[clock]`` then the float gradient shard, or with ``--compress`` one message of
 :mod:`distrain.compress.pushes` (a header announcing the payload's size, checked by the server
 before it allocates); each pull is the float parameter shard.
@@ -63,6 +65,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -89,6 +92,44 @@ from distrain.train.schedule import LRSchedule, scaled_lr
 log = logging.getLogger(__name__)
 
 HEADER = 3  # shard_numel, total_steps, steps_per_epoch
+#: The largest shard a server accepts, and worker 0 sends (float32 parameters): 8 GiB.
+MAX_SHARD_BYTES = 2**33
+#: Shard-sized buffers a server keeps besides one gradient per pusher: the shard, its gradient,
+#: optimizer state.
+SERVER_COPIES = 3
+GIB = 2**30
+
+
+def physical_memory() -> int | None:
+    """Bytes of memory of this machine (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_start_header(values: list[int], pushers: int, memory: int | None) -> tuple[int, int, int]:
+    """``(shard_numel, total_steps, steps_per_epoch)`` of a server's start header, checked before
+    anything is allocated; WorkerFailure naming what is wrong otherwise.
+
+    Example::
+
+        numel, total, per_epoch = check_start_header(header.tolist(), pushers=4, memory=physical_memory())
+    """
+    if len(values) != HEADER:
+        raise WorkerFailure(f"malformed start header {values}: {len(values)} values, expected {HEADER}")
+    numel, total_steps, steps_per_epoch = values
+    if total_steps <= 0 or steps_per_epoch <= 0:
+        raise WorkerFailure(f"malformed start header {values}: run length must be positive")
+    if numel <= 0 or numel * 4 > MAX_SHARD_BYTES:
+        raise WorkerFailure(f"start header announces a shard of {numel} parameters; a server accepts 1 to "
+                            f"{MAX_SHARD_BYTES // 4} ({MAX_SHARD_BYTES / GIB:g} GiB)")
+    need = numel * 4 * (SERVER_COPIES + pushers)
+    if memory is not None and need > memory:
+        raise WorkerFailure(f"a shard of {numel} parameters needs {need / GIB:.1f} GiB on its server "
+                            f"({SERVER_COPIES + pushers} copies), more than this machine's {memory / GIB:.1f} GiB; "
+                            "use more --servers")
+    return numel, total_steps, steps_per_epoch
 
 
 def worker_momentum(cfg: TrainConfig) -> float:
@@ -200,6 +241,11 @@ class ParameterServer(Algorithm):
         self.flat = torch.cat([p.detach().reshape(-1) for p in self.params])
         self.grad = torch.zeros_like(self.flat)
         self.bounds = shard_bounds(self.flat.numel(), len(self.servers))
+        largest = max(hi - lo for lo, hi in self.bounds) * 4
+        if largest > MAX_SHARD_BYTES:
+            raise ConfigError("--servers", f"{len(self.servers)} servers would each hold up to {largest / GIB:.1f} GiB of "
+                                           f"parameters, more than the {MAX_SHARD_BYTES / GIB:g} GiB a server accepts; "
+                                           f"use at least {-(-self.flat.numel() * 4 // MAX_SHARD_BYTES)}")
         self.clock = 0
         self._clock_header = torch.zeros(1, dtype=torch.int64)
         c = self.config.compress
@@ -314,9 +360,11 @@ class ShardServer:
         self.pushers = NodeMap(self.num_workers, k).leaders if k else list(range(self.num_workers))
         header = torch.zeros(HEADER, dtype=torch.int64)
         transport.recv(header, 0).wait()
-        numel, self.total_steps, self.steps_per_epoch = (int(v) for v in header)
-        if numel <= 0 or numel > 2**34 or self.total_steps <= 0:
-            raise WorkerFailure(f"server {self.index}: malformed start header {header.tolist()} from worker 0")
+        try:
+            numel, self.total_steps, self.steps_per_epoch = check_start_header(header.tolist(), len(self.pushers),
+                                                                                physical_memory())
+        except WorkerFailure as exc:
+            raise WorkerFailure(f"server {self.index}: {exc} (from worker 0)") from None
         self.shard = torch.nn.Parameter(torch.empty(numel))
         transport.recv(self.shard.data, 0).wait()
         o = cfg.optim
