@@ -81,6 +81,16 @@ def kill_tagged(tag: str) -> None:
             pass
 
 
+def injected_at(mark: Path) -> float:
+    """When an injected fault happened (Unix time), from its DISTRAIN_INJECT_MARK file."""
+    return float(mark.read_text().split()[0])
+
+
+def injected_pid(mark: Path) -> int:
+    """The process an injected fault hit, from its DISTRAIN_INJECT_MARK file."""
+    return int(mark.read_text().split()[1])
+
+
 def wait_for(condition, timeout: float, what: str, interval: float = 0.05) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not condition():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distrain.train.checkpoint import load_checkpoint
-from tests.reliability.common import QUICK, run_cli
+from tests.reliability.common import QUICK, injected_at, run_cli
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # `make test-all`
 
@@ -39,7 +39,7 @@ def test_kill_one_of_four_the_three_survivors_finish_without_it(tmp_path):
     assert "worker 1 was killed by SIGKILL; the other workers finished without it" in broken.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert list(summary["lost_workers"]) == ["1"]
-    detection = summary["lost_workers"]["1"] - float(mark.read_text())
+    detection = summary["lost_workers"]["1"] - injected_at(mark)
     assert detection <= 15, detection
     steps = summary["steps_per_worker"]
     assert steps[1] == 0 and min(steps[0], steps[2], steps[3]) > 0
@@ -64,6 +64,7 @@ def test_a_killed_active_worker_is_found_by_its_silence(tmp_path):
     assert run.orphans == []
     summary = json.loads((run_dir / "summary.json").read_text())
     assert list(summary["lost_workers"]) == ["2"]
-    assert summary["lost_workers"]["2"] - float(mark.read_text()) <= 15
+    assert summary["lost_workers"]["2"] - injected_at(mark) <= 15
     assert summary["steps_per_worker"][2] == 0 and min(summary["steps_per_worker"][i] for i in (0, 1, 3)) > 30
     finite_final_models(run_dir, [0, 1, 3])
+

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.reliability.common import QUICK, run_cli
+from tests.reliability.common import QUICK, injected_at, run_cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,7 +27,7 @@ def test_survivors_name_the_step_and_the_lost_rank(tmp_path, algorithm, workers,
                   DISTRAIN_INJECT_KILL=f"{victim}:30", DISTRAIN_INJECT_MARK=str(mark))
     assert run.returncode == 1, run.stderr
     assert run.orphans == []
-    killed_at = float(mark.read_text())
+    killed_at = injected_at(mark)
     nprocs = workers + (1 if algorithm == "ps" else 0)
     notes = {int(re.search(r"rank-(\d+)", p.name).group(1)): p for p in (tmp_path / "run" / "failures").glob("rank-*.txt")}
     assert sorted(notes) == sorted(set(range(nprocs)) - {victim})  # every survivor, each one line

@@ -6,6 +6,9 @@ Fault injection for tests (environment variables, read by every worker):
     DISTRAIN_INJECT_KILL='RANK:STEP'   that process (a worker, or a parameter server by its
                                        global rank) kills itself with SIGKILL at that step
                                        (not after a torchrun restart)
+    DISTRAIN_INJECT_STOP='RANK:STEP'   that process stops itself with SIGSTOP at that step (a hang;
+                                       the test sends SIGCONT)
+    DISTRAIN_INJECT_MARK=PATH          where the injected fault writes its time and process id
 """
 
 from __future__ import annotations
@@ -199,13 +202,18 @@ def injected_nan(rank: int, step: int) -> bool:
 
 
 def maybe_injected_kill(rank: int, step: int) -> None:
-    """Fault injection for tests: DISTRAIN_INJECT_KILL='rank:step' kills this process outright."""
-    if _injected("DISTRAIN_INJECT_KILL", rank, step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        mark = os.environ.get("DISTRAIN_INJECT_MARK")  # when it happened, for tests that time detection
-        if mark:
-            with open(mark, "w") as f:
-                f.write(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Fault injection for tests: DISTRAIN_INJECT_KILL='rank:step' kills this process outright;
+    DISTRAIN_INJECT_STOP='rank:step' stops it (SIGSTOP) until someone sends SIGCONT."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    for variable, sig in (("DISTRAIN_INJECT_KILL", signal.SIGKILL), ("DISTRAIN_INJECT_STOP", signal.SIGSTOP)):
+        if _injected(variable, rank, step):
+            mark = os.environ.get("DISTRAIN_INJECT_MARK")  # when it happened (and who), for tests
+            if mark:
+                with open(mark + ".tmp", "w") as f:
+                    f.write(f"{time.time()!r} {os.getpid()}")
+                os.replace(mark + ".tmp", mark)  # whole, or not there
+            os.kill(os.getpid(), sig)
 
 
 class FaultWatch:
