@@ -45,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import threading
 import time
@@ -52,8 +53,17 @@ from typing import Any
 
 import torch
 
-from distrain.algorithms.gossip import AsyncGossip, GossipEngine, SharedModel, gossip_group
-from distrain.comm.transport import Transport
+from distrain.algorithms.gossip import (
+    GOSSIP_BACKSTOP_S,
+    AsyncGossip,
+    GossipEngine,
+    LeftBehind,
+    PeerTimeout,
+    SharedModel,
+    Waiter,
+    gossip_group,
+)
+from distrain.comm.transport import Handle, Transport
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.topology import Graph, bipartite_sets, build_topology
 from distrain.train.faults import is_comm_error
@@ -109,9 +119,13 @@ class PairwiseGossip(GossipEngine):
         peer_timeout: seconds a caller may stay silent before a passive worker checks whether
             it is gone (its heartbeat).
 
-    A peer whose connection closes, or (for an active caller of a passive worker) that stays
-    silent past the group's timeout with a stale heartbeat, is dropped: declared dead in the
-    store, counted as done, and never called or waited for again.
+    A peer whose connection closes, that does not answer within ``peer_timeout`` with a stale
+    heartbeat (killed, hung), or (a caller of a passive worker) that stays silent past it with a
+    stale heartbeat, is dropped: declared dead in the store, counted as done, and never called or
+    waited for again. With ``liveness``, waits run on a :class:`~distrain.algorithms.gossip.Waiter`
+    so that giving up on a hung peer leaves the others' connections open (the group's gloo
+    timeout is only a backstop); a worker that finds itself declared dead (it hung past the
+    timeout and resumed) leaves with a one-line message.
 
     Example::
 
@@ -139,7 +153,8 @@ class PairwiseGossip(GossipEngine):
         self._graveyard: list[Message] = []  # buffers of abandoned exchanges (see _lose)
         self._calling: set[int] = set(self.peers)  # passive: callers that have not said DONE
         self._heard = dict.fromkeys(self.peers, time.monotonic())  # passive: when each was last heard from
-        self._served = threading.Event()  # passive: the serving thread has ended
+        self._ended = threading.Event()  # the gossip thread has ended
+        self.waiter = Waiter("distrain-adpsgd-wait") if liveness is not None else None
 
     def _messages(self) -> tuple[Message, Message]:
         return tuple(Message(self.header_len, self.state.x.numel(), self.state.x.dtype) for _ in range(2))  # type: ignore[return-value]
@@ -147,39 +162,60 @@ class PairwiseGossip(GossipEngine):
     def _threads(self) -> list[tuple[str, Any]]:
         if not self.peers:
             return []
+        watch = [("distrain-adpsgd-watch", self._watch)] if self.liveness is not None else []
         if self.active:
-            return [("distrain-adpsgd-active", self._run_active)]
-        watch = [("distrain-adpsgd-watch", self._watch_callers)] if self.liveness is not None else []
+            return [("distrain-adpsgd-active", self._run_active), *watch]
         return [("distrain-adpsgd-passive", self._run_passive), *watch]
+
+    def _wait(self, handles: list[Handle], peer: int) -> None:
+        """Wait for an exchange with ``peer``. With liveness: on the waiter, giving up (PeerTimeout)
+        after ``peer_timeout`` if the peer's heartbeat stopped, else after twice that."""
+        if self.waiter is None or self.liveness is None:
+            for handle in handles:
+                handle.wait()
+            return
+
+        def wait_all() -> None:
+            for handle in handles:
+                handle.wait()
+
+        job = self.waiter.start(wait_all)
+        if job.wait(self.peer_timeout) or (not self.liveness.silent([peer]) and job.wait(self.peer_timeout)):
+            return
+        self.waiter.abandon()  # the job keeps its buffers (and any late message) to itself
+        raise PeerTimeout(f"worker {peer} did not answer: timed out after {self.peer_timeout:g} s")
 
     # -- active side --
 
     def _run_active(self) -> None:
-        gossiped = 0  # the first exchange follows the first step
-        while True:
-            gossiped, _ = self.wait_for_round(gossiped)
-            if self.state.all_done:
-                break
-            if not self.peers:
-                raise WorkerFailure(f"worker {self.transport.rank}: every neighbour was lost; nobody left to average with")
-            peer = self.rng.choice(self.peers)
-            try:
-                self._call(peer)
-            except Exception as exc:
-                self._lose(peer, exc)
-        for peer in list(self.peers):
-            try:
-                self._call(peer, DONE)
-            except Exception as exc:
-                self._lose(peer, exc)
+        try:
+            gossiped = 0  # the first exchange follows the first step
+            while True:
+                gossiped, _ = self.wait_for_round(gossiped)
+                if self.state.all_done:
+                    break
+                if not self.peers:
+                    raise WorkerFailure(f"worker {self.transport.rank}: every neighbour was lost; nobody left to "
+                                        "average with")
+                peer = self.rng.choice(self.peers)
+                try:
+                    self._call(peer)
+                except Exception as exc:
+                    self._lose(peer, exc)
+            for peer in list(self.peers):
+                try:
+                    self._call(peer, DONE)
+                except Exception as exc:
+                    self._lose(peer, exc)
+        finally:
+            self._ended.set()
 
     def _lose(self, peer: int, exc: BaseException) -> None:
         """Drop ``peer`` after a failed exchange, if peers can be dropped and it looks gone."""
         if self.liveness is None or not is_comm_error(exc):
             raise exc
         if self.transport.rank in self.liveness.dead_ranks():  # we were the silent one (e.g. SIGSTOP)
-            raise WorkerFailure(f"worker {self.transport.rank} was silent past --peer-timeout and its peers went on "
-                                "without it; leaving") from exc
+            raise LeftBehind(self.transport.rank) from exc
         self.liveness.declare_dead(peer)  # before counting it done: see AsyncGossip._survivors
         # A receive that timed out may still be posted in the backend and land later: give it the
         # old buffers to write into, and use new ones from now on.
@@ -197,16 +233,15 @@ class PairwiseGossip(GossipEngine):
         mine.header.copy_(self.state.progress_header(kind))
         self.state.read(out=mine.body)
         handles = [t.recv(theirs.buffer, peer), t.send(mine.buffer, peer)]  # the receive first (see comm/ring.py)
-        for handle in handles:
-            handle.wait()
+        self._wait(handles, peer)
         if theirs.kind != REPLY:
             raise WorkerFailure(f"worker {t.rank}: expected a reply from worker {peer}, got message kind {theirs.kind}")
         self.state.merge(theirs.header[1:])
         self._average()
 
-    def _average(self) -> None:
+    def _average(self, theirs: Message | None = None) -> None:
         sent = self.mine.body
-        mean = self.theirs.body.add_(sent).mul_(0.5)
+        mean = (theirs or self.theirs).body.add_(sent).mul_(0.5)
         self.state.mix(sent, mean)
         self.exchanges += 1
 
@@ -215,6 +250,9 @@ class PairwiseGossip(GossipEngine):
     def _run_passive(self) -> None:
         t = self.transport
         calling = self._calling = set(self.peers)  # active neighbours that have not said DONE
+        if self.liveness is not None:
+            self._serve_listened(calling)
+            return
         errors = 0
         try:
             while calling:
@@ -234,20 +272,79 @@ class PairwiseGossip(GossipEngine):
                 errors = 0
                 self._heard[src] = time.monotonic()
                 if self._serve(src, calling):
-                    with self.state.lock:
-                        calling -= self.state.lost  # callers the watch gave up on: no DONE will come
-                    if calling and self.liveness is not None:  # or that another worker gave up on
-                        calling -= set(self.liveness.dead_ranks())
+                    self._drop_lost_callers(calling)
         finally:
-            self._served.set()
+            self._ended.set()
 
-    def _watch_callers(self) -> None:
-        """A passive worker's second thread: once a second, give up on callers silent past the
-        peer timeout whose heartbeat stopped too (killed, cut off). A caller given up on counts
-        as done; our next replies say so, so the others can finish without it."""
+    def _serve_listened(self, calling: set[int]) -> None:
+        """The passive loop with liveness: one receiving thread per caller feeds an inbox, and
+        this thread answers one message at a time. (Not an any-source receive: when a caller
+        dies or leaves mid-message, gloo can leave such a receive posted, and it swallows the
+        next message of another caller.)"""
+        inbox: queue.SimpleQueue[tuple[int, Message, threading.Event]] = queue.SimpleQueue()
+        for caller in sorted(calling):
+            threading.Thread(target=self._listen, args=(caller, inbox), name=f"distrain-adpsgd-listen-{caller}",
+                             daemon=True).start()
+        try:
+            while calling:
+                try:
+                    src, theirs, served = inbox.get(timeout=1.0)
+                except queue.Empty:  # idle: see whether the callers left are still there
+                    self._drop_lost_callers(calling)
+                    continue
+                self._heard[src] = time.monotonic()
+                try:
+                    changed = self._serve(src, calling, theirs)
+                finally:
+                    served.set()
+                if changed:
+                    self._drop_lost_callers(calling)
+        finally:
+            self._ended.set()
+
+    def _listen(self, caller: int, inbox: queue.SimpleQueue[tuple[int, Message, threading.Event]]) -> None:
+        """Receive ``caller``'s messages until its DONE, each into this thread's buffer once the
+        last was served (a caller sends again only after our reply). A closed connection ends
+        it: the watch then finds the caller silent."""
+        theirs = self._messages()[1]
+        try:
+            while True:
+                self.transport.recv(theirs.buffer, caller).wait()
+                served = threading.Event()
+                inbox.put((caller, theirs, served))
+                if theirs.kind != REQUEST:
+                    return
+                served.wait()
+                if caller in self.state.lost:
+                    return
+        except Exception as exc:  # noqa: BLE001 - the caller is gone
+            log.info("worker %d: no more messages from worker %d (%s)", self.transport.rank, caller,
+                     str(exc).strip()[:120])
+
+    def _drop_lost_callers(self, calling: set[int]) -> None:
+        """Callers given up on (by the watch, or by another worker): no DONE will come from them."""
+        if self.liveness is not None:
+            for peer in set(self.liveness.dead_ranks()) & calling - self.state.lost:
+                self.state.mark_lost(peer)
+        with self.state.lock:
+            calling -= self.state.lost
+
+    def _watch(self) -> None:
+        """A second thread: once a second, leave if the others declared this worker dead (it hung
+        past the peer timeout), and (passive) give up on callers silent past the peer timeout
+        whose heartbeat stopped too (killed, hung, cut off). A caller given up on counts as done;
+        our next replies say so, so the others can finish without it."""
         assert self.liveness is not None
         live = Liveness(self.liveness.host, self.liveness.port, self.liveness.world_size)  # its own store client
-        while not self._served.wait(1.0):
+        me = self.transport.rank
+        while not self._ended.wait(1.0):
+            if me in live.dead_ranks():
+                self.error = self.error or LeftBehind(me)
+                with self.state.lock:
+                    self.state.lock.notify_all()
+                return
+            if self.active:
+                continue
             now = time.monotonic()
             quiet = [p for p in list(self._calling) if p not in self.state.lost and now - self._heard[p] > self.peer_timeout]
             for peer in live.silent(quiet) if quiet else []:
@@ -256,25 +353,27 @@ class PairwiseGossip(GossipEngine):
                 log.warning("worker %d: lost worker %d (silent for more than %g s, no heartbeat); going on without it",
                             self.transport.rank, peer, self.peer_timeout)
 
-    def _serve(self, src: int, calling: set[int]) -> bool:
-        """Answer the request in ``self.theirs``; True when something changed in who is still calling."""
+    def _serve(self, src: int, calling: set[int], theirs: Message | None = None) -> bool:
+        """Answer the request in ``theirs`` (default ``self.theirs``); True when something changed
+        in who is still calling."""
         t = self.transport
-        kind = self.theirs.kind
+        theirs = theirs or self.theirs
+        kind = theirs.kind
         dropped = src in self.state.lost  # back after we gave up on it: answered, never averaged
         if (src not in calling and not dropped) or kind not in (REQUEST, DONE):
             raise WorkerFailure(f"worker {t.rank}: unexpected message kind {kind} from worker {src}")
         if not dropped:
-            self.state.merge(self.theirs.header[1:])
+            self.state.merge(theirs.header[1:])
         self.mine.header.copy_(self.state.progress_header(REPLY))
         self.state.read(out=self.mine.body)
         try:
-            t.send(self.mine.buffer, src).wait()
+            self._wait([t.send(self.mine.buffer, src)], src)
         except Exception as exc:
             calling.discard(src)
             self._lose(src, exc)
             return True
         if not dropped:  # a dropped worker learns from our header that it counts as done
-            self._average()
+            self._average(theirs)
         if kind == DONE:
             calling.discard(src)
             return True
@@ -295,10 +394,15 @@ class ADPSGD(AsyncGossip):
     def build_engine(self, transport: Transport) -> PairwiseGossip:
         g = self.config.gossip
         self.graph = bipartite_graph(self.config.algo.topology, transport.world_size)  # under torchrun: WORLD_SIZE
-        group = gossip_group(g.peer_timeout)
+        liveness = Liveness.from_env(transport.world_size)
+        group = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)  # see Waiter
         return PairwiseGossip(self.state, Transport(group, link_model=transport.link_model), self.graph,
-                              seed=self.config.run.seed, liveness=Liveness.from_env(transport.world_size),
-                              peer_timeout=g.peer_timeout)
+                              seed=self.config.run.seed, liveness=liveness, peer_timeout=g.peer_timeout)
+
+    def close(self) -> None:
+        if isinstance(self.engine, PairwiseGossip) and self.engine.waiter is not None:
+            self.engine.waiter.close()
+        super().close()
 
     def info(self) -> dict[str, Any]:
         if self.engine is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +52,14 @@ BUDGETS = ("global", "local", "time")
 #: Snapshots kept in memory at most (fewer for large models: about 1 GiB in all).
 MAX_SNAPSHOTS = 512
 SNAPSHOT_BYTES = 2**30
+
+
+class LeftBehind(WorkerFailure):
+    """This worker was silent past --peer-timeout (hung, stopped) and its peers declared it dead
+    and went on without it: it leaves, with this one line."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"worker {rank} was silent past --peer-timeout and its peers went on without it; leaving")
 
 
 # -- the shared model ------------------------------------------------------------------------
@@ -235,7 +244,9 @@ class GossipEngine:
         return not self.alive()
 
     def check(self) -> None:
-        """Raise WorkerFailure if a gossip thread failed."""
+        """Raise WorkerFailure if a gossip thread failed (LeftBehind as it is)."""
+        if isinstance(self.error, LeftBehind):
+            raise LeftBehind(self.state.rank) from None
         if self.error is not None:
             raise WorkerFailure(f"worker {self.state.rank}: gossip failed: {self.error}") from self.error
 
@@ -249,6 +260,84 @@ class GossipEngine:
     def close(self) -> None:
         for transport in self.transports:
             transport.close()
+
+
+class Job:
+    """One blocking call handed to a :class:`Waiter`; ``wait`` may give up on it."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn, self.done, self.error = fn, threading.Event(), None
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as exc:  # noqa: BLE001 - raised by wait()
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """True once the call returned (its exception raised here); False after ``timeout`` s."""
+        if not self.done.wait(timeout):
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class Waiter:
+    """Runs blocking waits on a thread of its own, so that a gossip thread can give up on a peer.
+
+    Gloo cannot cancel a wait, and a wait that times out in gloo closes every connection of the
+    process group (all peers then see theirs closed). So gossip groups get a long backstop
+    (``GOSSIP_BACKSTOP_S``) and the peer timeout is kept here instead: the caller waits for the
+    job with a timeout, and on giving up calls :meth:`abandon`; the old thread stays blocked with
+    its job (a late message lands in that job's buffers, which the caller keeps), later jobs get a
+    fresh thread, and nothing in gloo is closed.
+
+    Example::
+
+        waiter = Waiter("distrain-gossip-wait")
+        job = waiter.start(lambda: handle.wait())
+        if not job.wait(timeout=5.0):
+            waiter.abandon()          # the peer is gone or hung: go on without it
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, args=(self._jobs,), name=self.name, daemon=True).start()
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[Job | None]) -> None:
+        while (job := jobs.get()) is not None:
+            job.run()
+
+    def start(self, fn: Callable[[], None]) -> Job:
+        job = Job(fn)
+        self._jobs.put(job)
+        return job
+
+    def abandon(self) -> None:
+        """Leave the current job to its thread (which ends after it); new jobs get a new thread."""
+        self._jobs.put(None)
+        self._spawn()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+class PeerTimeout(RuntimeError):
+    """A peer did not answer within the peer timeout (its heartbeat stopped, or it stayed silent
+    for twice the timeout). Reads as a communication error (see ``faults.is_comm_error``)."""
+
+
+#: The gloo timeout of gossip groups whose waits a :class:`Waiter` bounds: a gloo timeout would
+#: close every connection of the group, so it must never fire while the survivors go on.
+GOSSIP_BACKSTOP_S = 7 * 24 * 3600.0
 
 
 def gossip_group(timeout: float) -> Any:
@@ -496,8 +585,7 @@ class AsyncGossip(Algorithm):
         if not self.lost_workers:
             return None
         if self.transport.rank in self.lost_workers:
-            raise WorkerFailure(f"worker {self.transport.rank} was silent past --peer-timeout and its peers went on "
-                                "without it; leaving")
+            raise LeftBehind(self.transport.rank)
         survivors = [r for r in range(self.state.world) if r not in self.lost_workers]
         log.warning("worker %d: the consensus is over workers %s (lost: %s)", self.transport.rank, survivors,
                     sorted(self.lost_workers))
@@ -586,4 +674,5 @@ class AsyncGossip(Algorithm):
             self.engine.close()
 
 
-__all__ = ["BUDGETS", "AsyncGossip", "Budget", "GossipEngine", "SharedModel", "Snapshots", "gossip_group"]
+__all__ = ["BUDGETS", "GOSSIP_BACKSTOP_S", "AsyncGossip", "Budget", "GossipEngine", "Job", "LeftBehind", "PeerTimeout", "SharedModel",
+           "Snapshots", "Waiter", "gossip_group"]

@@ -1,0 +1,66 @@
+"""A worker hangs (SIGSTOP) for longer than --peer-timeout, then resumes (SIGCONT): in adpsgd the
+others drop it and finish their budget, and the resumed worker leaves with one line (non-zero)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.common import (
+    QUICK,
+    injected_at,
+    injected_pid,
+    kill_tagged,
+    start_cli,
+    tagged,
+    wait_for,
+)
+from tests.reliability.test_adpsgd_dead_worker import finite_final_models
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # `make test-all`
+
+PEER_TIMEOUT = 5  # --peer-timeout in QUICK
+HANG_S = PEER_TIMEOUT + 10  # the fault: longer than the peer timeout and the heartbeat's staleness (3 s)
+BUDGET_S = 40  # each worker trains this long: the hang is well inside it
+
+
+def state_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("victim", [1, 2])  # passive (its callers find it silent), active (it stops calling)
+def test_a_hung_adpsgd_worker_is_dropped_and_leaves_when_it_resumes(tmp_path, victim):
+    tag, mark, run_dir = uuid.uuid4().hex, tmp_path / "stopped-at", tmp_path / "run"
+    proc = start_cli([*QUICK, "--algorithm", "adpsgd", "--topology", "bipartite", "--workers", "4", "--num-samples",
+                      "9600", "--budget", "time", "--time-budget", str(BUDGET_S), "--run-dir", str(run_dir)], tag,
+                     DISTRAIN_INJECT_STOP=f"{victim}:30", DISTRAIN_INJECT_MARK=str(mark))
+    try:
+        wait_for(mark.exists, 180, "the worker to stop itself")
+        pid = injected_pid(mark)
+        wait_for(lambda: state_of(pid) == "T", 10, "the stopped state")
+        time.sleep(max(0.0, injected_at(mark) + HANG_S - time.time()))  # the hang itself, not a synchronisation
+        os.kill(pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=BUDGET_S + 120)
+        orphans = tagged(tag)
+    finally:
+        proc.kill()
+        kill_tagged(tag)
+    assert proc.returncode == 0, err  # the survivors finished
+    assert orphans == []
+    line = f"worker {victim} was silent past --peer-timeout and its peers went on without it; leaving"
+    assert f"worker {victim} failed: {line}; the other workers finished without it" in err, err
+    assert (run_dir / "failures" / f"rank-{victim}.txt").read_text().strip() == line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["lost_workers"]) == [str(victim)]
+    detection = summary["lost_workers"][str(victim)] - injected_at(mark)
+    assert detection <= 15, detection
+    survivors = [r for r in range(4) if r != victim]
+    assert all(summary["steps_per_worker"][r] > 100 for r in survivors), summary["steps_per_worker"]
+    assert summary["final_test_accuracy"] > 0.9
+    finite_final_models(run_dir, survivors)
