@@ -186,3 +186,34 @@ def test_settings_are_checked_before_any_worker_starts():
         TrainConfig.from_dict({"algorithm": "prague", "resume": "auto"}).validate()
     with pytest.warns(UserWarning, match="--group-size"):
         TrainConfig.from_dict({"algorithm": "prague", "workers": 2, "group_size": 3}).validate()
+
+
+def test_generator_never_groups_a_lost_worker_and_stops_without_it():
+    gen = generator(world=4, size=2, seed=0)
+    assert ready(gen, 1) == []  # worker 1 waits for a group, then dies
+    assert gen.drop(1) == [] and gen.lost == {1} and gen.ready == []
+    assert ready(gen, 0) == []
+    assert sorted(w for w, _ in ready(gen, 2)) == [0, 2]  # grouped without it
+    for _, answer in ready(gen, 1):  # back after being dropped (hung, resumed): told to stop
+        assert int(answer[0]) == STOP
+    ready(gen, 0, done=True), ready(gen, 2, done=True)  # grouped again
+    for worker in (3, 0):  # the lost one counts as done: everyone else is, so all stop
+        assert [(w, int(answer[0])) for w, answer in ready(gen, worker, done=True)] == [(worker, STOP)]
+    assert gen.done == [1, 1, 1, 1]
+
+
+def test_a_waiter_gives_up_on_a_blocked_call_and_goes_on_with_a_new_thread():
+    from distrain.algorithms.gossip import Waiter
+
+    waiter, release = Waiter("test-wait"), threading.Event()
+    stuck = waiter.start(lambda: release.wait(30) and None)
+    assert not stuck.wait(0.05)
+    waiter.abandon()
+    done = waiter.start(lambda: None)
+    assert done.wait(10)  # served by a fresh thread while the first is still blocked
+    failed = waiter.start(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.wait(10)
+    release.set()
+    assert stuck.wait(10)  # the abandoned call still completes in its own thread
+    waiter.close()

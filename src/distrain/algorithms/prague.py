@@ -32,6 +32,14 @@ exceeds the median cost by ``d`` waits ``d`` in the queue before it may join a g
 groups of the others go ahead. It is still averaged regularly, just not in every group; when
 everyone is waiting, nobody is held.
 
+A worker that dies (killed, cut off) is dropped: its group partners find their ring failing,
+name the member whose heartbeat stopped, declare it dead in the rendezvous store and count it
+done; the generator learns it from their next READY (or, for a worker that died between
+groups, from its silence past ``--peer-timeout`` with a stale heartbeat), never groups it again
+and no longer waits for it, and the survivors finish their budget and take the consensus
+without it. The generator itself (rank 0) cannot be replaced: its loss stops the run with the
+lost-peer line.
+
 Shutdown: a worker whose budget is used keeps reporting ready (at about one step time) so its
 group partners are not left waiting; once the generator knows every worker is done it answers
 STOP to each (immediately to those waiting), each worker stops and answers BYE, and the
@@ -60,10 +68,21 @@ from typing import Any
 
 import torch
 
-from distrain.algorithms.gossip import AsyncGossip, GossipEngine, SharedModel, gossip_group
+from distrain.algorithms.gossip import (
+    GOSSIP_BACKSTOP_S,
+    AsyncGossip,
+    GossipEngine,
+    LeftBehind,
+    PeerTimeout,
+    SharedModel,
+    Waiter,
+    gossip_group,
+)
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import WorkerFailure
+from distrain.train.faults import is_comm_error
+from distrain.train.health import Liveness
 
 log = logging.getLogger(__name__)
 
@@ -112,18 +131,26 @@ class GroupGenerator:
         group_size: workers per group (at most ``world``).
         control: rank 0's Transport on the control group.
         seed: seeds the choice of groups.
-        timeout: how long rank 0's own worker may wait for a group (seconds).
+        timeout: how long rank 0's own worker may wait for a group (seconds); also how long a
+            worker may stay silent before its heartbeat is checked.
+        liveness: where lost workers are declared and looked up (``None``: a lost worker fails
+            the run).
     """
 
-    def __init__(self, world: int, group_size: int, control: Transport, seed: int = 0, timeout: float = 120.0) -> None:
+    def __init__(self, world: int, group_size: int, control: Transport, seed: int = 0, timeout: float = 120.0,
+                 liveness: Liveness | None = None) -> None:
         self.world, self.size = world, min(group_size, world)
-        self.control, self.timeout = control, timeout
+        self.control, self.timeout, self.liveness = control, timeout, liveness
         self.lock = threading.Lock()
         self.rng = random.Random(seed)
         self.ready: list[int] = []  # waiting for a group, in arrival order
         self.ready_since: dict[int, float] = {}
         self.ring_seconds: list[deque[float]] = [deque(maxlen=COST_WINDOW) for _ in range(world)]
         self.stopped: set[int] = set()
+        self.lost: set[int] = set()  # workers found dead: never grouped or waited for again
+        self.deaf: set[int] = set()  # workers whose connection to us closed
+        self.heard = dict.fromkeys(range(world), time.monotonic())  # when each last sent a message
+        self.served = threading.Event()  # the service thread has ended
         self.counts, self.done = [0] * world, [0] * world
         self.local: queue.Queue[torch.Tensor] = queue.Queue()  # answers to rank 0's own worker
         self.groups = 0
@@ -138,7 +165,13 @@ class GroupGenerator:
         values = message.tolist()
         n = self.world
         now = time.monotonic() if now is None else now
+        # A worker counts another as done only once it declared it lost (it learns the others'
+        # progress from us alone): ask the store which, so it is never grouped again.
+        told = [r for r in range(n) if r != worker and values[1 + n + r] and not self.done[r]] if len(values) == 1 + 2 * n else []
+        dead = set(self.liveness.dead_ranks()) & set(told) if told and self.liveness is not None else set()
         with self.lock:
+            if worker in self.lost:  # back after we gave up on it (stopped, then resumed): it must leave
+                return [(worker, self._answer(STOP, []))]
             if worker in self.ready or worker in self.stopped or len(values) != 1 + 2 * n:
                 raise WorkerFailure(f"group generator: unexpected ready message from worker {worker}")
             if values[0] > 0:
@@ -147,21 +180,43 @@ class GroupGenerator:
             self.done = [max(a, min(1, b)) for a, b in zip(self.done, values[1 + n :], strict=True)]
             self.ready.append(worker)
             self.ready_since[worker] = now
-            if all(self.done):  # everyone is done: nobody needs a group any more
-                stop = self._answer(STOP, [])
-                answers = [(w, stop) for w in self.ready]
-                self.stopped.update(self.ready)
-                self.ready.clear()
-                return answers
-            answers = []
-            while len(eligible := self._eligible(now)) >= self.size:
-                members = self.rng.sample(eligible, self.size)  # random members, in random ring order
-                for m in members:
-                    self.ready.remove(m)
-                group = self._answer(GROUP, members)
-                answers += [(m, group) for m in members]
-                self.groups += 1
+            self.heard[worker] = now
+            for r in dead:
+                self._drop(r)
+            return self._form(now)
+
+    def drop(self, worker: int, now: float | None = None) -> list[tuple[int, torch.Tensor]]:
+        """``worker`` is gone: never group it or wait for it again. Returns the answers now due."""
+        with self.lock:
+            self._drop(worker)
+            return self._form(time.monotonic() if now is None else now)
+
+    def _drop(self, worker: int) -> None:
+        if worker in self.lost:
+            return
+        self.lost.add(worker)
+        self.done[worker] = 1
+        if worker in self.ready:
+            self.ready.remove(worker)
+        log.warning("group generator: lost worker %d; grouping the others without it", worker)
+
+    def _form(self, now: float) -> list[tuple[int, torch.Tensor]]:
+        """Groups (or STOPs) for the ready workers, as far as they are due (lock held)."""
+        if all(self.done):  # everyone is done: nobody needs a group any more
+            stop = self._answer(STOP, [])
+            answers = [(w, stop) for w in self.ready]
+            self.stopped.update(self.ready)
+            self.ready.clear()
             return answers
+        answers = []
+        while len(eligible := self._eligible(now)) >= self.size:
+            members = self.rng.sample(eligible, self.size)  # random members, in random ring order
+            for m in members:
+                self.ready.remove(m)
+            group = self._answer(GROUP, members)
+            answers += [(m, group) for m in members]
+            self.groups += 1
+        return answers
 
     def cost(self, worker: int) -> float:
         """The fastest of the worker's recent ring all-reduces (0 before any)."""
@@ -173,19 +228,26 @@ class GroupGenerator:
         worker is left to come (nobody would ever be released otherwise)."""
         base = statistics.median(self.cost(w) for w in range(self.world))
         eligible = [w for w in self.ready if now - self.ready_since[w] >= self.cost(w) - base]
-        if len(eligible) < self.size and len(self.ready) + len(self.stopped) == self.world:
+        if len(eligible) < self.size and len(set(self.ready) | self.stopped | self.lost) == self.world:
             return list(self.ready)
         return eligible
 
     def deliver(self, answers: list[tuple[int, torch.Tensor]]) -> None:
+        """Send the answers; a worker whose connection closed is left to its group partners,
+        whose ring with it fails (they find out who is gone)."""
         handles = []
         for worker, answer in answers:
             if worker == GENERATOR:
                 self.local.put(answer)
             else:
-                handles.append(self.control.send(answer, worker))
-        for handle in handles:
-            handle.wait()
+                handles.append((worker, self.control.send(answer, worker)))
+        for worker, handle in handles:
+            try:
+                handle.wait()
+            except Exception as exc:
+                if self.liveness is None or not is_comm_error(exc):
+                    raise
+                log.warning("group generator: could not answer worker %d (%s)", worker, str(exc).strip()[:120])
 
     def ask_local(self, message: torch.Tensor) -> torch.Tensor:
         """Rank 0's own worker is ready: wait for its answer."""
@@ -196,20 +258,76 @@ class GroupGenerator:
             raise WorkerFailure(f"worker 0 waited {self.timeout:.0f} s for a group") from None
 
     def serve(self) -> None:
-        """The service thread: answer READY messages until every other worker said BYE."""
+        """The service thread: answer READY messages until every other worker said BYE (or was lost)."""
+        others = set(range(self.world)) - {GENERATOR}
+        byes: set[int] = set()
+        inbox = self._listen(others) if self.liveness is not None else None
         message = torch.empty(2 + 2 * self.world, dtype=torch.int64)
-        byes = 0
-        while byes < self.world - 1:
-            src = self.control.recv_any(message)
-            kind = int(message[0])
-            if kind == BYE and src in self.stopped:
-                byes += 1
-            elif kind == READY:
-                self.deliver(self.on_ready(src, message[1:]))
-            else:
-                raise WorkerFailure(f"group generator: unexpected message kind {kind} from worker {src}")
+        try:
+            while not others <= byes | self.lost:
+                if inbox is None:
+                    src = self.control.recv_any(message)
+                else:
+                    try:
+                        src, message = inbox.get(timeout=1.0)  # wakes up to see whether the lost ones were all left
+                    except queue.Empty:
+                        continue
+                kind = int(message[0])
+                if kind == BYE and src in self.stopped:
+                    byes.add(src)
+                    self.heard[src] = time.monotonic()
+                elif kind == READY:
+                    self.deliver(self.on_ready(src, message[1:]))
+                elif src in self.lost:
+                    log.warning("group generator: ignored message kind %d from lost worker %d", kind, src)
+                else:
+                    raise WorkerFailure(f"group generator: unexpected message kind {kind} from worker {src}")
+        finally:
+            self.served.set()
         log.info("group generator: %d groups of %d; fastest recent ring all-reduce per worker (ms): %s", self.groups,
                  self.size, [round(self.cost(w) * 1e3, 1) for w in range(self.world)])
+
+    def _listen(self, workers: set[int]) -> queue.SimpleQueue[tuple[int, torch.Tensor]]:
+        """One receiving thread per worker, feeding one inbox. (Not an any-source receive: when a
+        sender dies mid-message, gloo can leave such a receive posted, and it swallows the next
+        message of another worker.) A thread whose worker's connection closed just ends; the
+        watch drops the worker once it is silent."""
+        inbox: queue.SimpleQueue[tuple[int, torch.Tensor]] = queue.SimpleQueue()
+
+        def listen(worker: int) -> None:
+            try:
+                while True:
+                    message = torch.empty(2 + 2 * self.world, dtype=torch.int64)
+                    self.control.recv(message, worker).wait()
+                    inbox.put((worker, message))
+                    if int(message[0]) == BYE:
+                        return
+            except Exception as exc:  # noqa: BLE001 - a lost worker: the watch drops it
+                self.deaf.add(worker)
+                log.warning("group generator: no more messages from worker %d (%s)", worker, str(exc).strip()[:120])
+
+        for w in sorted(workers):
+            threading.Thread(target=listen, args=(w,), name=f"distrain-prague-listen-{w}", daemon=True).start()
+        return inbox
+
+    def watch(self) -> None:
+        """The generator's second thread: once a second, drop workers declared dead by others,
+        and workers silent past the timeout (neither waiting for a group nor stopped) whose
+        heartbeat stopped too (killed between groups: nobody else would notice)."""
+        assert self.liveness is not None
+        live = Liveness(self.liveness.host, self.liveness.port, self.liveness.world_size)  # its own store client
+        while not self.served.wait(1.0):
+            now = time.monotonic()
+            with self.lock:
+                quiet = [w for w in range(self.world) if w != GENERATOR and w not in self.lost and w not in self.ready
+                         and w not in self.stopped and now - self.heard[w] > self.timeout]
+            gone = set(live.silent(quiet)) if quiet else set()
+            gone |= {w for w in quiet if w in self.deaf and now - self.heard[w] > 2 * self.timeout}  # cut off
+            for w in gone:
+                live.declare_dead(w)  # before counting it done: see AsyncGossip._survivors
+            gone |= set(live.dead_ranks()) - self.lost - {GENERATOR}
+            for w in sorted(gone):
+                self.deliver(self.drop(w))
 
 
 class GroupGossip(GossipEngine):
@@ -222,27 +340,36 @@ class GroupGossip(GossipEngine):
         group_size: workers per group.
         seed: seeds the generator's choices.
         timeout: how long rank 0's worker may wait for a group (the others wait in gloo,
-            bounded by their group's timeout).
+            bounded by their group's timeout), and a silent worker may stay silent before its
+            heartbeat is checked.
+        liveness: where lost workers are declared and looked up (``None``: a lost worker fails
+            the run, as in a synchronous algorithm).
     """
 
     def __init__(self, state: SharedModel, data: Transport, control: Transport, group_size: int, seed: int = 0,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, liveness: Liveness | None = None) -> None:
         super().__init__(state)
         self.data, self.control = data, control
         self.transports = [data, control]
+        self.liveness, self.timeout = liveness, timeout
         n = state.world
-        self.generator = GroupGenerator(n, group_size, control, seed, timeout) if control.rank == GENERATOR else None
+        self.generator = GroupGenerator(n, group_size, control, seed, timeout, liveness) \
+            if control.rank == GENERATOR else None
         self.size = min(group_size, n)
         self.answer_len = 2 + self.size + 2 * n
         self.sent = torch.empty(state.x.numel(), dtype=state.x.dtype)
         self.total = torch.empty_like(self.sent)
         self.groups = 0  # groups this worker averaged in
         self.last_ring_us = 0
+        self._graveyard: list[torch.Tensor] = []  # buffers of failed rings (see _lose)
+        self.waiter = Waiter("distrain-prague-wait") if liveness is not None and self.generator is None else None
 
     def _threads(self) -> list[tuple[str, Any]]:
         threads = [("distrain-prague-worker", self._run_worker)]
         if self.generator is not None:
             threads.append(("distrain-prague-generator", self.generator.serve))
+            if self.liveness is not None:
+                threads.append(("distrain-prague-watch", self.generator.watch))
         return threads
 
     def _run_worker(self) -> None:
@@ -257,9 +384,17 @@ class GroupGossip(GossipEngine):
             members = answer[2 : 2 + k].tolist()
             if kind != GROUP or self.control.rank not in members:
                 raise WorkerFailure(f"worker {self.control.rank}: bad group answer {answer.tolist()}")
-            self._reduce(members)
+            try:
+                self._reduce(members)
+            except Exception as exc:
+                self._lose(members, exc)
         if self.generator is None:
             self.control.send(self.state.progress_header(BYE, 0), GENERATOR).wait()
+
+    def close(self) -> None:
+        if self.waiter is not None:
+            self.waiter.close()
+        super().close()
 
     def _ask(self) -> torch.Tensor:
         ready = self.state.progress_header(READY, self.last_ring_us)
@@ -267,9 +402,46 @@ class GroupGossip(GossipEngine):
             return self.generator.ask_local(ready[1:])
         answer = torch.empty(self.answer_len, dtype=torch.int64)
         handles = [self.control.recv(answer, GENERATOR), self.control.send(ready, GENERATOR)]
-        for handle in handles:
-            handle.wait()
-        return answer
+        if self.waiter is None or self.liveness is None:
+            for handle in handles:
+                handle.wait()
+            return answer
+
+        def wait_all() -> None:
+            for handle in handles:
+                handle.wait()
+
+        # The control group's gloo timeout is a backstop (see Waiter): the wait is bounded here.
+        job = self.waiter.start(wait_all)
+        if job.wait(self.timeout) or (not self.liveness.silent([GENERATOR]) and job.wait(self.timeout)):
+            return answer
+        self.waiter.abandon()
+        raise PeerTimeout(f"no answer from the group generator (worker {GENERATOR}): timed out after "
+                          f"{2 * self.timeout:g} s")
+
+    def _lose(self, members: list[int], exc: BaseException) -> None:
+        """A ring failed: drop the members whose heartbeat stopped (declared dead in the store,
+        counted done; the generator reads it from our next READY), or fail if none did."""
+        me = self.control.rank
+        if self.liveness is None or not is_comm_error(exc):
+            raise exc
+        if me in self.liveness.dead_ranks():  # we were the silent one (e.g. SIGSTOP)
+            raise LeftBehind(me) from exc
+        others = [m for m in members if m != me and m not in self.state.lost]
+        deadline = time.monotonic() + self.timeout
+        while not (gone := self.liveness.silent(others)):  # a heartbeat goes stale seconds after death
+            if time.monotonic() >= deadline:
+                raise exc
+            time.sleep(0.5)
+        for peer in gone:
+            self.liveness.declare_dead(peer)  # before counting it done: see AsyncGossip._survivors
+            self.state.mark_lost(peer)
+            log.warning("worker %d: lost worker %d in a group (%s); going on without it", me, peer,
+                        str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
+        # A receive of the failed ring may still be posted in the backend and land later: give it
+        # the old buffers to write into, and use new ones from now on.
+        self._graveyard += [self.sent, self.total]
+        self.sent, self.total = torch.empty_like(self.sent), torch.empty_like(self.total)
 
     def _reduce(self, members: list[int]) -> None:
         self.state.read(out=self.sent)
@@ -285,6 +457,7 @@ class Prague(AsyncGossip):
     """Partial all-reduce in groups of ready workers (see the module docstring)."""
 
     name = "prague"
+    survives_lost_workers = True  # survivors drop a lost worker and finish (see GroupGossip)
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -295,11 +468,14 @@ class Prague(AsyncGossip):
 
     def build_engine(self, transport: Transport) -> GroupGossip:
         g = self.config.gossip
-        data, control = gossip_group(g.peer_timeout), gossip_group(g.peer_timeout)
+        liveness = Liveness.from_env(transport.world_size)
+        # With liveness the control group's waits are bounded by us (see Waiter), gloo's is a backstop.
+        data = gossip_group(g.peer_timeout)
+        control = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)
         link = transport.link_model
         size = group_size_for(g.group_size, transport.world_size)
         return GroupGossip(self.state, Transport(data, link_model=link), Transport(control, link_model=link),
-                           size, seed=self.config.run.seed, timeout=g.peer_timeout)
+                           size, seed=self.config.run.seed, timeout=g.peer_timeout, liveness=liveness)
 
     def info(self) -> dict[str, Any]:
         return {"group_size": group_size_for(self.config.gossip.group_size, self.state.world),
