@@ -68,3 +68,22 @@ def test_a_killed_active_worker_is_found_by_its_silence(tmp_path):
     assert summary["steps_per_worker"][2] == 0 and min(summary["steps_per_worker"][i] for i in (0, 1, 3)) > 30
     finite_final_models(run_dir, [0, 1, 3])
 
+
+def test_losing_worker_0_the_first_survivor_reports(tmp_path):
+    """Worker 0 is active and leads (evaluates, writes the summary); in a local run the store is the
+    launcher's, so its loss is like any active worker's: the others finish, worker 1 reports."""
+    mark = tmp_path / "killed-at"
+    run_dir = tmp_path / "run"
+    run = run_cli([*QUICK, *ADPSGD, "--workers", "4", "--run-dir", str(run_dir)],
+                  DISTRAIN_INJECT_KILL="0:30", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    assert "worker 0 was killed by SIGKILL; the other workers finished without it" in run.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["lost_workers"]) == ["0"]
+    assert summary["lost_workers"]["0"] - injected_at(mark) <= 15
+    steps = summary["steps_per_worker"]
+    assert steps[0] == 0 and min(steps[1:]) > 30
+    assert sum(steps) + 30 >= summary["steps"] * 4  # the survivors used the whole (global) budget
+    assert summary["final_test_accuracy"] > 0.9
+    finite_final_models(run_dir, [1, 2, 3])

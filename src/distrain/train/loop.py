@@ -381,7 +381,7 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
               lost_workers: dict[int, float] | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers,
     each ``[steps, samples, wall, compute, comm, *sent per peer, *received per peer, cpu]``."""
-    wall = rows[0][2]
+    wall = next((r[2] for r in rows if r[2] > 0), 0.0)  # rank 0's, or the first survivor's (lost: zeros)
     n = len(rows)
     workers, servers = rows[:world], rows[world:]
     samples = sum(r[1] for r in workers)
