@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import multiprocessing as mp
+import os
 import sys
 import time
 import traceback
@@ -43,6 +44,8 @@ from distrain.launch.common import (
     close_group,
     configure_worker_logging,
     default_run_dir,
+    die_with_parent,
+    exit_now,
     free_port,
     init_group,
 )
@@ -209,7 +212,8 @@ def peer_label(peer: Peer) -> str:
     return peer.name if peer.option is None else f"{peer.name}:{peer.option}"
 
 
-def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: str, peer: Peer) -> None:
+def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: str, peer: Peer, launcher: int) -> None:
+    die_with_parent(launcher)  # as distrain's own workers: nobody outlives the launcher
     configure_worker_logging(rank)
     code = 0
     try:
@@ -229,7 +233,7 @@ def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: 
         code = 1
     finally:
         close_group()
-    sys.exit(code)
+    exit_now(code)  # not sys.exit: gloo's threads can abort interpreter teardown after a good run
 
 
 def launch_peer(cfg: TrainConfig, peer: Peer) -> dict[str, Any]:
@@ -251,7 +255,7 @@ def launch_peer(cfg: TrainConfig, peer: Peer) -> dict[str, Any]:
     port = cfg.cluster.master_port or free_port(addr)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, name=f"distrain-{peer.name}-{rank}",
-                         args=(rank, cfg.cluster.workers, cfg, f"tcp://{addr}:{port}", str(run_dir), peer))
+                         args=(rank, cfg.cluster.workers, cfg, f"tcp://{addr}:{port}", str(run_dir), peer, os.getpid()))
              for rank in range(cfg.cluster.workers)]
     for p in procs:
         p.start()
