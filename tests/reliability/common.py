@@ -97,3 +97,21 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.05) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def run_losing_worker(run_dir: Path, args: list[str], rank: int, step: int = 30) -> tuple[Result, dict]:
+    """Run ``distrain train args`` with worker ``rank`` SIGKILLed at ``step``; check what every
+    such run must show (success, no orphans, that rank alone lost, found within 15 s, no steps of
+    its own counted) and return the run and its summary."""
+    import json
+
+    mark = run_dir.parent / f"{run_dir.name}-killed-at"
+    run = run_cli([*args, "--run-dir", str(run_dir)], DISTRAIN_INJECT_KILL=f"{rank}:{step}", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["lost_workers"]) == [str(rank)]
+    detection = summary["lost_workers"][str(rank)] - injected_at(mark)
+    assert detection <= 15, detection
+    assert summary["steps_per_worker"][rank] == 0
+    return run, summary

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distrain.train.checkpoint import load_checkpoint
-from tests.reliability.common import QUICK, injected_at, run_cli
+from tests.reliability.common import QUICK, run_cli, run_losing_worker
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # `make test-all`
 
@@ -25,29 +25,27 @@ def finite_final_models(run_dir, ranks):  # noqa: ANN001, ANN201
             assert torch.isfinite(tensor).all(), f"worker {rank}: {name}"
 
 
-def test_kill_one_of_four_the_three_survivors_finish_without_it(tmp_path):
-    whole = run_cli([*QUICK, *ADPSGD, "--workers", "4", "--run-dir", str(tmp_path / "whole")])
+def kill_one_of_four(tmp_path, flags: list[str], three_flags: list[str] = ()) -> None:  # noqa: ANN001
+    """Kill worker 1 of 4 at step 30: the 3 survivors finish the budget about as fast as a whole run
+    and reach a 3-worker run's accuracy within 2 points, with finite models."""
+    whole = run_cli([*QUICK, *flags, "--workers", "4", "--run-dir", str(tmp_path / "whole")])
     assert whole.returncode == 0, whole.stderr
-    three = run_cli([*QUICK, *ADPSGD, "--workers", "3", "--run-dir", str(tmp_path / "three")])
+    three = run_cli([*QUICK, *flags, "--workers", "3", *three_flags, "--run-dir", str(tmp_path / "three")])
     assert three.returncode == 0, three.stderr
-    mark = tmp_path / "killed-at"
     run_dir = tmp_path / "broken"
-    broken = run_cli([*QUICK, *ADPSGD, "--workers", "4", "--run-dir", str(run_dir)],
-                     DISTRAIN_INJECT_KILL="1:30", DISTRAIN_INJECT_MARK=str(mark))
-    assert broken.returncode == 0, broken.stderr
-    assert broken.orphans == []
+    broken, summary = run_losing_worker(run_dir, [*QUICK, *flags, "--workers", "4"], rank=1)
     assert "worker 1 was killed by SIGKILL; the other workers finished without it" in broken.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert list(summary["lost_workers"]) == ["1"]
-    detection = summary["lost_workers"]["1"] - injected_at(mark)
-    assert detection <= 15, detection
     steps = summary["steps_per_worker"]
-    assert steps[1] == 0 and min(steps[0], steps[2], steps[3]) > 0
+    assert min(steps[0], steps[2], steps[3]) > 0
     assert sum(steps) + 30 >= summary["steps"] * 4  # the survivors used the whole (global) budget
     assert broken.wall <= 1.5 * whole.wall + 15, (broken.wall, whole.wall)
     reference = json.loads((tmp_path / "three" / "summary.json").read_text())["final_test_accuracy"]
     assert abs(summary["final_test_accuracy"] - reference) <= 0.02, (summary["final_test_accuracy"], reference)
     finite_final_models(run_dir, [0, 2, 3])
+
+
+def test_kill_one_of_four_the_three_survivors_finish_without_it(tmp_path):
+    kill_one_of_four(tmp_path, ADPSGD)
 
 
 @pytest.mark.xfail(strict=False, reason="known race: when an active worker dies while sending to a passive one, "
@@ -56,34 +54,20 @@ def test_kill_one_of_four_the_three_survivors_finish_without_it(tmp_path):
 def test_a_killed_active_worker_is_found_by_its_silence(tmp_path):
     """Worker 2 is active: its passive neighbours never call it, they notice its silence (no
     message past --peer-timeout, no heartbeat) and the others finish without it."""
-    mark = tmp_path / "killed-at"
     run_dir = tmp_path / "run"
-    run = run_cli([*QUICK, *ADPSGD, "--workers", "4", "--run-dir", str(run_dir)],
-                  DISTRAIN_INJECT_KILL="2:30", DISTRAIN_INJECT_MARK=str(mark))
-    assert run.returncode == 0, run.stderr
-    assert run.orphans == []
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert list(summary["lost_workers"]) == ["2"]
-    assert summary["lost_workers"]["2"] - injected_at(mark) <= 15
-    assert summary["steps_per_worker"][2] == 0 and min(summary["steps_per_worker"][i] for i in (0, 1, 3)) > 30
+    _, summary = run_losing_worker(run_dir, [*QUICK, *ADPSGD, "--workers", "4"], rank=2)
+    assert min(summary["steps_per_worker"][i] for i in (0, 1, 3)) > 30
     finite_final_models(run_dir, [0, 1, 3])
 
 
 def test_losing_worker_0_the_first_survivor_reports(tmp_path):
     """Worker 0 is active and leads (evaluates, writes the summary); in a local run the store is the
     launcher's, so its loss is like any active worker's: the others finish, worker 1 reports."""
-    mark = tmp_path / "killed-at"
     run_dir = tmp_path / "run"
-    run = run_cli([*QUICK, *ADPSGD, "--workers", "4", "--run-dir", str(run_dir)],
-                  DISTRAIN_INJECT_KILL="0:30", DISTRAIN_INJECT_MARK=str(mark))
-    assert run.returncode == 0, run.stderr
-    assert run.orphans == []
+    run, summary = run_losing_worker(run_dir, [*QUICK, *ADPSGD, "--workers", "4"], rank=0)
     assert "worker 0 was killed by SIGKILL; the other workers finished without it" in run.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert list(summary["lost_workers"]) == ["0"]
-    assert summary["lost_workers"]["0"] - injected_at(mark) <= 15
     steps = summary["steps_per_worker"]
-    assert steps[0] == 0 and min(steps[1:]) > 30
+    assert min(steps[1:]) > 30
     assert sum(steps) + 30 >= summary["steps"] * 4  # the survivors used the whole (global) budget
     assert summary["final_test_accuracy"] > 0.9
     finite_final_models(run_dir, [1, 2, 3])
