@@ -4,15 +4,20 @@ The scenario: 4 workers whose links alternate 2 s at 50 Mbit/s and 2 s at 5 Mbit
 phases (``benchmarks/traces/fluctuating-4.csv``, 5 ms latency), a ~1M-parameter MLP
 (``--model mlp --model-width 974``: 999,334 parameters) on MNIST-1D, all-reduce over the sparse
 ring (``--sparse-collective ring``, where each worker's k counts) with error feedback.
-Configurations, run alternately (one repeat of each, then the next):
+The job runs 10 epochs (620 steps), long enough for the learning-rate schedule to bring every
+configuration to its plateau (after 3 epochs the MLP is at ~66% and still climbing, so any byte
+saved shows as accuracy lost; after 10 it is at ~85%). Configurations, run alternately (one
+repeat of each, then the next):
 
 * ``fixed``: ``group_topk`` at the base ratio (0.01);
-* ``adaptive``: ``adaptive:base=0.01:min=0.001:max=0.1`` (importance and network);
+* ``adaptive``: the issue's policy, ``ratio = clip(base * f(I) / g(C), min, max)`` with no budget
+  (``budget=0``) and ``g(C) = sqrt(C)`` (``beta=0.5``): a congested link sends less;
 * ``importance``: the same with ``beta=0`` (importance only);
 * ``network``: the same with ``alpha=0`` (network only);
-* not run unless named in ``--configs``: ``absolute`` (``budget=0``: congestion only lowers the
-  ratio), ``gentle`` (the same with ``beta=0.5``), ``fixed0037`` and ``fixed0018`` (fixed ratios
-  at the mean ratios those two reach, to tell a policy's gain from merely sending less).
+* not run unless named in ``--configs``: ``budget`` (the library's default, ``budget=1``: the
+  signals move the base ratio's bytes between workers and batches), ``absolute`` (no budget,
+  ``g(C) = C``), ``fixed0037`` (a fixed ratio at the adaptive policy's mean ratio, to tell the
+  policy's gain from merely sending less).
 
 Per configuration: median over repeats of the time to the target accuracy (training wall time,
 evaluation excluded, first evaluation at or above the target), of the final accuracy (same
@@ -20,8 +25,8 @@ epochs for all), of wall time and of bytes sent per worker per step. The figure 
 median time to target of ``fixed`` / median of ``adaptive`` (the issue asks >= 1.4) with the
 final accuracy within 0.5 point.
 
-    python benchmarks/bench_adaptive.py                     # the acceptance run (~15 min)
-    python benchmarks/bench_adaptive.py --repeats 1 --epochs 2 --configs fixed,adaptive
+    python benchmarks/bench_adaptive.py                     # the acceptance run (~35 min)
+    python benchmarks/bench_adaptive.py --repeats 1 --epochs 3 --target 0.45 --configs fixed,adaptive
 
 Writes ``benchmarks/results/adaptive.json`` and PNGs under ``benchmarks/results/adaptive/``.
 """
@@ -52,17 +57,17 @@ TRACE = HERE / "traces" / "fluctuating-4.csv"
 BASE = "base=0.01:min=0.001:max=0.1"
 CONFIGS: dict[str, str] = {
     "fixed": "group_topk:0.01:group=1024",
-    "adaptive": f"adaptive:{BASE}",
-    "importance": f"adaptive:{BASE}:beta=0",
-    "network": f"adaptive:{BASE}:alpha=0",
-    # not in the default set: the policy without the budget (congestion only takes bytes away),
-    # its gentler form (g(C) = sqrt(C)), and fixed ratios near their mean ratios, for comparison
+    "adaptive": f"adaptive:{BASE}:beta=0.5:budget=0",
+    "importance": f"adaptive:{BASE}:beta=0:budget=0",
+    "network": f"adaptive:{BASE}:beta=0.5:budget=0:alpha=0",
+    # not in the default set
+    "budget": f"adaptive:{BASE}",
     "absolute": f"adaptive:{BASE}:budget=0",
-    "gentle": f"adaptive:{BASE}:beta=0.5:budget=0",
     "fixed0037": "group_topk:0.0037:group=1024",
-    "fixed0018": "group_topk:0.0018:group=1024",
 }
 DEFAULT_CONFIGS = "fixed,adaptive,importance,network"
+#: Configurations every repeat runs; the others (the ablation) run in the first ``--ablation-repeats``.
+MAIN = ("fixed", "adaptive")
 
 JOB: dict[str, Any] = {
     "workers": 4, "dataset": "mnist1d", "model": "mlp", "model_width": 974, "algorithm": "allreduce",
@@ -100,7 +105,7 @@ def median_or_none(values: list[float | None]) -> float | None:
 
 
 #: Besides the target: times to these accuracies too, read from the evaluation curves.
-LEVELS = (0.35, 0.40, 0.45, 0.50, 0.55, 0.60)
+LEVELS = (0.50, 0.60, 0.70, 0.75, 0.80, 0.84)
 
 
 def time_to(curve: list[tuple[float, float]], level: float) -> float | None:
@@ -155,9 +160,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated: {', '.join(CONFIGS)}")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--epochs", type=float, default=3.0)
-    parser.add_argument("--eval-every", type=float, default=0.125, help="epochs between evaluations")
-    parser.add_argument("--target", type=float, default=0.45, help="target test accuracy (0..1)")
+    parser.add_argument("--ablation-repeats", type=int, default=None,
+                        help=f"repeats of the configurations other than {', '.join(MAIN)} (default: --repeats)")
+    parser.add_argument("--epochs", type=float, default=10.0)
+    parser.add_argument("--eval-every", type=float, default=0.25, help="epochs between evaluations")
+    parser.add_argument("--target", type=float, default=0.80, help="target test accuracy (0..1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "adaptive.json"))
     parser.add_argument("--plots", default=str(RESULTS / "adaptive"), help="directory for the PNGs")
@@ -172,6 +179,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_adaptive-") as tmp:
         for repeat in range(args.repeats):  # alternate: one repeat of every configuration, then the next
             for name in names:
+                if name not in MAIN and args.ablation_repeats is not None and repeat >= args.ablation_repeats:
+                    continue
                 row = run_once(name, repeat, args, Path(tmp))
                 runs.append(row)
                 ttt = f"{row['time_to_target_s']:.1f}s" if row["time_to_target_s"] else "not reached"
@@ -185,7 +194,8 @@ def main() -> None:
     result = {
         "scenario": {**{k: v for k, v in JOB.items() if k != "bandwidth_trace"},
                      "bandwidth_trace": str(TRACE.relative_to(HERE.parent)), "epochs": args.epochs,
-                     "eval_every": args.eval_every, "target_accuracy": args.target, "repeats": args.repeats},
+                     "eval_every": args.eval_every, "target_accuracy": args.target, "repeats": args.repeats,
+                     "ablation_repeats": args.ablation_repeats},
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
                     "load_after": os.getloadavg()},
         "total_seconds": time.time() - t0,
