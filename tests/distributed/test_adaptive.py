@@ -33,9 +33,9 @@ def test_workers_on_slower_links_choose_smaller_ratios_and_train_like_dense(tmp_
         assert all(m["step_bytes_sent"] > 0 and len(m["loss_quantiles"]) == 7 for m in lines)
     slow, fast = (1, 2), (0, 3)
     assert max(ratios[r] for r in slow) < 0.5 * min(ratios[r] for r in fast), ratios
-    # the budget: what the slow links hold back goes to the fast ones, the mean stays near base
-    # (above it where the slow workers' shares are clipped up to min)
-    assert 0.8 * 0.25 <= statistics.mean(ratios.values()) <= 1.4 * 0.25, ratios
+    # no budget (the default): a congested link sends less and nobody sends more for it, so the
+    # mean falls below base; the fast workers stay near base times their batches' importance
+    assert statistics.mean(ratios.values()) < 0.25 and min(ratios[r] for r in fast) > 0.5 * 0.25, ratios
     assert min(congestion[r] for r in slow) > 5 * max(congestion[r] for r in fast), congestion
     # 240 test samples: 0.05 is 12 of them. The adaptive run's ratios follow measured delays, so
     # its accuracy moves from run to run (0.858 against dense 0.892 once on a quiet machine).

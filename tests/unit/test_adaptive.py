@@ -19,8 +19,8 @@ from distrain.compress.adaptive import (
 from distrain.compress.error_feedback import ErrorFeedback
 from distrain.errors import ConfigError
 
-SETTINGS = AdaptiveSettings(base=0.01, min=0.001, max=0.1)
-ABSOLUTE = AdaptiveSettings(base=0.01, min=0.001, max=0.1, budget=0)  # congestion only takes bytes away
+SETTINGS = AdaptiveSettings(base=0.01, min=0.001, max=0.1, beta=1.0, budget=1)  # the budget
+ABSOLUTE = AdaptiveSettings(base=0.01, min=0.001, max=0.1, beta=1.0, budget=0)  # congestion only takes bytes away
 LATENCY = 0.005
 
 
@@ -42,7 +42,7 @@ def test_spec_builds_group_topk_with_error_feedback_and_round_trips():
     assert isinstance(compressor, ErrorFeedback) and isinstance(compressor.inner, AdaptiveGroupTopK)
     settings = compressor.inner.settings
     assert (settings.base, settings.min, settings.max, settings.alpha, settings.beta, settings.group) == (
-        0.02, 0.002, 0.2, 2.0, 1.0, 512)
+        0.02, 0.002, 0.2, 2.0, 0.5, 512)
     assert compressor.ratio == 0.02 and compressor.inner.group == 512
     assert parse_adaptive([], dict(p.split("=") for p in settings.spec().split(":")[1:])) == settings
     assert parse_adaptive(["0.05"]).base == 0.05
@@ -102,6 +102,15 @@ def test_alpha_zero_and_beta_zero_switch_a_signal_off():
     assert policy_ratio(network_only, 3.0, 1.0) == pytest.approx(0.01)
     assert policy_ratio(importance_only, 1.0, 5.0) == pytest.approx(0.01)
     assert policy_ratio(importance_only, 2.0, 5.0) == pytest.approx(0.02)
+
+
+def test_default_policy_sends_less_on_a_congested_link_and_more_for_a_hard_batch():
+    default = parse_adaptive([], {"base": "0.01", "min": "0.001", "max": "0.1"})
+    assert (default.alpha, default.beta, default.budget) == (1.0, 0.5, 0)
+    assert policy_ratio(default, 1.0, 1.0) == pytest.approx(0.01)
+    assert policy_ratio(default, 1.0, 10.0) == pytest.approx(0.01 / 10**0.5)
+    assert policy_ratio(default, 2.0, 1.0) == pytest.approx(0.02)
+    assert policy_ratio(default, 1.0, 1e6) == pytest.approx(0.001)  # never below min
 
 
 def test_importance_is_batch_loss_over_its_moving_average():
