@@ -81,3 +81,17 @@ def run_group(fn: Callable, world: int, args: tuple = (), timeout: float = 60.0)
         if bad:
             raise AssertionError(f"processes exited with {bad}")
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(world)]
+
+
+def stacked(results: list[dict], key: str) -> torch.Tensor:
+    """Every rank's ``key`` from ``run_group`` results, stacked along a new first dimension."""
+    return torch.stack([r[key] for r in results])
+
+
+def check_rounds_keep_the_mean(results: list[dict], rounds: int, counter: str, at_least: int) -> None:
+    """Rounds ``0 .. rounds - 1`` of a gossip stress (zero updates, lr = 0): together the ranks
+    counted at least ``at_least`` of ``counter{i}`` (exchanges, group memberships), and each
+    round kept the global mean of ``first{i}`` in ``last{i}``."""
+    assert sum(int(r[f"{counter}{i}"]) for r in results for i in range(rounds)) >= at_least
+    for i in range(rounds):
+        torch.testing.assert_close(stacked(results, f"last{i}").mean(0), stacked(results, f"first{i}").mean(0))

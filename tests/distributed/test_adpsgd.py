@@ -19,7 +19,7 @@ from distrain.models import build_model
 from distrain.topology import bipartite_sets, ring
 from distrain.train.metrics import read_metrics
 from tests.conftest import small_config
-from tests.harness import run_group
+from tests.harness import check_rounds_keep_the_mean, run_group, stacked
 
 
 def exchange_rounds(rank: int, world: int, rounds: list[tuple[int, int, float, int]]) -> dict:
@@ -68,16 +68,10 @@ def rounds() -> list[dict]:
     return run_group(exchange_rounds, world=8, args=([*jitter_rounds(CI_SEEDS), AVERAGING_ROUND],), timeout=200)
 
 
-def stacked(results: list[dict], key: str) -> torch.Tensor:
-    return torch.stack([r[key] for r in results])
-
-
 def check_jitter_rounds(results: list[dict], seeds: int) -> None:
     # seeds x 4 active workers x 64 calls exchanges, each message delayed 0-10 ms (a call and its
     # answer: 0-20 ms); every round finished (else the harness timeout fails it).
-    assert sum(int(r[f"exchanges{i}"]) for r in results for i in range(seeds)) >= 250 * seeds
-    for i in range(seeds):  # zero updates: each round keeps the global mean
-        torch.testing.assert_close(stacked(results, f"last{i}").mean(0), stacked(results, f"first{i}").mean(0))
+    check_rounds_keep_the_mean(results, seeds, "exchanges", at_least=250 * seeds)
 
 
 @pytest.mark.timeout(240)
