@@ -62,7 +62,7 @@ CONFIGS: dict[str, str] = {
     "network": f"adaptive:{BASE}:beta=0.5:budget=0:alpha=0",
     # not in the default set
     "budget": f"adaptive:{BASE}:beta=1:budget=1",
-    "absolute": f"adaptive:{BASE}:budget=0",
+    "absolute": f"adaptive:{BASE}:beta=1:budget=0",
     "fixed0037": "group_topk:0.0037:group=1024",
 }
 DEFAULT_CONFIGS = "fixed,adaptive,importance,network"
