@@ -7,10 +7,12 @@ distrain / DDP (target <= 1.10, goal <= 1.0). A run's step time is the median of
 durations on rank 0 (the mean, wall time over steps, is recorded too).
 
 DDP is ``torch.nn.parallel.DistributedDataParallel`` with its built-in C++ all-reduce (no
-communication hook; default 25 MB buckets, 1 MB first bucket), run by the worker of
-:mod:`distrain.baselines` so data, model, schedule and run-directory format match
-``distrain train``. ``--ddp hooked`` runs the ``ddp`` baseline of ``distrain compare`` instead
-(DDP plus a Python hook that counts bytes).
+communication hook; ``bucket_cap_mb`` = ``--bucket-mb``, 25 MB, for every bucket: DDP keeps its
+1 MB first bucket only when no size is given), run by the worker of :mod:`distrain.baselines`
+so data, model, schedule and run-directory format match ``distrain train``. Both sides build
+the same buckets (``tests/distributed/test_buckets.py``): for the MLP one 4 MB bucket, one
+all-reduce per step. ``--ddp hooked`` runs the ``ddp`` baseline of ``distrain compare``
+instead (DDP plus a Python hook that counts bytes).
 
     python benchmarks/bench_ddp.py                         # both models, 5 repeats, 4 workers
     python benchmarks/bench_ddp.py --models mlp --repeats 3 --epochs 1

@@ -173,6 +173,9 @@ class AlgoConfig:
 
     algorithm: str = _opt("allreduce", "training algorithm")
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for allreduce (communication overlaps backward)")
+    first_bucket_mb: float = _opt(0.0, "allreduce: size in MB of the first bucket (the last layers, whose gradients "
+                                  "come first), so that its all-reduce starts early in backward; 0 = --bucket-mb "
+                                  "(DDP's rule when bucket_cap_mb is given; DDP's default uses 1)")
     ring: str = _opt("gloo", "all-reduce implementation: gloo's native collective or our ring over point-to-point", ("gloo", "own"))
     workers_per_node: int = _opt(0, "hierarchical aggregation (allreduce, ps): ranks per node (reduce inside a node, "
                                  "all-reduce among node leaders or push to the servers, broadcast inside the node; "
@@ -191,6 +194,7 @@ class AlgoConfig:
 
         check_choice("algorithm", self.algorithm, tuple(sorted(ALGORITHMS)))
         check_positive("bucket_mb", self.bucket_mb)
+        check_positive("first_bucket_mb", self.first_bucket_mb, allow_zero=True)
         check_choice("ring", self.ring, ("gloo", "own"))
         check_positive("workers_per_node", self.workers_per_node, integer=True, allow_zero=True)
         check_choice("topology", self.topology, tuple(TOPOLOGIES))

@@ -60,7 +60,7 @@ def test_config_file_errors_name_the_setting(tmp_path):
 @pytest.mark.parametrize("name,value", [
     ("lr", 0.0), ("lr", -1.0), ("lr", math.nan), ("lr", math.inf), ("epochs", 0), ("batch_size", 0),
     ("workers", 0), ("momentum", 1.0), ("target_accuracy", 1.5), ("timeout", 0), ("eval_every", -1),
-    ("dirichlet_alpha", 0), ("master_port", 70000), ("threads", 0), ("bucket_mb", 0),
+    ("dirichlet_alpha", 0), ("master_port", 70000), ("threads", 0), ("bucket_mb", 0), ("first_bucket_mb", -1),
     ("algorithm", "sgd9"), ("model", "resnet"), ("dataset", "cifar"), ("partition", "half"),
     ("lr_decay", "linear"), ("optimizer", "rmsprop"), ("ring", "star"), ("model_width", 0),
 ])

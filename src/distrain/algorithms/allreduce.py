@@ -74,20 +74,23 @@ class Bucket:
                 p.grad.copy_(chunk.view_as(p))
 
 
-#: As DDP: the first bucket (the last layers) is small, so its all-reduce starts early in backward.
-FIRST_BUCKET_BYTES = 2**20
-
-
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: float,
-                 first_bucket_bytes: float = FIRST_BUCKET_BYTES) -> list[Bucket]:
+                 first_bucket_bytes: float | None = None) -> list[Bucket]:
     """Group parameters, last layer first, into buckets of about ``bucket_bytes`` (the first
-    one of about ``min(first_bucket_bytes, bucket_bytes)``)."""
+    one of about ``min(first_bucket_bytes, bucket_bytes)``; None: no smaller first bucket).
+
+    A bucket is closed once it holds at least its size, as DDP's ``compute_bucket_assignment_by_size``
+    does, so the same sizes give DDP's buckets. A smaller first bucket starts communicating earlier
+    in backward, but costs one more collective (a round of latencies) where little backward is
+    left to overlap, as in an MLP whose last big layer finishes last but one.
+    """
     if not params:
         return []
+    first = bucket_bytes if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
     groups: list[list[torch.nn.Parameter]] = [[]]
     size = 0
     for p in reversed(params):
-        if size >= (min(first_bucket_bytes, bucket_bytes) if len(groups) == 1 else bucket_bytes):
+        if size >= (first if len(groups) == 1 else bucket_bytes):
             groups.append([])
             size = 0
         groups[-1].append(p)
@@ -108,12 +111,12 @@ class AllReduce(Algorithm):
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = make_buckets(params, self.config.algo.bucket_mb * 2**20)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = self._make_buckets(self.params)
         self.own_ring = self.config.algo.ring == "own"
         # --workers-per-node: sum inside nodes, then across node leaders (None: flat all-reduce)
         self.hierarchy = build_hierarchy(self.config, transport) if transport.world_size > 1 else None
-        self.compression = (GradientCompression.from_config(self.config, params, optimizer, own_ring=self.own_ring)
+        self.compression = (GradientCompression.from_config(self.config, self.params, optimizer, own_ring=self.own_ring)
                             if transport.world_size > 1 else None)  # one worker has nothing to send
         if self.compression is not None:  # adaptive: the workers' delays travel in the dense all-reduce
             self.compression.policy = self.adaptive
@@ -122,13 +125,48 @@ class AllReduce(Algorithm):
             for bucket in self.buckets:
                 bucket.bind_grads()
         if transport.world_size > 1 and not self.own_ring and self.compression is None:
-            for bucket in self.buckets:
-                for p in bucket.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(bucket)))
+            self._register_hooks()
         self.checks_gradients = bool(self._hooks)  # buckets leave during backward: check each first
+        # The order in which the first backward produces gradients (parameter indices): the
+        # buckets are then rebuilt in that order, as DDP does, so each fills as early as it can.
+        self._ready_order: list[int] | None = [] if self._hooks else None
 
-    def _hook_for(self, bucket: Bucket):  # noqa: ANN202
-        return lambda _param: self._grad_ready(bucket)
+    def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
+        algo = self.config.algo
+        return make_buckets(params, algo.bucket_mb * 2**20, algo.first_bucket_mb * 2**20 or None)
+
+    def _register_hooks(self) -> None:
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(bucket, index[id(p)])))
+
+    def _hook_for(self, bucket: Bucket, index: int):  # noqa: ANN202
+        def hook(_param: torch.Tensor) -> None:
+            if self._ready_order is not None:
+                self._ready_order.append(index)
+            self._grad_ready(bucket)
+        return hook
+
+    def _rebuild_buckets(self, order: list[int]) -> None:
+        """Regroup the buckets in the order gradients became ready in the first backward, when
+        every worker saw the same complete order (collective: every worker calls this once)."""
+        n = len(self.params)
+        mine = torch.full((n,), -1, dtype=torch.int64)  # -1: a parameter that got no gradient
+        mine[: min(n, len(order))] = torch.tensor(order[:n], dtype=torch.int64)
+        rows = self.transport.control_all_gather(mine)
+        if any(not torch.equal(row, rows[0]) for row in rows) or sorted(rows[0].tolist()) != list(range(n)):
+            return  # the same buckets on every worker, or their all-reduces would not match
+        order = rows[0].tolist()
+        if order == list(range(n - 1, -1, -1)):
+            return  # the reversed parameter order: the buckets are right already
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.buckets = self._make_buckets([self.params[i] for i in reversed(order)])
+        for bucket in self.buckets:
+            bucket.bind_grads()  # copies this step's averaged gradients into the new buckets
+        self._register_hooks()
 
     def _grad_ready(self, bucket: Bucket) -> None:
         bucket.ready += 1
@@ -165,6 +203,9 @@ class AllReduce(Algorithm):
             bucket.flat.div_(world)
             bucket.scatter_grads()
             bucket.ready, bucket.handle = 0, None
+        if self._ready_order is not None:
+            order, self._ready_order = self._ready_order, None
+            self._rebuild_buckets(order)
 
     def metrics(self) -> dict[str, float]:
         return {} if self.compression is None else self.compression.metrics()

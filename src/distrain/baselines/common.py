@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 import multiprocessing as mp
@@ -113,7 +114,20 @@ def check_peer_config(peer: Peer, cfg: TrainConfig) -> None:
         raise ConfigError("--resume", f"{peer.name} does not checkpoint or resume; use --resume none")
     if cfg.cluster.device == "cuda" and cfg.network.network != "none":
         raise ConfigError("--network", "emulated networks for the DDP baselines are CPU (gloo) only")
+    ddp_buckets(cfg)
     peer.check_config(cfg)
+
+
+def ddp_buckets(cfg: TrainConfig) -> dict[str, Any]:
+    """DDP's bucket arguments for ``--bucket-mb`` and ``--first-bucket-mb``: the buckets
+    distrain's allreduce makes (DDP gives every bucket ``bucket_cap_mb`` once it is passed)."""
+    cap, first = cfg.algo.bucket_mb, cfg.algo.first_bucket_mb
+    if not first or first >= cap:
+        return {"bucket_cap_mb": cap}
+    if "bucket_cap_mb_list" not in inspect.signature(DDP.__init__).parameters:
+        raise ConfigError("--first-bucket-mb", f"the DDP baselines need a torch whose DistributedDataParallel takes "
+                          f"bucket_cap_mb_list (this is {torch.__version__}); use 0")
+    return {"bucket_cap_mb_list": [first, cap]}
 
 
 def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, Any] | None:
@@ -133,7 +147,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     module = build_model(cfg.model.model, sample_shape, num_classes, width=cfg.model.model_width,
                          depth=cfg.model.model_depth).to(device)
     torch.manual_seed(cfg.run.seed + rank)
-    model = DDP(module, bucket_cap_mb=cfg.algo.bucket_mb)
+    model = DDP(module, **ddp_buckets(cfg))
     peer.register(model, meter, cfg, steps_per_epoch, total_steps)
 
     o = cfg.optim
