@@ -90,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="cnn1d,mlp")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--epochs", type=float, default=3.0)
+    parser.add_argument("--epochs", type=float, default=6.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ddp", choices=("native", "hooked"), default="native")
     parser.add_argument("--out", default=str(RESULTS / "ddp.json"))

@@ -3,7 +3,8 @@
     python benchmarks/markdown_table.py benchmarks/results/edge        # the table in BENCHMARKS.md
 
 Values are means over repeats, with [min-max] when there are several; speed-ups are against the
-scenario's baseline configuration (the first row) as ``distrain compare`` computed them.
+scenario's baseline configuration (the row marked "(baseline)") as ``distrain compare``
+computed them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def table(comparison: dict[str, Any]) -> str:
     head = f"time to {target:.0%} (s)" if target else "time to target (s)"
     lines = [f"| configuration | final acc (%) | {head} | samples/s | MB sent/worker | speed-up (time to target) | "
              "speed-up (samples/s) |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for i, row in enumerate(comparison["configs"]):
-        label = row["label"] + (" (baseline)" if i == 0 else "")
+    baseline = comparison.get("baseline")
+    for row in comparison["configs"]:
+        label = row["label"] + (" (baseline)" if row["label"] == baseline else "")
         if row["status"] == "skipped":
             continue
         if row["status"] != "ok":
