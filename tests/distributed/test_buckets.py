@@ -58,6 +58,8 @@ def bucket_sizes(rank: int, world: int) -> dict[str, torch.Tensor]:
             ours.after_backward(StepContext(step=step, epoch=0.0, batch_size=len(y)))
         out[f"ddp{i}"] = torch.tensor([seen[k] for k in sorted(seen)])
         out[f"ours{i}"] = torch.tensor([sum(b.sizes) * 4 for b in ours.buckets])
+        # backward still accumulates straight into the (rebuilt) buckets: no copy in or out
+        out[f"views{i}"] = torch.tensor(all(p.grad is v for b in ours.buckets for p, v in zip(b.params, b.views, strict=True)))
         ours.close()
     return out
 
@@ -67,6 +69,7 @@ def test_allreduce_buckets_are_ddps_buckets():
     result = run_group(bucket_sizes, world=2)[0]
     for i, case in enumerate(CASES):
         assert result[f"ours{i}"].tolist() == result[f"ddp{i}"].tolist(), case
+        assert bool(result[f"views{i}"]), case
     assert len(result["ours0"]) == 1 and len(result["ours1"]) == 2  # the first bucket is what splits the MLP
     assert len(result["ours4"]) > 2
     # the conv layers' gradients come weight before bias: the rebuilt buckets differ from the static ones

@@ -49,9 +49,15 @@ class Bucket:
             p.grad = view
 
     def _grads_are_views(self) -> bool:
-        # zero_grad(set_to_none=True), or anyone assigning .grad, replaces a view by a new tensor
-        return self.views is not None and all(
-            p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(self.params, self.views, strict=True))
+        # zero_grad(set_to_none=True), or anyone assigning .grad, replaces a view by a new tensor.
+        # Every step pays this check: the identity test settles it without a call per parameter.
+        if self.views is None:
+            return False
+        for p, view in zip(self.params, self.views, strict=True):
+            grad = p.grad
+            if grad is not view and (grad is None or grad.data_ptr() != view.data_ptr()):
+                return False
+        return True
 
     def gather_grads(self) -> None:
         if self._grads_are_views():
@@ -176,10 +182,11 @@ class AllReduce(Algorithm):
                 if self.config.run.on_nonfinite != "skip":
                     raise NonFinite("gradient")
                 bucket.flat.zero_()  # this worker's share of the bucket is dropped for this step
-            self._launch(bucket)
+            self._launch(bucket, gathered=True)
 
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.gather_grads()
+    def _launch(self, bucket: Bucket, gathered: bool = False) -> None:
+        if not gathered:
+            bucket.gather_grads()
         bucket.handle = (self.hierarchy or self.transport).all_reduce(bucket.flat)
 
     def after_backward(self, ctx: StepContext) -> None:

@@ -243,7 +243,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         # Non-finite values are caught before anything leaves this worker: the loss before
         # backward (all-reduce sends from gradient hooks), the gradients before after_backward
         # (or, for algorithms that send during backward, by them, bucket by bucket).
-        finite = bool(torch.isfinite(loss))
+        loss_value = loss.item()  # the one read of the loss this step: the check and the metrics line
+        finite = math.isfinite(loss_value)
         if not finite and not skip_nonfinite:
             raise nonfinite_error(rank, step, "loss")
         try:
@@ -280,7 +281,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         sent, received, comm_s = traffic(transports)
         record: dict[str, Any] = {
             "step": step + 1, "epoch": ctx.epoch, "time": time.perf_counter() - start - eval_seconds,
-            "loss": loss.item() if finite else float("nan"), "lr": lr, "bytes_sent": sum(sent),
+            "loss": loss_value if finite else float("nan"), "lr": lr, "bytes_sent": sum(sent),
             "bytes_received": sum(received), "compute_s": ctx.compute_seconds, "comm_s": comm_s,
             "loss_quantiles": loss_quantiles(losses),
         }
