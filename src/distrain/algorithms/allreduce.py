@@ -182,11 +182,10 @@ class AllReduce(Algorithm):
                 if self.config.run.on_nonfinite != "skip":
                     raise NonFinite("gradient")
                 bucket.flat.zero_()  # this worker's share of the bucket is dropped for this step
-            self._launch(bucket, gathered=True)
+            self._launch(bucket)
 
-    def _launch(self, bucket: Bucket, gathered: bool = False) -> None:
-        if not gathered:
-            bucket.gather_grads()
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's all-reduce; ``flat`` must hold its gradients (gather_grads)."""
         bucket.handle = (self.hierarchy or self.transport).all_reduce(bucket.flat)
 
     def after_backward(self, ctx: StepContext) -> None:
@@ -203,6 +202,7 @@ class AllReduce(Algorithm):
                 bucket.gather_grads()
                 ring_all_reduce(self.transport, bucket.flat)
             elif bucket.handle is None:  # some parameters got no gradient this step
+                bucket.gather_grads()
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.handle is not None:
