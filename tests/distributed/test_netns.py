@@ -25,6 +25,7 @@ from distrain.launch.netns import (
     netns_unavailable,
     require_netns,
 )
+from tests.reliability.common import wait_for
 
 REASON = netns_unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces not permitted: {REASON}")
@@ -98,10 +99,13 @@ def test_bandwidth_trace_is_replayed_with_tc_change():
         return out.split(" rate ")[1].split()[0] if " rate " in out else "none"
 
     with NetnsCluster(2, rates=[spec.bandwidth(r, 0) for r in range(2)]) as cluster:
+        started = time.monotonic()
         applier = TraceApplier(cluster, spec).start()
         try:
             assert rate(cluster, 0) == rate(cluster, 1) == "50Mbit"
-            time.sleep(0.6)
+            wait_for(lambda: applier.changes > 0 or applier.error is not None, 10, "the trace's change at 0.3 s",
+                     interval=0.01)
+            assert time.monotonic() - started >= 0.3  # not before the trace says
             assert rate(cluster, 0) == "50Mbit" and rate(cluster, 1) == "5Mbit"
             assert applier.changes == 1 and applier.error is None
         finally:
@@ -148,6 +152,7 @@ def test_train_in_namespaces_counts_the_same_bytes_and_cleans_up(tmp_path):
 
 
 @needs_netns
+@pytest.mark.slow  # `make test-all`: CI trains in namespaces (above) and in nodes (test_hierarchical.py)
 @pytest.mark.timeout(200)
 def test_a_node_is_one_namespace_and_its_workers_share_its_link(tmp_path):
     # 4 workers in nodes {0, 1}, {2, 3}: 2 namespaces; a server would get a third
@@ -223,6 +228,7 @@ def test_an_interrupted_run_leaves_nothing_behind(tmp_path, how):
 
 
 @needs_netns
+@pytest.mark.slow  # `make test-all`: the cap itself is checked in CI (test_cluster_caps_real_tcp_traffic_and_is_removed)
 @pytest.mark.timeout(200)
 def test_bench_link_in_namespaces_reaches_the_cap(tmp_path):
     from distrain.cli import main

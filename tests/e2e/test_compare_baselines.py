@@ -14,6 +14,8 @@ from distrain.train.metrics import read_metrics
 from tests.conftest import small_config
 
 LATENCY = 0.005  # every message: 5 ms on the in-process link model
+#: Largest final test accuracy below or above the dense all-reduce's (240 test samples: 1 = 0.0042).
+ACCURACY_GAP = {"ddp-fp16": 0.01, "localsgd:2": 0.02, "ddp-powersgd:1": 0.15}
 
 
 @pytest.mark.timeout(240)
@@ -29,7 +31,10 @@ def test_baselines_run_learn_and_count_their_bytes(tmp_path: Path) -> None:
     for spec, summary in summaries.items():
         assert set(summary) == set(reference), spec
         assert summary["algorithm"] == spec and summary["workers"] == 2 and summary["steps"] == steps
-        assert 0.0 <= summary["final_test_accuracy"] <= 1.0
+        # Same data, seed and schedule as the dense all-reduce: fp16 and averaging every other
+        # step end where it does; rank-1 PowerSGD loses some accuracy but stays far above chance.
+        gap = abs(summary["final_test_accuracy"] - reference["final_test_accuracy"])
+        assert gap <= ACCURACY_GAP[spec], (spec, summary["final_test_accuracy"], reference["final_test_accuracy"])
         losses = [m["loss"] for m in read_metrics(summary["run_dir"], 0)]
         assert len(losses) == steps
         assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10, (spec, losses[:10], losses[-10:])
@@ -37,6 +42,7 @@ def test_baselines_run_learn_and_count_their_bytes(tmp_path: Path) -> None:
         # 2-round ring (2 latencies) per step that communicates.
         assert summary["bytes_sent_per_worker"][0] == summary["bytes_sent_per_worker"][1]
 
+    assert summaries["ddp-fp16"]["final_test_loss"] == pytest.approx(reference["final_test_loss"], rel=1e-3)
     assert summaries["ddp-fp16"]["bytes_sent_per_worker"][0] == dense // 2
     assert summaries["ddp-fp16"]["wall_time_s"] >= steps * 2 * LATENCY
     powersgd = summaries["ddp-powersgd:1"]["bytes_sent_per_worker"][0]
