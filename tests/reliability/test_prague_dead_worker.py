@@ -6,13 +6,29 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.test_adpsgd_dead_worker import kill_one_of_four
+from tests.reliability.common import QUICK, run_losing_worker
+from tests.reliability.test_adpsgd_dead_worker import finite_final_models, kill_one_of_four
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # `make test-all`
+pytestmark = pytest.mark.timeout(400)
 
 # A larger test set than QUICK's, so that two runs' accuracies differ by less than the 2 points allowed.
 PRAGUE = ["--algorithm", "prague", "--epochs", "2", "--num-samples", "9600"]
+#: The CI's kill test: half the budget (60 steps per worker; the kill comes at step 30).
+PRAGUE_SHORT = ["--algorithm", "prague", "--epochs", "1", "--num-samples", "4800"]
 
 
+def test_a_killed_worker_is_never_grouped_again(tmp_path):
+    """Worker 2 (not rank 0, whose thread generates the groups) dies: its partner or the generator
+    finds it gone, and the three others finish the whole budget in groups without it."""
+    run_dir = tmp_path / "run"
+    run, summary = run_losing_worker(run_dir, [*QUICK, *PRAGUE_SHORT, "--workers", "4"], rank=2)
+    assert "worker 2 was killed by SIGKILL; the other workers finished without it" in run.stderr
+    steps = summary["steps_per_worker"]
+    assert min(steps[i] for i in (0, 1, 3)) > 30
+    assert sum(steps) + 30 >= summary["steps"] * 4  # the survivors used the whole (global) budget
+    finite_final_models(run_dir, [0, 1, 3])
+
+
+@pytest.mark.slow  # `make test-all`: three runs; the test above is the CI's
 def test_kill_one_of_four_the_three_survivors_finish_without_it(tmp_path):
     kill_one_of_four(tmp_path, PRAGUE, three_flags=["--group-size", "2"])
