@@ -34,7 +34,8 @@ def reference_parameters(cfg, world: int, steps: int) -> dict[str, torch.Tensor]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world,ring", [(2, "gloo"), (4, "gloo"), (2, "own"), (4, "own")])
+@pytest.mark.parametrize("world,ring", [  # 2 workers: `make test-all`; each ring on 4 in CI
+    pytest.param(2, "gloo", marks=pytest.mark.slow), (4, "gloo"), pytest.param(2, "own", marks=pytest.mark.slow), (4, "own")])
 def test_allreduce_equals_single_process_on_concatenated_batches(tmp_path, world, ring):
     cfg = small_config(str(tmp_path / "run"), workers=world, ring=ring, bucket_mb=0.001)
     summary = launch_local(cfg)

@@ -93,6 +93,7 @@ def test_gossip_equals_single_process_simulation(tmp_path, algorithm, topology, 
     assert len(evals) >= 2 and all(r["consensus_distance"] > 0 for r in evals)
 
 
+@pytest.mark.slow  # `make test-all`: the gossip simulations above check D-PSGD's mixing exactly in CI
 @pytest.mark.timeout(240)
 def test_dpsgd_on_the_complete_graph_with_uniform_weights_equals_allreduce(tmp_path):
     world = 4
@@ -146,6 +147,7 @@ def lr_zero_body(rank: int, world: int, steps: int) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # `make test-all`: the gossip simulations above check the mixing exactly in CI
 @pytest.mark.timeout(120)
 def test_with_lr_zero_gossip_keeps_the_average_and_shrinks_the_consensus_distance():
     world, steps = 5, 8
@@ -197,6 +199,7 @@ def non_iid_body(rank: int, world: int, steps: int) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # `make test-all`: a convergence comparison; D2's update is checked exactly in CI
 @pytest.mark.timeout(240)
 def test_d2_reaches_a_lower_training_loss_than_dpsgd_on_non_iid_shards():
     results = run_group(non_iid_body, 8, args=(40,), timeout=220)

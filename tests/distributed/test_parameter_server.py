@@ -59,7 +59,7 @@ def test_async_momentum_keeps_the_total_inertia():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("servers", [pytest.param(1, marks=pytest.mark.slow), 2])  # 2 servers cover 1 in CI
 def test_sync_ps_equals_single_process_on_concatenated_batches(tmp_path, servers):
     cfg = small_config(str(tmp_path / "run"), algorithm="ps", servers=servers, workers=2)
     summary = launch_local(cfg)

@@ -92,6 +92,7 @@ def test_group_averaging_keeps_the_mean_and_reaches_consensus(rounds):
     assert spread(last) < 1e-3 * spread(first)
 
 
+@pytest.mark.slow  # `make test-all`: CI trains Prague through the launcher in test_prague_dead_worker.py
 @pytest.mark.timeout(240)
 def test_training_with_a_10x_slower_worker_exits_cleanly(tmp_path):
     # Time budget: every worker trains 4 s; the fast ones take many more steps, and all leave.

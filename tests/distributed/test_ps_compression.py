@@ -143,6 +143,9 @@ def test_ps_with_group_topk_at_ratio_one_equals_dense_sgd(tmp_path):
     assert read_metrics(tmp_path / "run")[-1]["compress_ratio"] == 1.0
 
 
+# `make test-all`: CI checks compressed pushes exactly (the replay and ratio one above) and the
+# asynchronous mode exactly (test_parameter_server.py); this runs both modes end to end.
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode,spec", [("sync", "topk:0.05"), ("async", "fp16")])
 def test_compressed_ps_trains_and_pushes_fewer_bytes(tmp_path, mode, spec):

@@ -20,7 +20,8 @@ def _ring_body(rank: int, world: int, numel: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,numel", [(2, 1000), (3, 999), (4, 1000), (4, 7)])
+@pytest.mark.parametrize("world,numel", [  # uneven chunks (999 on 3, 7 on 4) in CI; even ones in `make test-all`
+    (2, 1000), (3, 999), pytest.param(4, 1000, marks=pytest.mark.slow), (4, 7)])
 def test_own_ring_all_reduce_sums_and_counts_exact_bytes(world, numel):
     results = run_group(_ring_body, world, args=(numel,))
     expected = sum(r["input"] for r in results)

@@ -144,7 +144,8 @@ def test_netns_without_root(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("change,named", [(["--model-width", "16", "--model", "cnn1d"], "cnn1d"),
-                                          (["--algorithm", "dpsgd"], "dpsgd")])
+                                          # the same check on another field: `make test-all`
+                                          pytest.param(["--algorithm", "dpsgd"], "dpsgd", marks=pytest.mark.slow)])
 def test_checkpoint_of_another_model_or_algorithm(tmp_path, change, named):
     base = [*QUICK, "--workers", "2", "--epochs", "1", "--run-dir", str(tmp_path)]
     first = run_cli(base)
