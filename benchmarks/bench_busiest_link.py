@@ -16,6 +16,10 @@ Configurations (4 workers, the default 1-D CNN on MNIST-1D, a short run):
     python benchmarks/bench_busiest_link.py
     python benchmarks/bench_busiest_link.py --epochs 0.25
 
+Byte counts do not depend on timing: each configuration runs ``--repeats`` times (3 by default)
+and the results record the median, minimum and maximum of its busiest link's bytes, which must
+agree (``checks.repeats_agree``).
+
 Writes ``benchmarks/results/busiest_link.json``.
 """
 
@@ -30,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from provenance import check_repeats, spread, write_result
 
 from distrain.config import TrainConfig
 from distrain.launch import launch_local
@@ -75,26 +81,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=float, default=0.5)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "busiest_link.json")
     args = parser.parse_args(argv)
-    rows = {}
+    check_repeats(parser, args.repeats)
+    rows, repeats = {}, {}
     with tempfile.TemporaryDirectory(prefix="distrain-busiest-link-") as tmp:
-        for name, settings in CONFIGS.items():
-            rows[name] = run(name, settings, Path(tmp) / name, args.epochs, args.workers)
-    busiest = {name: r["busiest_link_bytes"] for name, r in rows.items()}
+        for repeat in range(args.repeats):
+            for name, settings in CONFIGS.items():
+                rows[name] = run(name, settings, Path(tmp) / f"{name}-{repeat}", args.epochs, args.workers)
+                repeats.setdefault(name, []).append(rows[name]["busiest_link_bytes"])
+    for name, row in rows.items():
+        row["busiest_link_bytes_repeats"] = spread(repeats[name])
+    busiest = {name: spread(repeats[name])["median"] for name in rows}
     checks = {
         "ps_2_servers_below_1_server": busiest["ps-2"] < busiest["ps-1"],
         "dpsgd_below_ps_server": busiest["dpsgd-ring"] < busiest["ps-1"],
         "ratio_ps2_over_ps1": busiest["ps-2"] / busiest["ps-1"],
         "ratio_dpsgd_over_ps1": busiest["dpsgd-ring"] / busiest["ps-1"],
+        "repeats_agree": all(len(set(v)) == 1 for v in repeats.values()),
     }
     result = {"benchmark": "bytes through the busiest link, edge preset", "workers": args.workers,
               "epochs": args.epochs, "network": "edge (20 Mbit/s, 10 ms; in-process link model)",
               "link": "a process's link to the switch: bytes it sends plus bytes it receives",
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "checks": checks, "runs": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(checks, indent=2))
     print(f"wrote {args.out}")
     return 0 if checks["ps_2_servers_below_1_server"] and checks["dpsgd_below_ps_server"] else 1

@@ -8,6 +8,8 @@ Part 2, training: each job (``--jobs``) is run dense and with each variant (``--
 through ``launch_local`` exactly as ``distrain train`` runs it, and reports final test accuracy,
 its gap to dense in points, bytes sent per worker per step (Transport counters: summary.json
 ``bytes_sent_per_worker`` / steps), that as a fraction of dense, wall time and time to target.
+Each run is repeated ``--repeats`` times (3 by default); a row holds the medians, and
+``repeats`` the median, minimum and maximum of accuracy, wall time and time to target.
 
     python benchmarks/bench_compression.py                          # codecs + all jobs
     python benchmarks/bench_compression.py --jobs mlp1m --variants group_topk
@@ -22,7 +24,6 @@ Writes ``benchmarks/results/compression.json`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import check_repeats, spread, write_result
 
 from distrain.compress import CompressInfo, build_compressor, payload_nbytes
 from distrain.config import TrainConfig
@@ -87,7 +89,17 @@ def bench_codecs(numel: int, repeats: int) -> list[dict[str, Any]]:
 
 
 def run_job(job: str, variant: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    settings = {**JOBS[job], **VARIANTS[variant], "progress": False, "run_dir": str(tmp / f"{job}-{variant}")}
+    """Median of ``--repeats`` runs of one job and variant (accuracy, bytes, times)."""
+    runs = [run_once(job, variant, args, tmp / f"{job}-{variant}-{repeat}") for repeat in range(args.repeats)]
+    row = {k: v for k, v in runs[0].items() if k not in ("final_test_accuracy", "wall_time_s", "time_to_target_s")}
+    row["repeats"] = {key: spread([r[key] for r in runs]) for key in ("final_test_accuracy", "wall_time_s", "time_to_target_s",
+                                                                   "bytes_per_worker_per_step")}
+    row.update({key: stat["median"] for key, stat in row["repeats"].items()})
+    return row
+
+
+def run_once(job: str, variant: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    settings = {**JOBS[job], **VARIANTS[variant], "progress": False, "run_dir": str(run_dir)}
     if args.epochs is not None:
         settings["epochs"] = args.epochs
     if args.network:
@@ -127,16 +139,18 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=None, help="override every job's epochs")
     parser.add_argument("--network", default=None, help="emulated network preset for every run (e.g. edge)")
     parser.add_argument("--numel", type=int, default=1_000_000, help="codec benchmark tensor size")
-    parser.add_argument("--repeats", type=int, default=5, help="codec benchmark repeats")
+    parser.add_argument("--repeats", type=int, default=3, help="training runs per job and variant")
+    parser.add_argument("--codec-repeats", type=int, default=5, help="codec benchmark repeats")
     parser.add_argument("--skip-codecs", action="store_true")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--out", default=str(RESULTS / "compression.json"))
     args = parser.parse_args()
+    check_repeats(parser, args.repeats)
 
     out: dict[str, Any] = {"machine": {"platform": platform.platform(), "torch": torch.__version__},
                            "network": args.network or "none", "codecs": [], "runs": []}
     if not args.skip_codecs:
-        out["codecs"] = bench_codecs(args.numel, args.repeats)
+        out["codecs"] = bench_codecs(args.numel, args.codec_repeats)
         print_codecs(out["codecs"], args.numel)
     if not args.skip_train:
         with tempfile.TemporaryDirectory() as tmp:
@@ -149,9 +163,7 @@ def main() -> None:
                     r["bytes_fraction_of_dense"] = r["bytes_per_worker_per_step"] / dense["bytes_per_worker_per_step"]
                 out["runs"] += rows
                 print_runs(rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result(args.out, out)}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Both sides train the same model on the same shards with the same schedule, 4 workers on
 loopback (gloo), one thread each; runs alternate (distrain, DDP, distrain, ...) so that drifting
-machine load hits both alike. The figure of merit is the median over repeats of the per-repeat ratio
-distrain / DDP (target <= 1.10, goal <= 1.0). A run's step time is the median of its steps'
+machine load hits both alike. The figure of merit is the median over repeats (5 by default, at
+least 3 for a published figure) of the per-repeat ratio distrain / DDP, with its minimum and
+maximum (``ratio`` in the results; target <= 1.10, goal <= 1.0). A run's step time is the median of its steps'
 durations on rank 0 (the mean, wall time over steps, is recorded too).
 
 DDP is ``torch.nn.parallel.DistributedDataParallel`` with its built-in C++ all-reduce (no
@@ -23,7 +24,6 @@ Writes ``benchmarks/results/ddp.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import check_repeats, ratio_spread, write_result
 
 from distrain.baselines import build_peer
 from distrain.baselines.common import Peer, launch_peer
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--ddp", choices=("native", "hooked"), default="native")
     parser.add_argument("--out", default=str(RESULTS / "ddp.json"))
     args = parser.parse_args()
+    check_repeats(parser, args.repeats)
 
     results: dict[str, Any] = {
         "benchmark": "distrain allreduce vs torch DDP, step time", "workers": args.workers, "epochs": args.epochs,
@@ -116,6 +118,7 @@ def main() -> None:
                 "parameters": params, "runs": rows,
                 "median_step_s": {"distrain": statistics.median(r["distrain"] for r in rows),
                                   "ddp": statistics.median(r["ddp"] for r in rows)},
+                "ratio": ratio_spread([r["distrain"] for r in rows], [r["ddp"] for r in rows]),
                 "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
                 "load_average": [min(r["load_before"] for r in rows), max(r["load_after"] for r in rows)],
             }
@@ -130,10 +133,7 @@ def main() -> None:
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"load average (1 min) during the runs: {min(r['load_before'] for s in results['models'].values() for r in s['runs']):.1f}"
           f" to {max(r['load_after'] for s in results['models'].values() for r in s['runs']):.1f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    print(f"\nwrote {write_result(args.out, results)}")
 
 
 if __name__ == "__main__":

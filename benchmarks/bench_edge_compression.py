@@ -11,10 +11,12 @@ ones.
 
 Reports, per configuration, time to the target accuracy (training time, evaluation excluded),
 final accuracy, bytes sent per worker per step (Transport counters, or the wire wrapper's for the
-baselines), and the speed-up in time to target over dense DDP. The target should be one that
-every configuration reaches (``--target``); a configuration that misses it has no speed-up.
+baselines), and the speed-up in time to target over dense DDP: the median over repeats (3 by
+default) of the per-repeat ratio DDP's time / this configuration's, with its minimum and maximum
+(``speedup_vs_ddp``). The target should be one that every configuration reaches (``--target``);
+a configuration that misses it in a repeat has no ratio for that repeat.
 
-    python benchmarks/bench_edge_compression.py                       # ~10 min on 2 idle cores
+    python benchmarks/bench_edge_compression.py                       # ~30 min on 2 idle cores
     python benchmarks/bench_edge_compression.py --epochs 1 --target 0.4
     python benchmarks/bench_edge_compression.py --sparse-collective ring
 
@@ -30,6 +32,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from provenance import check_repeats, ratio_spread, relative, write_result
 
 from distrain.cli import main as distrain_main
 
@@ -61,6 +65,7 @@ def rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
     by_label = {c["label"]: c for c in comparison["configs"]}
     ddp = by_label.get("ddp", {}).get("time_to_target_s")
     ddp_time = ddp["mean"] if ddp and ddp.get("mean") is not None else None
+    ddp_runs = [r.get("time_to_target_s") if r.get("status") == "ok" else None for r in by_label.get("ddp", {}).get("runs", [])]
     out = []
     for c in comparison["configs"]:
         runs = [r for r in c["runs"] if r.get("status") == "ok"]
@@ -74,6 +79,8 @@ def rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
             "wall_time_s": (c.get("wall_time_s") or {}).get("mean"),
             "bytes_sent_per_worker_per_step": sum(per_step) / len(per_step) if per_step else None,
             "speedup_time_to_target_vs_ddp": ddp_time / mean if ddp_time and mean else None,
+            "speedup_vs_ddp": ratio_spread(ddp_runs, [r.get("time_to_target_s") if r.get("status") == "ok" else None
+                                                      for r in c["runs"]]) if len(ddp_runs) == len(c["runs"]) else None,
         })
     return out
 
@@ -86,12 +93,13 @@ def main() -> None:
     parser.add_argument("--compress", default="group_topk:0.01", help="comma-separated compressor specs")
     parser.add_argument("--sparse-collective", default="allgather", choices=("ring", "allgather"))
     parser.add_argument("--baselines", default=BASELINES)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep", default="0.3,0.35,0.4,0.45,0.5,0.55,0.6,0.65,0.7",
                         help="targets for the time-to-accuracy sweep, read from the runs' metrics")
     parser.add_argument("--out", type=Path, default=RESULTS / "edge-compression")
     parser.add_argument("--summary", type=Path, default=RESULTS / "edge_compression.json")
     args = parser.parse_args()
+    check_repeats(parser, args.repeats)
 
     flags = ["--network", "edge", "--dataset", "mnist1d", "--model", "mlp", "--model-width", "974",
              "--workers", "4", "--batch-size", "64", "--epochs", str(args.epochs), "--eval-every", str(args.eval_every),
@@ -108,19 +116,20 @@ def main() -> None:
     if code != 0:
         raise SystemExit(f"distrain compare exited with {code}")
     table = rows(load(args.out / "comparison.json"))
-    summary = {"command": "distrain " + " ".join(command), "elapsed_s": elapsed,
+    summary = {"compare_command": "distrain " + " ".join(command[:-len(flags)]).replace(str(args.out), relative(args.out))
+               + " " + " ".join(flags), "elapsed_s": elapsed,
                "load_average_before": load_before, "load_average_after": os.getloadavg(),
                "target_accuracy": args.target, "epochs": args.epochs, "configs": table,
                "sweep": sweep(load(args.out / "comparison.json"), args.out,
                               [float(t) for t in args.sweep.split(",") if t])}
-    args.summary.parent.mkdir(parents=True, exist_ok=True)
-    args.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(args.summary, summary)
     print(f"\nedge, ~1M-parameter MLP, 4 workers, {args.epochs:g} epochs, target {args.target:.0%}; "
           f"load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(f"  {'configuration':<34}{'accuracy':>9}{'to target':>11}{'bytes/step':>13}{'vs DDP':>8}")
+    print(f"  {'configuration':<34}{'accuracy':>9}{'to target':>11}{'bytes/step':>13}{'vs DDP':>8}  (median [min-max])")
     for r in table:
         ttt = f"{r['time_to_target_s']:.1f}s" if r["time_to_target_s"] is not None else "-"
-        speed = f"{r['speedup_time_to_target_vs_ddp']:.1f}x" if r["speedup_time_to_target_vs_ddp"] else "-"
+        s = r["speedup_vs_ddp"] or {}
+        speed = f"{s['median']:.1f}x [{s['min']:.1f}-{s['max']:.1f}]" if s.get("median") and s.get("max") else "-"
         acc = f"{r['final_test_accuracy']:.4f}" if r["final_test_accuracy"] is not None else "-"
         per_step = f"{r['bytes_sent_per_worker_per_step']:,.0f}" if r["bytes_sent_per_worker_per_step"] else "-"
         print(f"  {r['label']:<34}{acc:>9}{ttt:>11}{per_step:>13}{speed:>8}")

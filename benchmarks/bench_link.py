@@ -1,7 +1,8 @@
 """Link benchmark: how close distrain's transfers come to an emulated link's capacity.
 
 Runs ``distrain bench link`` in both emulation modes (netns only as root) and writes
-``benchmarks/results/link-<mode>.json``. Acceptance: utilisation >= 0.90 for the ring all-reduce
+``benchmarks/results/link-<mode>.json``. Each transfer is timed ``--repeats`` times (5 by
+default); the utilisation reported is the median (``distrain bench link``). Acceptance: utilisation >= 0.90 for the ring all-reduce
 and for point-to-point, 10 MB among 4 workers on 100 Mbit/s links.
 
     python benchmarks/bench_link.py                      # both modes, the acceptance setting
@@ -11,8 +12,9 @@ and for point-to-point, 10 MB among 4 workers on 100 Mbit/s links.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from provenance import check_repeats, write_result
 
 from distrain.bench import LinkBench, format_link_bench, run_link_bench
 from distrain.emulation.units import parse_bandwidth, parse_size
@@ -29,6 +31,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", default="100mbit")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    check_repeats(parser, args.repeats)
     for mode in args.modes.split(","):
         if mode == "netns" and (reason := netns_unavailable()) is not None:
             print(f"skipping netns: {reason}")
@@ -37,8 +40,7 @@ def main() -> None:
                           emulation=mode, repeats=args.repeats)
         result = run_link_bench(bench)
         print(format_link_bench(result), end="\n\n")
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"link-{mode}.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_result(RESULTS / f"link-{mode}.json", result)
     print(f"results in {RESULTS}")
 
 

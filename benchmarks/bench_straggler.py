@@ -13,7 +13,9 @@ pauses the clock); the asynchronous algorithms copy every worker's model every
 ``--snapshot-every`` seconds and the consensus of those copies is evaluated after the run (see
 ``distrain/algorithms/gossip.py``), so nothing is paused. Runs of one repeat are interleaved
 (allreduce, adpsgd, prague, then the next repeat in a rotated order) so drifting machine load
-hits all alike; each figure is the median over repeats, and the ratios are of medians.
+hits all alike; each figure is the median over repeats (3 by default), and each ratio is the
+median of the per-repeat ratios (repeat i of one algorithm over repeat i of the other), with its
+minimum and maximum.
 
 ``--device-slowdown F`` emulates devices F times slower than this host: every worker's compute
 is stretched F times (by sleeping, as the straggler's is) and the straggler's 4F times, so it is
@@ -34,7 +36,6 @@ Writes ``benchmarks/results/straggler.json`` (every run) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import check_repeats, ratio_spread, write_result
 
 from distrain.config import TrainConfig
 from distrain.emulation.network import PRESETS
@@ -119,8 +121,10 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[str]) -> dict[str, Any
             }
         ratios = []
         for num, den, aim in TARGETS[network]:
-            a, b = per_algo[num]["time_to_target_s"], per_algo[den]["time_to_target_s"]
-            ratios.append({"ratio": f"{num} / {den}", "value": a / b if a and b else None, "aim": aim})
+            times = {algo: [r["time_to_target_s"] for r in sorted(runs, key=lambda r: r["repeat"])
+                            if r["network"] == network and r["algorithm"] == algo] for algo in (num, den)}
+            per_repeat = ratio_spread(times[num], times[den])
+            ratios.append({"ratio": f"{num} / {den}", "value": per_repeat["median"], "per_repeat": per_repeat, "aim": aim})
         out[network] = {"algorithms": per_algo, "ratios": ratios}
     return out
 
@@ -151,6 +155,7 @@ def main() -> None:
                         help="every worker computes this many times slower than the host (the straggler 4x that)")
     parser.add_argument("--output", default=str(RESULTS / "straggler.json"))
     args = parser.parse_args()
+    check_repeats(parser, args.repeats)
     if not args.device_slowdown >= 1:
         parser.error(f"--device-slowdown must be >= 1, got {args.device_slowdown}")
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -175,9 +180,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "load_average_at_end": os.getloadavg()},
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.output}")
+    print(f"\nwrote {write_result(args.output, result)}")
 
 
 if __name__ == "__main__":
