@@ -21,10 +21,12 @@ import torch
 
 from distrain.errors import CheckpointError, ConfigError
 from distrain.train.checkpoint import (
-    HEADER_SIZE,
-    MAGIC,
+    CHECKSUM_KEY,
+    OLD_MAGIC,
     CheckpointStore,
+    OldCheckpointFormat,
     check_compatible,
+    content_digest,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
@@ -80,6 +82,25 @@ def _flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def _damage_tensor(path: Path) -> None:
+    """Flip one byte in the middle of the first non-empty tensor's data inside the file."""
+    state = torch.load(path, weights_only=True)
+    stack: list[Any] = [state]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor) and item.numel():
+            raw = item.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            offset = path.read_bytes().find(raw)
+            assert offset >= 0
+            _flip_byte(path, offset + len(raw) // 2)
+            return
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    raise AssertionError(f"{path} holds no tensor data")
+
+
 # --- single files ----------------------------------------------------------------------------
 
 
@@ -92,16 +113,35 @@ def test_round_trip_keeps_tensors_and_scalars(tmp_path: Path) -> None:
     assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
 
 
-def test_file_layout_is_header_then_torch_save_payload(tmp_path: Path) -> None:
+def test_file_is_a_plain_torch_save_file_with_its_digest(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
-    save_checkpoint(path, {"w": torch.arange(10.0), "step": 3})
-    data = path.read_bytes()
-    magic, length, digest = struct.unpack(">8sQ32s", data[:HEADER_SIZE])
-    payload = data[HEADER_SIZE:]
-    assert (magic, length, digest) == (MAGIC, len(payload), sha256(payload).digest())
-    plain = torch.load(io.BytesIO(payload), weights_only=True)
-    assert plain["step"] == 3
-    assert torch.equal(plain["w"], torch.arange(10.0))
+    state = _training_state()
+    save_checkpoint(path, state)
+    plain = torch.load(path, weights_only=True)
+    digest = plain.pop(CHECKSUM_KEY)
+    _assert_same(plain, state)
+    assert digest == content_digest(state)
+    assert len(digest) == 64
+    with pytest.raises(CheckpointError, match="content_sha256"):
+        save_checkpoint(path, {CHECKSUM_KEY: "mine", "step": 1})
+
+
+def test_content_digest_sees_every_value_and_type() -> None:
+    base = {"w": torch.arange(6.0).reshape(2, 3), "step": 3, "names": ["a", "b"], "tags": {"x", "y"}}
+    assert content_digest(base) == content_digest(dict(base, tags={"y", "x"}))  # sets: any order
+    assert content_digest(base) == content_digest(dict(base, w=torch.arange(6.0).reshape(2, 3).t().contiguous().t()))  # strides
+    variants = [
+        dict(base, w=torch.arange(6.0).reshape(3, 2)),  # shape
+        dict(base, w=torch.arange(6.0).reshape(2, 3).double()),  # dtype
+        dict(base, w=torch.arange(6.0).reshape(2, 3) + 1e-6),  # values
+        dict(base, step=3.0),  # 3 and 3.0
+        dict(base, step=True),
+        dict(base, names=("a", "b")),  # list and tuple
+        dict(base, names=["ab"]),
+        {"step": 3, **base},  # key order
+    ]
+    digests = {content_digest(v) for v in variants}
+    assert len(digests) == len(variants) and content_digest(base) not in digests
 
 
 def test_save_leaves_no_temporary_files(tmp_path: Path) -> None:
@@ -130,57 +170,51 @@ def test_failed_write_keeps_previous_file_and_leaves_no_temporary(
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
-def test_truncated_payload_is_reported_with_sizes(tmp_path: Path) -> None:
+def test_truncated_files_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
-    save_checkpoint(path, {"w": torch.zeros(1000)})
-    expected = path.stat().st_size - HEADER_SIZE
-    with open(path, "r+b") as file:
-        file.truncate(HEADER_SIZE + 99)
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(path)
-    assert str(info.value) == (
-        f"checkpoint {path} is truncated (expected {expected} bytes of data, found 99)"
-    )
+    save_checkpoint(path, {"w": torch.zeros(1000), "step": 1})
+    size = path.stat().st_size
+    for keep in (size - 1, size // 2, 100, 3):
+        with open(path, "r+b") as file:
+            file.truncate(keep)
+        with pytest.raises(CheckpointError) as info:
+            load_checkpoint(path)
+        assert str(info.value).startswith(f"checkpoint {path} is damaged"), keep
+        assert "\n" not in str(info.value)
 
 
-def test_truncated_header_is_reported(tmp_path: Path) -> None:
-    path = tmp_path / "ckpt.pt"
-    save_checkpoint(path, {"step": 1})
-    with open(path, "r+b") as file:
-        file.truncate(20)
-    with pytest.raises(
-        CheckpointError, match=r"is truncated \(header has 20 of 48 bytes\)"
-    ) as info:
-        load_checkpoint(path)
-    assert str(path) in str(info.value)
-
-
-def test_trailing_bytes_are_reported(tmp_path: Path) -> None:
-    path = tmp_path / "ckpt.pt"
-    save_checkpoint(path, {"step": 1})
-    with open(path, "ab") as file:
-        file.write(b"junk")
-    with pytest.raises(CheckpointError, match="has 4 unexpected bytes after its data"):
-        load_checkpoint(path)
-
-
-@pytest.mark.parametrize("where", ["digest", "payload start", "payload middle", "last byte"])
-def test_flipped_byte_is_a_checksum_mismatch(tmp_path: Path, where: str) -> None:
+def test_flipped_tensor_byte_is_a_checksum_mismatch(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
     save_checkpoint(path, {"w": torch.randn(500), "step": 7})
-    size = path.stat().st_size
-    offset = {
-        "digest": 16 + 5,
-        "payload start": HEADER_SIZE,
-        "payload middle": (HEADER_SIZE + size) // 2,
-        "last byte": size - 1,
-    }[where]
-    _flip_byte(path, offset)
+    _damage_tensor(path)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path)
     assert str(info.value) == f"checkpoint {path} has a checksum mismatch (corrupted)"
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         verify_checkpoint(path)
+
+
+def test_any_flipped_byte_is_refused_or_harmless(tmp_path: Path) -> None:
+    """Damage anywhere either fails loading or the checksum, or left the contents as saved
+    (zip padding, fields torch does not read): a damaged state is never returned."""
+    path = tmp_path / "ckpt.pt"
+    state = {"w": torch.randn(64), "b": torch.arange(5), "step": 7, "name": "mlp"}
+    save_checkpoint(path, state)
+    data = path.read_bytes()
+    outcomes = {"refused": 0, "checksum": 0, "harmless": 0}
+    for offset in range(0, len(data), 7):
+        damaged = bytearray(data)
+        damaged[offset] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        try:
+            loaded = load_checkpoint(path)
+        except CheckpointError as exc:
+            assert "\n" not in str(exc)
+            outcomes["checksum" if "checksum mismatch" in str(exc) else "refused"] += 1
+            continue
+        _assert_same(loaded, state)
+        outcomes["harmless"] += 1
+    assert outcomes["checksum"] >= 20 and outcomes["refused"] >= 20, outcomes
 
 
 def test_plain_torch_save_and_text_files_are_not_checkpoints(tmp_path: Path) -> None:
@@ -189,17 +223,45 @@ def test_plain_torch_save_and_text_files_are_not_checkpoints(tmp_path: Path) -> 
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(plain)
     assert str(info.value) == (
-        f"checkpoint {plain} is not a distrain checkpoint (it looks like a plain torch.save file)"
+        f"checkpoint {plain} is not a distrain checkpoint (it has no 'content_sha256' entry)"
     )
     text = tmp_path / "notes.txt"
     text.write_text("hello, this is not a checkpoint at all\n")
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(text)
-    assert str(info.value) == f"checkpoint {text} is not a distrain checkpoint"
+    assert str(info.value).startswith(f"checkpoint {text} is damaged or not a checkpoint: ")
+    assert "\n" not in str(info.value)
     empty = tmp_path / "empty.pt"
     empty.write_bytes(b"")
     with pytest.raises(CheckpointError, match=f"checkpoint {empty} is empty"):
         load_checkpoint(empty)
+
+
+def _old_format_file(path: Path, state: dict[str, Any]) -> None:
+    """A checkpoint as the first format wrote it: magic, length, SHA-256, then torch.save."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack(">8sQ32s", OLD_MAGIC, len(payload), sha256(payload).digest()) + payload)
+
+
+def test_old_format_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    _old_format_file(path, {"w": torch.zeros(3), "step": 5})
+    with pytest.raises(OldCheckpointFormat) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {path} is in distrain's old format")
+    assert "--resume none" in message and "\n" not in message
+    # --resume auto must not skip such a set and silently start the run afresh.
+    stores = _stores(tmp_path / "run", world_size=2)
+    for rank in range(2):
+        _old_format_file(stores[rank].rank_file(40), {"step": 40, "rank": rank})
+    with pytest.raises(OldCheckpointFormat):
+        stores[0].resolve("auto")
+    with pytest.raises(CheckpointError, match="cannot resume from step 40: .* old format"):
+        stores[0].resolve("40")
 
 
 def test_missing_file_and_directory(tmp_path: Path) -> None:
@@ -244,15 +306,9 @@ def test_save_refuses_objects_weights_only_loading_cannot_rebuild(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_load_refuses_pickled_code_even_with_a_valid_checksum(tmp_path: Path) -> None:
-    buffer = io.BytesIO()
-    torch.save({"step": 1, "evil": _RunsCodeOnLoad()}, buffer)
-    payload = buffer.getvalue()
+def test_load_refuses_pickled_code(tmp_path: Path) -> None:
     path = tmp_path / "evil.pt"
-    path.write_bytes(
-        struct.pack(">8sQ32s", MAGIC, len(payload), sha256(payload).digest()) + payload
-    )
-    verify_checkpoint(path)  # intact as a file
+    torch.save({"step": 1, "evil": _RunsCodeOnLoad(), CHECKSUM_KEY: "0" * 64}, path)
     _UNPICKLE_CALLS.clear()
     with pytest.raises(CheckpointError, match="weights-only loading refuses") as info:
         load_checkpoint(path)
@@ -328,17 +384,17 @@ def test_resolve_auto_falls_back_past_damaged_newest_sets(
         _save_set(stores, step)
     _save_set(stores, 500, ranks=[0])  # incomplete: rank 1 has not written yet
     corrupted = stores[0].rank_file(400, rank=1)
-    _flip_byte(corrupted, corrupted.stat().st_size // 2)
+    _damage_tensor(corrupted)
     truncated = stores[0].rank_file(300, rank=0)
     with open(truncated, "r+b") as file:
-        file.truncate(HEADER_SIZE + 10)
+        file.truncate(truncated.stat().st_size // 2)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert stores[1].resolve("auto") == 200
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     missing = stores[0].rank_file(500, rank=1)
     assert any(str(missing) in m and "does not exist" in m for m in warnings), warnings
     assert any(str(corrupted) in m and "checksum mismatch" in m for m in warnings), warnings
-    assert any(str(truncated) in m and "truncated" in m for m in warnings), warnings
+    assert any(str(truncated) in m and "damaged" in m for m in warnings), warnings
     assert stores[1].load(200)["rank"] == 1
 
 
@@ -355,7 +411,7 @@ def test_resolve_none_explicit_step_and_directory(tmp_path: Path) -> None:
     assert store.resolve("auto") == 6
 
     bad = store.rank_file(6, rank=0)
-    _flip_byte(bad, bad.stat().st_size - 1)
+    _damage_tensor(bad)
     with pytest.raises(CheckpointError) as info:
         store.resolve(str(store.step_dir(6)))
     assert str(info.value) == (
@@ -400,10 +456,10 @@ def test_pruning_never_removes_the_only_complete_set(tmp_path: Path) -> None:
     _save_set(stores, 2, ranks=[1])
     assert stores[0].prune() == [1]
     damaged = stores[0].rank_file(2, rank=1)
-    _flip_byte(damaged, HEADER_SIZE + 1)
+    _damage_tensor(damaged)
     _save_set(stores, 3, ranks=[1])  # complete 3 exists only for a moment: damage it too
     damaged3 = stores[0].rank_file(3, rank=0)
-    _flip_byte(damaged3, HEADER_SIZE + 1)
+    _damage_tensor(damaged3)
     assert stores[0].prune() == []
     assert stores[0].steps() == [2, 3]
     assert stores[0].latest_complete() is None

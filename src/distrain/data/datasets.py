@@ -14,7 +14,6 @@ import os
 import random
 import re
 import struct
-import tempfile
 import time
 import zipfile
 import zlib
@@ -26,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from distrain.errors import ConfigError, DataError
+from distrain.runtime.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -375,24 +375,7 @@ def _read_npz(file: Path) -> dict[str, np.ndarray]:
 
 def _atomic_savez(file: Path, **arrays: np.ndarray) -> None:
     """Write an ``.npz`` so that readers see either the old file or the complete new one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            np.savez(out, **arrays)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, file)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    # Persist the rename itself; not every file system allows fsync on a directory.
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(file.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    atomic_write(file, lambda out: np.savez(out, **arrays))
 
 
 @contextlib.contextmanager

@@ -1,14 +1,16 @@
 """Checkpoints that survive a crash mid-write, are checked on load, and are kept in per-step sets.
 
-A checkpoint file is a 48-byte header followed by a ``torch.save`` payload::
-
-    magic    8 bytes   b"DSTRNCK1"
-    length   8 bytes   payload length, big-endian unsigned
-    sha256  32 bytes   SHA-256 digest of the payload
-    payload            torch.save(state), loaded back with weights_only=True
+A checkpoint file is a plain ``torch.save`` file of a dict, loadable anywhere with
+``torch.load(path, weights_only=True)``. Besides the state it holds one more entry,
+``"content_sha256"``: a SHA-256 digest of the state's contents (every key, scalar, dtype, shape
+and tensor byte, in order). :func:`load_checkpoint` recomputes it, so a damaged file is refused
+instead of training on: damage to the contents fails the digest, damage to the file's structure
+fails to load, and damage to neither (zip padding, unused header fields) leaves the state exactly
+as it was saved.
 
 Files are written to a temporary name in the same directory, fsynced, then renamed over the final
-name, so a reader sees either the previous complete file or the new complete file, never a mix.
+name (:func:`distrain.runtime.files.atomic_write`), so a reader sees either the previous complete
+file or the new complete file, never a mix.
 
 In a multi-worker run every rank writes its own file of a step's *set*::
 
@@ -22,17 +24,16 @@ order; that is what lets rank 0 prune old sets without coordination.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import logging
+import math
 import os
 import pickle
 import re
-import secrets
 import shutil
 import struct
 import time
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -40,12 +41,15 @@ from typing import Any
 import torch
 
 from distrain.errors import CheckpointError, ConfigError
+from distrain.runtime.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DSTRNCK1"
-_HEADER = struct.Struct(">8sQ32s")
-HEADER_SIZE = _HEADER.size
+#: The entry of a checkpoint file that holds the digest of everything else in it.
+CHECKSUM_KEY = "content_sha256"
+#: How files of distrain's first checkpoint format began (a 48-byte header before the data);
+#: they are recognised only to be refused in one line.
+OLD_MAGIC = b"DSTRNCK1"
 
 #: State keys that :func:`check_compatible` compares with the current run.
 MODEL_KEY = "model_name"
@@ -59,13 +63,18 @@ _SCALAR_TYPES = (str, int, float, bool, complex, bytes, type(None), torch.dtype,
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
+class OldCheckpointFormat(CheckpointError):
+    """A checkpoint written by an earlier distrain in a format this version does not read."""
+
+
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically, with a header that lets a reader detect damage.
+    """Write ``state`` to ``path`` atomically, with a digest of its contents that a reader checks.
 
     Only tensors, plain scalars and strings, ``torch.dtype``/``torch.device``/``torch.Size`` and
     dicts, lists, tuples and sets of them may be stored, because :func:`load_checkpoint` loads with
     ``weights_only=True``; anything else is refused here, before a file is touched. The parent
-    directory is created if needed.
+    directory is created if needed. The file is a plain ``torch.save`` file of ``state`` plus the
+    entry ``"content_sha256"``.
 
     Args:
         path: the final file name, e.g. ``runs/x/ckpt.pt``.
@@ -80,19 +89,23 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
 
         save_checkpoint("runs/x/ckpt.pt", {"model": model.state_dict(), "step": 120})
         state = load_checkpoint("runs/x/ckpt.pt")
+        plain = torch.load("runs/x/ckpt.pt", weights_only=True)  # the same, plus "content_sha256"
     """
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint state must be a dict, got {type(state).__name__}")
+    if CHECKSUM_KEY in state:
+        raise CheckpointError(f"cannot save a state with a {CHECKSUM_KEY!r} entry: checkpoints keep their digest there")
     _check_storable(state, "state")
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getbuffer()
-    header = _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
-    _write_atomic(Path(path), header, payload)
+    stored = {**state, CHECKSUM_KEY: content_digest(state)}
+    path = Path(path)
+    try:
+        atomic_write(path, lambda file: torch.save(stored, file))
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from exc
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save_checkpoint`, checking length and checksum first.
+    """Read a checkpoint written by :func:`save_checkpoint` and check its digest.
 
     Tensors are loaded onto the CPU with ``weights_only=True``, so a file cannot run code.
 
@@ -100,11 +113,12 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         path: the checkpoint file.
 
     Returns:
-        The state dict that was saved.
+        The state dict that was saved (without the ``"content_sha256"`` entry).
 
     Raises:
         CheckpointError: one line naming the file and what is wrong: it does not exist, is not a
-            distrain checkpoint, is truncated, fails its checksum, or holds disallowed objects.
+            distrain checkpoint, is damaged (truncated, unreadable, or fails its checksum), holds
+            disallowed objects, or is in distrain's old format (:class:`OldCheckpointFormat`).
 
     Example::
 
@@ -112,36 +126,87 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         model.load_state_dict(state["model"])
     """
     path = Path(path)
-    payload = _read_payload(path)
+    _check_file(path)
     try:
-        state = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():  # a damaged file can make torch warn before it fails
+            warnings.simplefilter("ignore")
+            state = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         match = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        what = match.group(1) if match else str(exc).splitlines()[0]
+        if match is None:
+            raise CheckpointError(f"checkpoint {path} is damaged: {_first_line(exc)}") from exc
         raise CheckpointError(
-            f"checkpoint {path} holds an object that weights-only loading refuses ({what})"
+            f"checkpoint {path} holds an object that weights-only loading refuses ({match.group(1)})"
         ) from exc
-    except Exception as exc:  # torch raises many types for a payload it cannot parse
-        raise CheckpointError(f"checkpoint {path} cannot be unpickled: {exc}") from exc
+    except Exception as exc:  # torch raises many types for a file it cannot parse
+        raise CheckpointError(f"checkpoint {path} is damaged or not a checkpoint: {_first_line(exc)}") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, expected a dict")
+    digest = state.pop(CHECKSUM_KEY, None)
+    if not isinstance(digest, str):
+        raise CheckpointError(
+            f"checkpoint {path} is not a distrain checkpoint (it has no {CHECKSUM_KEY!r} entry)"
+        )
+    if digest != content_digest(state):
+        raise CheckpointError(f"checkpoint {path} has a checksum mismatch (corrupted)")
     return state
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> None:
-    """Check a checkpoint's header, length and checksum without unpickling it.
+    """Check that a checkpoint loads and matches its digest (see :func:`load_checkpoint`).
 
     Args:
         path: the checkpoint file.
 
     Raises:
-        CheckpointError: as :func:`load_checkpoint`, for everything short of unpickling.
+        CheckpointError: as :func:`load_checkpoint`.
 
     Example::
 
         verify_checkpoint("runs/x/ckpt.pt")  # raises if truncated or corrupted
     """
-    _read_payload(Path(path))
+    load_checkpoint(path)
+
+
+def content_digest(state: Any) -> str:
+    """Return the SHA-256 hex digest of a state's contents, independent of how it is stored.
+
+    Covers every key and value in order, with its type; tensors by dtype, shape and bytes (so
+    strides and shared storage do not matter); sets in an order independent of hashing.
+
+    Example::
+
+        content_digest({"w": torch.zeros(3), "step": 1}) == content_digest({"w": torch.zeros(3), "step": 1})
+    """
+    digest = hashlib.sha256()
+    _feed(digest, state)
+    return digest.hexdigest()
+
+
+def planned_steps(epochs: float, steps_per_epoch: int) -> int:
+    """The number of steps of a run of ``epochs`` epochs (at least one).
+
+    Example::
+
+        planned_steps(2.5, 40)  # 100
+    """
+    return max(1, math.ceil(epochs * steps_per_epoch))
+
+
+def finished_for(state: dict[str, Any], epochs: float) -> bool:
+    """Whether a checkpoint already holds ``epochs`` epochs of training (or more).
+
+    Uses the ``"step"`` and ``"steps_per_epoch"`` entries the training loop saves; False when
+    either is missing.
+
+    Example::
+
+        finished_for({"step": 300, "steps_per_epoch": 20}, epochs=15)  # True
+    """
+    per_epoch = state.get("steps_per_epoch")
+    if "step" not in state or not isinstance(per_epoch, int) or per_epoch < 1:
+        return False
+    return int(state["step"]) >= planned_steps(epochs, per_epoch)
 
 
 def check_compatible(
@@ -360,18 +425,21 @@ class CheckpointStore:
             problem = self._problem(step)
             if problem is None:
                 return step
+            if isinstance(problem, OldCheckpointFormat):
+                # Not damage: starting afresh instead would silently redo (and overwrite) a run.
+                raise problem
             logger.log(level, "skipping checkpoint step %d: %s", step, problem)
         if steps:
             logger.log(level, "no complete checkpoint set in %s", self.directory)
         return None
 
-    def _problem(self, step: int) -> str | None:
+    def _problem(self, step: int) -> CheckpointError | None:
         """Return what is wrong with ``step``'s set, naming the file, or None if it is complete."""
         for rank in range(self.world_size):
             try:
                 verify_checkpoint(self.rank_file(step, rank))
             except CheckpointError as exc:
-                return str(exc)
+                return exc
         return None
 
     def _step_from_path(self, path: Path) -> int:
@@ -419,96 +487,59 @@ def _check_storable(obj: Any, where: str) -> None:
     )
 
 
-def _read_payload(path: Path) -> bytes:
-    """Return the payload of a checkpoint file after checking magic, length and checksum."""
+def _check_file(path: Path) -> None:
+    """Refuse, in one line, what is not a readable file or is in the old checkpoint format."""
     try:
         with open(path, "rb") as file:
-            header = file.read(HEADER_SIZE)
-            data_size = os.fstat(file.fileno()).st_size - HEADER_SIZE
-            if len(header) < len(MAGIC):
-                if not header:
-                    raise CheckpointError(f"checkpoint {path} is empty")
-                if MAGIC.startswith(header):
-                    raise CheckpointError(
-                        f"checkpoint {path} is truncated (only {len(header)} bytes)"
-                    )
-            if header[: len(MAGIC)] != MAGIC:
-                hint = " (it looks like a plain torch.save file)" if header[:2] == b"PK" else ""
-                raise CheckpointError(f"checkpoint {path} is not a distrain checkpoint{hint}")
-            if len(header) < HEADER_SIZE:
-                raise CheckpointError(
-                    f"checkpoint {path} is truncated (header has {len(header)} of "
-                    f"{HEADER_SIZE} bytes)"
-                )
-            _, length, digest = _HEADER.unpack(header)
-            if data_size < length:
-                raise CheckpointError(
-                    f"checkpoint {path} is truncated "
-                    f"(expected {length} bytes of data, found {data_size})"
-                )
-            if data_size > length:
-                raise CheckpointError(
-                    f"checkpoint {path} has {data_size - length} unexpected bytes after its data "
-                    f"(expected {length} bytes of data, found {data_size})"
-                )
-            payload = file.read(length)
+            start = file.read(len(OLD_MAGIC))
     except FileNotFoundError as exc:
         raise CheckpointError(f"checkpoint {path} does not exist") from exc
     except IsADirectoryError as exc:
         raise CheckpointError(f"checkpoint {path} is a directory, not a file") from exc
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-    if len(payload) != length:  # the file shrank while being read
-        raise CheckpointError(
-            f"checkpoint {path} is truncated (expected {length} bytes of data, "
-            f"found {len(payload)})"
+    if not start:
+        raise CheckpointError(f"checkpoint {path} is empty")
+    if start == OLD_MAGIC:
+        raise OldCheckpointFormat(
+            f"checkpoint {path} is in distrain's old format (a 48-byte header before the data), "
+            "which this version does not read; resume it with the distrain that wrote it, or "
+            "start afresh with --resume none"
         )
-    if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError(f"checkpoint {path} has a checksum mismatch (corrupted)")
-    return payload
 
 
-def _write_atomic(path: Path, *chunks: bytes | memoryview) -> None:
-    """Write ``chunks`` to a temporary file beside ``path``, fsync it, and rename it over ``path``."""
-    directory = path.parent
-    if not directory.is_dir():
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create checkpoint directory {directory}: {exc}") from exc
-        _fsync_dir(directory.parent)  # so the new step directory itself survives a power cut
-    # A hidden, unique name: concurrent writers never share it, and listings of rank files or
-    # step directories never mistake it for a checkpoint.
-    temp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        with os.fdopen(fd, "wb") as file:
-            for chunk in chunks:
-                file.write(chunk)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        if isinstance(exc, OSError):
-            raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from exc
-        raise
-    _fsync_dir(directory)
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename or new entry in ``directory`` durable (POSIX only; a no-op elsewhere)."""
-    if os.name != "posix":
-        return
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError as exc:
-        logger.debug("cannot open %s to fsync it: %s", directory, exc)
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:  # some file systems refuse fsync on directories
-        logger.debug("cannot fsync directory %s: %s", directory, exc)
-    finally:
-        os.close(fd)
+def _feed(digest: Any, obj: Any) -> None:
+    """Add ``obj`` to ``digest``: a type tag, then its contents, each length-prefixed."""
+    kind = type(obj)
+
+    def put(tag: str, data: bytes | memoryview = b"") -> None:
+        digest.update(struct.pack(">I", len(tag)) + tag.encode() + struct.pack(">Q", len(data)))
+        digest.update(data)
+
+    if isinstance(obj, torch.Tensor):
+        tensor = obj.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        put(f"tensor {tensor.dtype} {tuple(obj.shape)}")
+        if tensor.numel():
+            digest.update(tensor.view(torch.uint8).numpy().data)
+    elif kind is torch.Size:
+        put(f"size {tuple(obj)}")
+    elif kind in (dict, OrderedDict):
+        put(f"{kind.__name__} {len(obj)}")
+        for key, value in obj.items():
+            _feed(digest, key)
+            _feed(digest, value)
+    elif kind in (list, tuple):
+        put(f"{kind.__name__} {len(obj)}")
+        for value in obj:
+            _feed(digest, value)
+    elif kind is set:
+        put(f"set {len(obj)}")
+        for part in sorted(content_digest(value) for value in obj):
+            put(part)
+    else:  # scalars: repr is exact for floats and distinguishes 1, 1.0 and True with the type
+        put(f"{kind.__name__}", repr(obj).encode())

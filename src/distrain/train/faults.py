@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.errors import WorkerFailure
+from distrain.runtime.files import atomic_write
 from distrain.train.health import Heartbeat
 
 T = TypeVar("T")
@@ -210,9 +211,7 @@ def maybe_injected_kill(rank: int, step: int) -> None:
         if _injected(variable, rank, step):
             mark = os.environ.get("DISTRAIN_INJECT_MARK")  # when it happened (and who), for tests
             if mark:
-                with open(mark + ".tmp", "w") as f:
-                    f.write(f"{time.time()!r} {os.getpid()}")
-                os.replace(mark + ".tmp", mark)  # whole, or not there
+                atomic_write(mark, f"{time.time()!r} {os.getpid()}".encode())  # whole, or not there
             os.kill(os.getpid(), sig)
 
 
