@@ -61,7 +61,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = run_torchrun_worker(cfg)
     else:
         summary = launch_local(cfg)
-    if summary is not None:
+    if summary is not None and summary.get("already_finished"):
+        from distrain.train.resume import finished_message
+
+        print(f"distrain: {finished_message(summary, cfg.run.epochs)}")
+    elif summary is not None:
         print(format_summary(summary))
     return 0
 

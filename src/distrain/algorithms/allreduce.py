@@ -163,9 +163,12 @@ class AllReduce(Algorithm):
         rows = self.transport.control_all_gather(mine)
         if any(not torch.equal(row, rows[0]) for row in rows) or sorted(rows[0].tolist()) != list(range(n)):
             return  # the same buckets on every worker, or their all-reduces would not match
-        order = rows[0].tolist()
-        if order == list(range(n - 1, -1, -1)):
-            return  # the reversed parameter order: the buckets are right already
+        self._regroup(rows[0].tolist())
+
+    def _regroup(self, order: list[int]) -> None:
+        """Make the buckets of ``order`` (parameter indices, first ready first)."""
+        if order == self._bucket_order():
+            return  # e.g. the reversed parameter order: the buckets are right already
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -173,6 +176,11 @@ class AllReduce(Algorithm):
         for bucket in self.buckets:
             bucket.bind_grads()  # copies this step's averaged gradients into the new buckets
         self._register_hooks()
+
+    def _bucket_order(self) -> list[int]:
+        """The parameters' indices in bucket order (the order gradients are expected ready)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return [index[id(p)] for bucket in self.buckets for p in bucket.params]
 
     def _grad_ready(self, bucket: Bucket) -> None:
         bucket.ready += 1
@@ -218,11 +226,20 @@ class AllReduce(Algorithm):
         return {} if self.compression is None else self.compression.metrics()
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.compression is None else {"compressor": self.compression.state_dict()}
+        state: dict[str, Any] = {} if self.compression is None else {"compressor": self.compression.state_dict()}
+        if self._hooks and self._ready_order is None:  # the buckets as the first step regrouped them
+            state["bucket_order"] = torch.tensor(self._bucket_order(), dtype=torch.int64)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.compression is not None and "compressor" in state:
             self.compression.load_state_dict(state["compressor"])
+        if "bucket_order" in state and self._hooks:
+            # The buckets of the run this one continues: where a gradient sits in a bucket decides
+            # the order gloo adds the workers' values in (with 3 or more), so other buckets would
+            # round differently and the resumed run would drift from the uninterrupted one.
+            self._ready_order = None
+            self._regroup(state["bucket_order"].tolist())
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -86,6 +86,7 @@ from distrain.config import TrainConfig
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.topology import NodeMap
 from distrain.train.faults import FaultWatch, maybe_injected_kill
+from distrain.train.metrics import RunTotals
 from distrain.train.optim import build_optimizer
 from distrain.train.schedule import LRSchedule, scaled_lr
 
@@ -393,6 +394,8 @@ class ShardServer:
         c = cfg.compress
         self.decoder = (None if c.compress.strip() == "none"
                         else PushDecoder(build_compressor(c.compress, error_feedback=False, seed=cfg.run.seed), numel))
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
+        self.earlier = RunTotals()  # what the earlier segments of a resumed run did
 
     def _recv_push(self, out: torch.Tensor, worker: int) -> Handle | None:
         """Receive ``worker``'s gradient push into ``out``: a handle to wait for when dense, else
@@ -487,14 +490,20 @@ class ShardServer:
         store = CheckpointStore(self.run_dir, self.transport.rank, self.transport.world_size)
         store.save(step, {"shard": self.shard.data, "optimizer": self.optimizer.state_dict(), "step": step,
                           "model_name": self.cfg.model.model, "algorithm_name": "ps",
-                          "world_size": self.transport.world_size})
+                          "world_size": self.transport.world_size, "steps_per_epoch": self.steps_per_epoch,
+                          "total_steps": self.total_steps, "totals": self.totals().state_dict()})
 
-    def load(self, step: int) -> None:
-        from distrain.train.checkpoint import CheckpointStore
-
-        state = CheckpointStore(self.run_dir, self.transport.rank, self.transport.world_size).load(step)
+    def load(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state (see :meth:`save`)."""
         self.shard.data.copy_(state["shard"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def totals(self) -> RunTotals:
+        """This server's counters over the run so far, every segment (a row that trained no samples)."""
+        stats = self.transport.stats
+        row = [0.0, 0.0, time.perf_counter() - self.started, 0.0, stats.comm_seconds, *stats.sent, *stats.received,
+               time.process_time() - self.cpu_started]
+        return self.earlier.plus(row, 0.0, None)
 
 
 def serve(cfg: TrainConfig, run_dir: str | Path, control_group: Any = None) -> None:
@@ -506,26 +515,27 @@ def serve(cfg: TrainConfig, run_dir: str | Path, control_group: Any = None) -> N
 
 def _serve(cfg: TrainConfig, run_dir: str | Path, watch: FaultWatch) -> None:
     from distrain.emulation import Emulation
-    from distrain.train.checkpoint import CheckpointStore
+    from distrain.train.checkpoint import CheckpointStore, finished_for
 
     emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers,
                                       workers_per_node=cfg.algo.workers_per_node)
     transport = Transport(link_model=emulation.link_model)  # servers' links are emulated too
+    resume = CheckpointStore(run_dir, transport.rank, transport.world_size).resolve(cfg.run.resume)
+    state = CheckpointStore(run_dir, transport.rank, transport.world_size).load(resume) if resume is not None else None
+    if state is not None and finished_for(state, cfg.run.epochs):
+        return  # the workers found the run finished too, and leave before anything collective
     if cfg.algo.workers_per_node:  # the workers create their node groups: collective over the world
         node_process_groups(cfg.cluster.workers, cfg.algo.workers_per_node, cfg.cluster.timeout)
     emulation.start()
     start, cpu_start = time.perf_counter(), time.process_time()
     server = ShardServer(cfg, transport, run_dir)
-    resume = CheckpointStore(run_dir, transport.rank, transport.world_size).resolve(cfg.run.resume)
+    server.started, server.cpu_started = start, cpu_start  # waiting for the workers' start counts too
     start_step = 0
-    if resume is not None:
-        server.load(resume)
-        start_step = resume
+    if state is not None:
+        server.load(state)
+        server.earlier = RunTotals.from_state(state.get("totals"))
+        start_step = int(state["step"])
     server.run(start_step, watch)
-    wall = time.perf_counter() - start
     # Join the workers' final gather of counters (train.loop), as a row that trained no samples.
-    mine = torch.tensor([0, 0, wall, 0.0, transport.stats.comm_seconds, *transport.stats.sent, *transport.stats.received,
-                         time.process_time() - cpu_start],
-                        dtype=torch.float64)
-    transport.control_all_gather(mine)
+    transport.control_all_gather(torch.tensor(server.totals().row, dtype=torch.float64))
     transport.control_barrier()

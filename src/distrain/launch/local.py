@@ -72,16 +72,29 @@ def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
         raise ConfigError("--batch-size", f"worker {smallest}'s shard has {len(parts[smallest])} samples, fewer than one batch of {cfg.data.batch_size}")
 
 
-def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> None:
+def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
     """The checkpoint --resume points at exists, is intact, and was written by this model,
-    algorithm and number of workers (rank 0's file stands for the set)."""
+    algorithm and number of workers (rank 0's file stands for the set); returns its state, or
+    None when the run starts afresh."""
     from distrain.train.checkpoint import CheckpointStore, check_compatible
 
     store = CheckpointStore(run_dir, 0, nprocs)
     step = store.resolve(cfg.run.resume)
-    if step is not None:
-        check_compatible(store.load(step), model=cfg.model.model, algorithm=cfg.algo.algorithm,
-                         world_size=cfg.cluster.workers)
+    if step is None:
+        return None
+    state = store.load(step)
+    check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=cfg.cluster.workers)
+    return state
+
+
+def finished_before_start(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
+    """The recorded result of a run resumed with nothing left to train (no worker need start;
+    see :func:`distrain.train.resume.already_finished`), else None."""
+    from distrain.train.checkpoint import finished_for
+    from distrain.train.resume import already_finished
+
+    state = check_resume(cfg, run_dir, nprocs)
+    return already_finished(run_dir, state) if state is not None and finished_for(state, cfg.run.epochs) else None
 
 
 def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_dir: str, user: dict[str, Any],
@@ -237,7 +250,9 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     if nprocs == 1:
         return run_in_process(cfg, run_dir, **user)
     preflight(cfg, train_set)
-    check_resume(cfg, run_dir, nprocs)
+    finished = finished_before_start(cfg, run_dir, nprocs)
+    if finished is not None:
+        return finished
     shutil.rmtree(run_dir / FAILURES, ignore_errors=True)  # notes of an earlier attempt in this directory
     addr = cfg.cluster.master_addr
     if cfg.cluster.master_port:

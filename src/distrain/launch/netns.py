@@ -350,7 +350,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = None, test_set: Any = None) -> dict[str, Any]:
     """Train with ``cfg.cluster.workers`` workers, each in its own shaped network namespace."""
     from distrain.launch.common import check_device, default_run_dir, server_count
-    from distrain.launch.local import preflight
+    from distrain.launch.local import finished_before_start, preflight
 
     if model_fn is not None or train_set is not None or test_set is not None:
         raise ConfigError("--emulation", "netns starts each worker as its own program, so it takes built-in or "
@@ -363,6 +363,9 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     firsts = [host_of.index(h) for h in range(max(host_of) + 1)]
     preflight(cfg)
     run_dir = default_run_dir(cfg, time.time()).resolve()
+    finished = finished_before_start(cfg, run_dir, world)
+    if finished is not None:
+        return finished
     work = run_dir / "netns"
     work.mkdir(parents=True, exist_ok=True)
     worker_cfg = replace(cfg, run=replace(cfg.run, run_dir=str(run_dir)))
@@ -370,7 +373,8 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     config_path.write_text(json.dumps(worker_cfg.to_dict(), indent=2))
     clock_file = work / "clock"
     clock_file.unlink(missing_ok=True)
-    (run_dir / "summary.json").unlink(missing_ok=True)
+    if cfg.run.resume in ("none", ""):  # a resumed run's summary is its result until a better one
+        (run_dir / "summary.json").unlink(missing_ok=True)
 
     cluster = NetnsCluster(len(firsts), rates=[spec.bandwidth(r, 0.0) for r in firsts])
     procs: list[subprocess.Popen] = []

@@ -43,7 +43,7 @@ from distrain.data.sampler import ShardSampler
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError, DataError
 from distrain.models import build_model
-from distrain.train.checkpoint import CheckpointStore, check_compatible
+from distrain.train.checkpoint import CheckpointStore, check_compatible, planned_steps
 from distrain.train.faults import (
     FaultWatch,
     Interrupted,
@@ -53,8 +53,22 @@ from distrain.train.faults import (
     maybe_injected_kill,
     nonfinite_error,
 )
-from distrain.train.metrics import MetricsWriter, batches_of, evaluate, write_json_atomic
+from distrain.train.metrics import (
+    MetricsWriter,
+    RunTotals,
+    batches_of,
+    evaluate,
+    write_json_atomic,
+    write_summary,
+)
 from distrain.train.optim import build_optimizer
+from distrain.train.resume import (
+    already_finished,
+    check_epoch_length,
+    describe_extension,
+    rng_state,
+    set_rng_state,
+)
 from distrain.train.schedule import LRSchedule, scaled_lr
 
 log = logging.getLogger(__name__)
@@ -120,7 +134,7 @@ def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset
         raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
     total_train = sum(s["size"] for s in shards)
     steps_per_epoch = max(1, total_train // (world * cfg.data.batch_size))
-    total_steps = max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
+    total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
     sampler = ShardSampler(shard, cfg.data.batch_size, cfg.run.seed, rank)
     return WorkerData(train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler)
 
@@ -162,6 +176,16 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler = plan_worker_data(
         cfg, rank, world, train_set, test_set, workers_group)
 
+    # --- resume: the checkpoint this worker continues from, if any ------------------------------
+    store = CheckpointStore(run_dir, rank, transport.world_size)  # servers save their shards too
+    resume_step = store.resolve(cfg.run.resume)
+    state = store.load(resume_step) if resume_step is not None else None
+    if state is not None:
+        check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=world)
+        check_epoch_length(state, steps_per_epoch)
+        if int(state["step"]) >= total_steps:  # nothing left to train: touch nothing
+            return already_finished(run_dir, state) if rank == 0 else None
+
     # --- model: identical initial parameters on every worker ------------------------------------
     torch.manual_seed(cfg.run.seed)
     sample_shape = tuple(batches_of(train_set, torch.tensor([0]))[0].shape[1:])
@@ -184,18 +208,19 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     algorithm.setup(model, optimizer, transport)
     transports = [transport, *algorithm.transports()]  # an algorithm's own groups' traffic is this worker's too
 
-    # --- resume ---------------------------------------------------------------------------------
-    store = CheckpointStore(run_dir, rank, transport.world_size)  # servers save their shards too
+    # --- resume: the state of every part, and what the earlier segments did ---------------------
     start_step = 0
-    resume_step = store.resolve(cfg.run.resume)
-    if resume_step is not None:
-        state = store.load(resume_step)
-        check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=world)
+    totals = RunTotals.from_state(state.get("totals") if state is not None else None)
+    earlier = totals.offsets(transport.world_size)  # for the metrics lines
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         algorithm.load_state_dict(state["algorithm"])
+        set_rng_state(state["rng"])
         start_step = int(state["step"])
         log.info("worker %d resumed from step %d", rank, start_step)
+        if rank == 0 and int(state["total_steps"]) != total_steps:
+            log.warning(describe_extension(state, schedule))
 
     if rank == 0:
         write_json_atomic(run_dir / "config.json", {
@@ -204,14 +229,27 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "algorithm_info": algorithm.info(),
         })
 
-    def save(step: int) -> None:
+    def counters(step: int, wall: float | None = None, cpu: float | None = None) -> list[float]:
+        """This segment's counters row at ``step`` (see :func:`summarize`); wall and CPU time now
+        unless given."""
+        done = step - start_step
+        sent, received, comm_s = traffic(transports)
+        wall = time.perf_counter() - start - eval_seconds if wall is None else wall
+        cpu = time.process_time() - cpu_start if cpu is None else cpu
+        return [done, done * cfg.data.batch_size, wall, compute_seconds, comm_s, *sent, *received, cpu]
+
+    def save(step: int, wall: float | None = None, cpu: float | None = None) -> None:
+        # The run's length and counters go with the state: a resumed run checks the first, and
+        # its summary.json adds the second to its own.
         store.save(step, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "algorithm": algorithm.state_dict(),
             "step": step, "model_name": cfg.model.model, "algorithm_name": cfg.algo.algorithm, "world_size": world,
+            "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
+            "totals": totals.plus(counters(step, wall, cpu), eval_seconds, time_to_target).state_dict(),
         })
 
     # --- the loop -------------------------------------------------------------------------------
-    metrics = MetricsWriter(run_dir, rank, append=resume_step is not None)
+    metrics = MetricsWriter(run_dir, rank, resume_step=resume_step)
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
     progress = _progress_bar(cfg, rank, total_steps, start_step)
     time_to_target: float | None = None
@@ -279,10 +317,11 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         running = running and (stop_at is None or step + 1 < stop_at)
 
         sent, received, comm_s = traffic(transports)
-        record: dict[str, Any] = {
-            "step": step + 1, "epoch": ctx.epoch, "time": time.perf_counter() - start - eval_seconds,
-            "loss": loss_value if finite else float("nan"), "lr": lr, "bytes_sent": sum(sent),
-            "bytes_received": sum(received), "compute_s": ctx.compute_seconds, "comm_s": comm_s,
+        record: dict[str, Any] = {  # time, bytes and comm_s count from the run's start, before any resume
+            "step": step + 1, "epoch": ctx.epoch, "time": earlier.wall + time.perf_counter() - start - eval_seconds,
+            "loss": loss_value if finite else float("nan"), "lr": lr, "bytes_sent": earlier.sent + sum(sent),
+            "bytes_received": earlier.received + sum(received), "compute_s": ctx.compute_seconds,
+            "comm_s": earlier.comm + comm_s,
             "loss_quantiles": loss_quantiles(losses),
         }
         if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
@@ -319,21 +358,19 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                 time_to_target = point["time"]
     metrics.close()
     if step > start_step and not (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
-        save(step)
+        save(step, wall, cpu)
     algorithm.close()
 
-    # --- summary: every process's counters (servers too), gathered on rank 0 ---------------------
-    steps_done = step - start_step
-    sent, received, comm_s = traffic(transports)
-    mine = torch.tensor([steps_done, steps_done * cfg.data.batch_size, wall, compute_seconds, comm_s, *sent, *received, cpu],
-                        dtype=torch.float64)
+    # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
+    run = totals.plus(counters(step, wall, cpu), eval_seconds, time_to_target)
+    mine = torch.tensor(run.row, dtype=torch.float64)
     control = algorithm.control_transport() or transport  # the survivors, if workers were lost
     rows = [[0.0] * len(mine) for _ in range(transport.world_size)]  # lost workers: rows of zeros
     for i, row in enumerate(control.control_all_gather(mine)):
         rows[i if control is transport else dist.get_global_rank(control.group, i)] = row.tolist()
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
-                        time_to_target, eval_seconds, resume_step, stop_at is not None,
-                        algorithm.lost_workers) if leads(algorithm, transport) else None
+                        run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
+                        algorithm.lost_workers, run.segment_wall_s) if leads(algorithm, transport) else None
     control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
     if stop_at is not None:
         raise Interrupted(step)
@@ -379,9 +416,13 @@ def traffic(transports: list[Transport]) -> tuple[list[int], list[int], float]:
 def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: int, total_steps: int,
               global_batch: int, accuracy: float, test_loss: float, time_to_target: float | None,
               eval_seconds: float, resume_step: int | None, interrupted: bool = False,
-              lost_workers: dict[int, float] | None = None) -> dict[str, Any]:
+              lost_workers: dict[int, float] | None = None, segment_wall_s: list[float] | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers,
-    each ``[steps, samples, wall, compute, comm, *sent per peer, *received per peer, cpu]``."""
+    each ``[steps, samples, wall, compute, comm, *sent per peer, *received per peer, cpu]``.
+
+    A resumed run's rows, times and ``segment_wall_s`` (each segment's training time) cover every
+    segment of the run, not only the last; ``resumed_from_step`` is where the last one started.
+    """
     wall = next((r[2] for r in rows if r[2] > 0), 0.0)  # rank 0's, or the first survivor's (lost: zeros)
     n = len(rows)
     workers, servers = rows[:world], rows[world:]
@@ -404,13 +445,16 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         # step, evaluation included: against wall time it shows whether the host's cores were
         # the limit (workers sharing a machine) rather than the network or a slow peer
         "cpu_s_per_worker": [r[5 + 2 * n] for r in workers],
-        "resumed_from_step": resume_step, "run_dir": str(run_dir),
+        # a run stopped and resumed: where its last segment started, how many it had, and each
+        # one's training time up to the checkpoint the next one resumed from (they sum to wall_time_s)
+        "resumed_from_step": resume_step, "segments": len(segment_wall_s or [wall]),
+        "segment_wall_time_s": list(segment_wall_s or [wall]), "run_dir": str(run_dir),
         "interrupted": interrupted,
         # workers lost during an asynchronous run (the others finished without them): when each
         # was declared dead (Unix time)
         "lost_workers": {str(r): t for r, t in sorted((lost_workers or {}).items())},
     }
-    write_json_atomic(run_dir / "summary.json", summary)
+    write_summary(run_dir / "summary.json", summary)
     return summary
 
 

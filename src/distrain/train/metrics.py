@@ -3,32 +3,58 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
-import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from distrain.data import ArrayDataset
+from distrain.runtime.files import atomic_write
+
+log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``metrics/rank<r>.jsonl`` in the run directory."""
+    """Appends one JSON object per line to ``metrics/rank<r>.jsonl`` in the run directory.
 
-    def __init__(self, run_dir: str | Path, rank: int, append: bool = False) -> None:
+    ``resume_step``: the run continues from a checkpoint of that step, so the file is kept up to
+    it and continued; lines of later steps (from a segment that died after the checkpoint, and
+    that this one trains again) are dropped first.
+    """
+
+    def __init__(self, run_dir: str | Path, rank: int, resume_step: int | None = None) -> None:
         path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "a" if append else "w", buffering=1 << 16)
+        if resume_step is not None and path.is_file():
+            _keep_until(path, resume_step)
+        self._file = open(path, "a" if resume_step is not None else "w", buffering=1 << 16)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
 
     def close(self) -> None:
         self._file.close()
+
+
+def _keep_until(path: Path, step: int) -> None:
+    """Rewrite a metrics file (atomically) without its lines past ``step``, if it has any."""
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):  # a line cut short when its writer died
+            continue
+        if record_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        atomic_write(path, "".join(kept).encode())
 
 
 def read_metrics(run_dir: str | Path, rank: int = 0) -> list[dict[str, Any]]:
@@ -67,14 +93,110 @@ def evaluate(model: torch.nn.Module, dataset: Dataset, device: torch.device, bat
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON via a temp file and rename, so readers never see half a file."""
+    """Write ``data`` as JSON (NaN and infinity as null) so that readers never see half a file."""
+    text = json.dumps(_finite(data), indent=2, allow_nan=False, default=_json_default)
+    atomic_write(path, text.encode())
+
+
+class Offsets(NamedTuple):
+    """What the earlier segments of a run add to this one's per-step metrics."""
+
+    wall: float
+    sent: int
+    received: int
+    comm: float
+
+
+@dataclass
+class RunTotals:
+    """What a run did in its earlier segments (before the checkpoint it resumed from).
+
+    Checkpoints carry it, so ``summary.json`` covers the whole run however often it was stopped
+    and resumed: each process's counters row (``[steps, samples, wall, compute, comm, *sent per
+    peer, *received per peer, cpu]``, see :func:`~distrain.train.loop.summarize`) summed over
+    segments, the evaluation time, when the target accuracy was first reached (on the run's
+    training clock) and each segment's training time. The time a segment spent after its last
+    checkpoint, before it died, is lost with its work and is not counted.
+
+    Example::
+
+        totals = RunTotals.from_state(state.get("totals"))   # zeros for a new run
+        checkpoint["totals"] = totals.plus(row, eval_s, time_to_target).state_dict()
+    """
+
+    row: list[float] = field(default_factory=list)
+    eval_s: float = 0.0
+    time_to_target_s: float | None = None
+    segment_wall_s: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None) -> RunTotals:
+        if not state:
+            return cls()
+        target = state.get("time_to_target_s")
+        return cls(row=[float(v) for v in state.get("row", [])], eval_s=float(state.get("eval_s", 0.0)),
+                   time_to_target_s=None if target is None else float(target),
+                   segment_wall_s=[float(v) for v in state.get("segment_wall_s", [])])
+
+    @property
+    def wall_s(self) -> float:
+        """Training time of the earlier segments (the offset of this segment's clock)."""
+        return sum(self.segment_wall_s)
+
+    def offsets(self, peers: int) -> Offsets:
+        """Where this segment's clock, bytes and communication time start, for a process with
+        ``peers`` peers (its transport's world size)."""
+        row = self.row or [0.0] * (6 + 2 * peers)
+        return Offsets(self.wall_s, int(sum(row[5 : 5 + peers])), int(sum(row[5 + peers : 5 + 2 * peers])), row[4])
+
+    def total_row(self, row: list[float]) -> list[float]:
+        """This segment's counters ``row`` plus the earlier segments'."""
+        if not self.row:
+            return list(row)
+        if len(self.row) != len(row):
+            raise ValueError(f"counters of {len(row)} values cannot extend a run's {len(self.row)}")
+        return [a + b for a, b in zip(self.row, row, strict=True)]
+
+    def plus(self, row: list[float], eval_s: float, time_to_target_s: float | None) -> RunTotals:
+        """The totals after this segment, whose counters are ``row`` (``row[2]``: its wall time)."""
+        target = self.time_to_target_s if self.time_to_target_s is not None else time_to_target_s
+        return RunTotals(self.total_row(row), self.eval_s + eval_s, target, [*self.segment_wall_s, row[2]])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"row": list(self.row), "eval_s": self.eval_s, "time_to_target_s": self.time_to_target_s,
+                "segment_wall_s": list(self.segment_wall_s)}
+
+
+def write_summary(path: str | Path, summary: dict[str, Any]) -> bool:
+    """Write ``summary.json`` atomically, unless a resumed run would replace a better one.
+
+    A resumed run (``segments`` above 1) never replaces a summary that covers more training
+    steps, or as many with a final accuracy where the new one has none: e.g. one resumed from
+    an earlier checkpoint and stopped before reaching the step the recorded result has. Returns
+    whether the file was written.
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(_finite(data), f, indent=2, allow_nan=False, default=_json_default)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if summary.get("segments", 1) > 1 and path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            old = None
+        if isinstance(old, dict) and _covers_more(old, summary):
+            log.warning("kept %s: it records a fuller result (%d steps) than this resumed run (%d steps)",
+                        path, _steps(old), _steps(summary))
+            return False
+    write_json_atomic(path, summary)
+    return True
+
+
+def _steps(summary: dict[str, Any]) -> int:
+    return int(sum(summary.get("steps_per_worker") or [0]))
+
+
+def _covers_more(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    if _steps(old) != _steps(new):
+        return _steps(old) > _steps(new)
+    return old.get("final_test_accuracy") is not None and _finite(new.get("final_test_accuracy")) is None
 
 
 def _finite(value: Any) -> Any:

@@ -1,0 +1,108 @@
+"""Continuing a run from its checkpoint: what must match, what a finished run answers, the RNG.
+
+``--resume auto`` on a run that has already trained all the steps ``--epochs`` asks for trains
+nothing and writes nothing: the run's recorded ``summary.json`` is its result.
+
+Extending a run: resumed with a larger ``--epochs``, a run continues to the new length. The
+learning-rate schedule is always the one of the current ``--epochs`` (warm-up and decay are
+functions of the step and of the run's total steps), so from the resumed step on the run follows
+the schedule a run planned for the new length from the start would follow there. For a cosine
+decay that is a warm restart: a finished 15-epoch run extended to 20 epochs goes on at the
+20-epoch cosine's value at epoch 15 (about 15% of the peak), not at the 0 where its first schedule
+ended, and decays to 0 at epoch 20. Its parameters are not those of a 20-epoch run, whose first
+15 epochs used the longer schedule. A checkpoint written with another number of steps per epoch
+(another ``--batch-size``, ``--workers``, ``--num-samples`` or data set) is refused: its steps
+would mean other samples and another schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distrain.errors import CheckpointError
+from distrain.train.schedule import LRSchedule
+
+log = logging.getLogger(__name__)
+
+
+def check_epoch_length(state: dict[str, Any], steps_per_epoch: int) -> None:
+    """Refuse a checkpoint written by a run whose epochs had another number of steps.
+
+    Raises:
+        CheckpointError: one line with both numbers and what changes them.
+
+    Example::
+
+        check_epoch_length(state, steps_per_epoch=20)
+    """
+    saved = state.get("steps_per_epoch")
+    if saved is not None and int(saved) != steps_per_epoch:
+        raise CheckpointError(
+            f"checkpoint was written by a run of {int(saved)} steps per epoch; this run has {steps_per_epoch} "
+            "(another --batch-size, --num-samples or data set): resume with the ones it was written with"
+        )
+
+
+def already_finished(run_dir: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The result of a run with nothing left to train: its ``summary.json`` as recorded (read,
+    never written), with ``"already_finished": True`` and the step and epochs it has done.
+
+    Example::
+
+        result = already_finished("runs/x", state)   # state: the checkpoint resumed from
+        print(finished_message(result, epochs=15))
+    """
+    run_dir = Path(run_dir)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):  # stopped between its last checkpoint and its summary
+        summary = None
+    step, per_epoch = int(state["step"]), int(state.get("steps_per_epoch") or 0)
+    return {**(summary if isinstance(summary, dict) else {}), "already_finished": True, "finished_step": step,
+            "finished_epochs": step / per_epoch if per_epoch else None, "run_dir": str(run_dir)}
+
+
+def finished_message(result: dict[str, Any], epochs: float) -> str:
+    """One line telling the user a resumed run had nothing left to do (see :func:`already_finished`)."""
+    done = result.get("finished_epochs")
+    trained = f"{result['finished_step']} steps" + (f" ({done:g} epoch{'s' if done != 1 else ''})" if done is not None else "")
+    return (f"run {result['run_dir']} has already trained {trained}, all that --epochs {epochs:g} asks for; "
+            "nothing to do (a larger --epochs trains further)")
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """The random number generators' state of this process (torch's CPU one, and CUDA's in use),
+    for a checkpoint: a resumed run draws what the uninterrupted run would have drawn (dropout,
+    a user's random augmentation)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def describe_extension(state: dict[str, Any], schedule: LRSchedule) -> str:
+    """One line on a run resumed with another length: where the learning rate goes on from.
+
+    Example::
+
+        log.warning(describe_extension(state, schedule))
+        # "run planned for 300 steps goes on from step 300 to 400: ... (0 -> 0.0586 at step 300)"
+    """
+    step, planned = int(state["step"]), int(state["total_steps"])
+    before = replace(schedule, total_steps=planned)
+    return (f"run planned for {planned} steps goes on from step {step} to {schedule.total_steps}: the learning rate "
+            f"follows the {schedule.total_steps}-step schedule from here "
+            f"({before.lr_at(step):.4g} -> {schedule.lr_at(step):.4g} at step {step})")

@@ -1,0 +1,56 @@
+"""What a run's segments add up to, and summary.json never replaced by a worse one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distrain.train.checkpoint import load_checkpoint, save_checkpoint
+from distrain.train.metrics import RunTotals, write_summary
+
+
+def _row(steps: int, wall: float, sent: list[int], received: list[int], cpu: float = 0.5) -> list[float]:
+    return [steps, steps * 16, wall, 0.1 * steps, 0.2 * steps, *sent, *received, cpu]
+
+
+def test_totals_add_up_over_segments_and_survive_a_checkpoint(tmp_path) -> None:
+    first = RunTotals().plus(_row(10, 2.0, [0, 100], [0, 90]), eval_s=0.5, time_to_target_s=None)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"totals": first.state_dict()})
+    earlier = RunTotals.from_state(load_checkpoint(path)["totals"])
+    assert earlier == first
+    assert earlier.offsets(2) == (2.0, 100, 90, 2.0)
+    second = earlier.plus(_row(5, 1.5, [0, 50], [0, 45]), eval_s=0.25, time_to_target_s=3.0)
+    assert second.row == [15, 240, 3.5, 1.5, 3.0, 0, 150, 0, 135, 1.0]
+    assert second.segment_wall_s == [2.0, 1.5] and second.wall_s == 3.5
+    assert (second.eval_s, second.time_to_target_s) == (0.75, 3.0)
+    # The target reached in an earlier segment stays the first time it was reached.
+    third = RunTotals(time_to_target_s=1.0).plus(_row(1, 1.0, [0, 1], [0, 1]), 0.0, 5.0)
+    assert third.time_to_target_s == 1.0
+    assert RunTotals.from_state(None) == RunTotals() and RunTotals().offsets(3) == (0.0, 0, 0, 0.0)
+
+
+def test_summary_of_a_resumed_run_never_replaces_a_fuller_one(tmp_path) -> None:
+    path = tmp_path / "summary.json"
+    recorded = {"steps_per_worker": [60, 60], "final_test_accuracy": 0.91, "segments": 1}
+    write_summary(path, recorded)
+    before = path.read_bytes()
+    shorter = {"steps_per_worker": [40, 40], "final_test_accuracy": 0.88, "segments": 2}
+    assert write_summary(path, shorter) is False
+    no_result = {"steps_per_worker": [60, 60], "final_test_accuracy": float("nan"), "segments": 2}
+    assert write_summary(path, no_result) is False
+    assert path.read_bytes() == before
+    longer = {"steps_per_worker": [80, 80], "final_test_accuracy": 0.93, "segments": 2}
+    assert write_summary(path, longer) is True
+    assert json.loads(path.read_text()) == longer
+    afresh = {"steps_per_worker": [10, 10], "final_test_accuracy": 0.5, "segments": 1}  # --resume none
+    assert write_summary(path, afresh) is True
+    assert json.loads(path.read_text()) == afresh
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary left behind
+
+
+def test_totals_row_lengths_must_match() -> None:
+    earlier = RunTotals().plus(_row(1, 1.0, [0, 1], [0, 1]), 0.0, None)
+    with pytest.raises(ValueError, match="5 values"):
+        earlier.total_row([0.0] * 5)
