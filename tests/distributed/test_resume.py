@@ -205,8 +205,8 @@ def test_finished_run_resumed_under_torchrun_changes_nothing(tmp_path, algorithm
 def test_four_worker_allreduce_resumes_bitwise(tmp_path):
     """gloo adds 3 or more workers' values in an order set by where a value sits in the bucket:
     the resumed run must use the buckets the first step regrouped (a CNN's gradients are not
-    ready in reverse parameter order), or it drifts from the uninterrupted run. Resumed during
-    the warm-up (step 10) and mid-way through the second epoch (step 20)."""
+    ready in reverse parameter order), or it drifts from the uninterrupted run. Resumed mid-epoch,
+    during the warm-up (step 10); the slow matrix below covers more points and algorithms."""
     full = tmp_path / "full"
     settings = {"workers": 4, "epochs": 2, "model": "cnn1d", "lr": 0.2, "lr_decay": "cosine", "warmup_epochs": 1,
                 "checkpoint_every": 10}
@@ -215,14 +215,13 @@ def test_four_worker_allreduce_resumes_bitwise(tmp_path):
     assert CheckpointStore(full, 0, 4).steps() == [10, 20, total] and total == 30
     order = CheckpointStore(full, 0, 4).load(10)["algorithm"]["bucket_order"].tolist()
     assert order != sorted(order, reverse=True)  # the first step did regroup the buckets
-    for step in (10, 20):
-        cut = tmp_path / f"cut{step}"
-        shutil.copytree(full, cut)
-        _keep_only(cut, step)
-        resumed = launch_local(small_config(str(cut), resume="auto", **settings))
-        assert resumed["resumed_from_step"] == step
-        assert resumed["bytes_sent_per_worker"] == summary["bytes_sent_per_worker"]
-        _assert_same_parameters(full, cut, total, 4, 4)
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    _keep_only(cut, 10)
+    resumed = launch_local(small_config(str(cut), resume="auto", **settings))
+    assert resumed["resumed_from_step"] == 10
+    assert resumed["bytes_sent_per_worker"] == summary["bytes_sent_per_worker"]
+    _assert_same_parameters(full, cut, total, 4, 4)
 
 
 def dropout_mlp() -> torch.nn.Module:

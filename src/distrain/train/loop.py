@@ -216,10 +216,11 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         algorithm.load_state_dict(state["algorithm"])
-        set_rng_state(state["rng"])
+        if "rng" in state:
+            set_rng_state(state["rng"])
         start_step = int(state["step"])
         log.info("worker %d resumed from step %d", rank, start_step)
-        if rank == 0 and int(state["total_steps"]) != total_steps:
+        if rank == 0 and int(state.get("total_steps", total_steps)) != total_steps:
             log.warning(describe_extension(state, schedule))
 
     if rank == 0:
