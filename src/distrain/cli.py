@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Any
 
-from distrain.config import SECTIONS, TrainConfig, base_type, flag, leaf_fields
+from distrain.config import SECTIONS, TrainConfig, base_type, choices_of, flag, leaf_fields
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError
 from distrain.train.faults import Interrupted
 
@@ -32,8 +32,9 @@ def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
         meta = field.metadata
         default = getattr(getattr(defaults, section), field.name)
         help_text = meta.get("help", "")
-        if meta.get("choices"):
-            help_text += f" [{'|'.join(meta['choices'])}]"
+        choices = choices_of(field)
+        if choices:
+            help_text += f" [{'|'.join(choices)}]"
         help_text += f" (default: {default})"
         kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": help_text}
         if kind is bool:
@@ -162,7 +163,10 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def build_parser() -> Parser:
+    from distrain import __version__
+
     parser = Parser(prog="distrain", description="Communication-efficient distributed training over slow, uneven or shared networks.")
+    parser.add_argument("--version", action="version", version=f"distrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     train = sub.add_parser("train", help="train a model with N workers (spawned locally, or as one torchrun worker)",
                            description="Train a model. Run locally (spawns --workers processes on 127.0.0.1) or under "

@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,64 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+def _opt(default: Any, help: str, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None) -> Any:
+    """A setting: its default, its help line, and its allowed values (the one place they are written).
+
+    ``choices`` is a tuple, or a function returning the names of a registry (imported when asked,
+    so that this module imports no algorithm).
+    """
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
+    """The allowed values of a setting, or None when any value of its type may be given."""
+    choices = f.metadata.get("choices")
+    return tuple(choices()) if callable(choices) else choices
+
+
+def check_choices(section: Any) -> None:
+    """Raise ConfigError for the first setting of ``section`` that is not one of its choices."""
+    for f in dataclasses.fields(section):
+        choices = choices_of(f)
+        value = getattr(section, f.name)
+        if choices is not None and value is not None:
+            check_choice(f.name, value, choices)
+
+
+def _datasets() -> tuple[str, ...]:
+    from distrain.data import DATASETS
+
+    return tuple(DATASETS)
+
+
+def _algorithms() -> tuple[str, ...]:
+    from distrain.algorithms import ALGORITHMS
+
+    return tuple(sorted(ALGORITHMS))
+
+
+def _topologies() -> tuple[str, ...]:
+    from distrain.topology import TOPOLOGIES
+
+    return tuple(TOPOLOGIES)
+
+
+def _mixings() -> tuple[str, ...]:
+    from distrain.topology import MIXINGS
+
+    return tuple(MIXINGS)
+
+
+def _presets() -> tuple[str, ...]:
+    from distrain.emulation.network import PRESETS
+
+    return tuple(PRESETS)
+
+
+def _emulation_modes() -> tuple[str, ...]:
+    from distrain.emulation.network import MODES
+
+    return MODES
 
 
 def check_positive(name: str, value: float, *, integer: bool = False, allow_zero: bool = False) -> None:
@@ -52,11 +110,32 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(flag(name), f"unknown value {value!r}; choose one of: {', '.join(choices)}")
 
 
+def check_run_name(name: str) -> None:
+    """A run name is one path component: it names a directory under ``runs/``, never one elsewhere."""
+    bad = not name or name in (".", "..") or "\0" in name or any(sep in name for sep in ("/", "\\", os.sep))
+    if bad:
+        raise ConfigError("--name", f"must be one path component (no '/', '\\' or '..'), got {name!r}")
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """Raise ConfigError unless ``run_dir`` is, or can be created as, a directory this process can write."""
+    path = Path(run_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError("--run-dir", f"{str(run_dir)!r} exists and is not a directory")
+    existing = path
+    while not existing.exists():  # the nearest ancestor that exists must be a directory we can write
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError("--run-dir", f"cannot create {str(run_dir)!r}: {str(existing)!r} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("--run-dir", f"{str(existing)!r} is not writable by this user")
+
+
 @dataclass
 class DataConfig:
     """Which data set, how it is split among workers, and the per-worker batch size."""
 
-    dataset: str = _opt("mnist1d", "data set: mnist1d, digits, synthetic, npz, idx, shards")
+    dataset: str = _opt("mnist1d", "data set", _datasets)
     data_path: str | None = _opt(None, "file or directory for npz / idx / shards data sets")
     num_samples: int = _opt(20000, "samples to generate for mnist1d / synthetic (train + test)")
     partition: str = _opt("iid", "how training data is split among workers", ("iid", "dirichlet"))
@@ -64,13 +143,10 @@ class DataConfig:
     batch_size: int = _opt(64, "samples per worker per step")
 
     def validate(self) -> None:
-        from distrain.data import DATASETS
-
-        check_choice("dataset", self.dataset, tuple(DATASETS))
+        check_choices(self)
         if self.dataset in ("npz", "idx", "shards") and not self.data_path:
             raise ConfigError("--data-path", f"is required for --dataset {self.dataset}")
         check_positive("num_samples", self.num_samples, integer=True)
-        check_choice("partition", self.partition, ("iid", "dirichlet"))
         check_positive("dirichlet_alpha", self.dirichlet_alpha)
         check_positive("batch_size", self.batch_size, integer=True)
 
@@ -107,7 +183,7 @@ class OptimConfig:
     lr_decay: str = _opt("cosine", "decay after warm-up", ("cosine", "step", "none"))
 
     def validate(self) -> None:
-        check_choice("optimizer", self.optimizer, ("sgd", "adam", "lars"))
+        check_choices(self)
         check_positive("lr", self.lr)
         check_positive("momentum", self.momentum, allow_zero=True)
         if self.momentum >= 1:
@@ -115,7 +191,6 @@ class OptimConfig:
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("reference_batch", self.reference_batch, integer=True)
         check_positive("warmup_epochs", self.warmup_epochs, allow_zero=True)
-        check_choice("lr_decay", self.lr_decay, ("cosine", "step", "none"))
 
 
 @dataclass
@@ -130,6 +205,8 @@ class RunConfig:
     target_accuracy: float = _opt(0.95, "test accuracy whose first crossing gives time_to_target_s")
     checkpoint_every: int = _opt(0, "save a checkpoint every this many steps (0 = only at the end)")
     resume: str = _opt("none", "'auto' (newest valid checkpoint in --run-dir), 'none', or a checkpoint step directory")
+    overwrite: bool = _opt(False, "start afresh in a --run-dir that holds an earlier run: its config, metrics, summary, "
+                           "checkpoints and report are removed first")
     progress: bool = _opt(True, "show a progress bar")
     threads: int = _opt(1, "torch intra-op threads per worker process")
     on_nonfinite: str = _opt("stop", "a NaN or infinite loss or gradient (found before anything is sent): stop the run "
@@ -142,9 +219,15 @@ class RunConfig:
             raise ConfigError("--target-accuracy", f"must be in (0, 1], got {self.target_accuracy!r}")
         check_positive("checkpoint_every", self.checkpoint_every, integer=True, allow_zero=True)
         check_positive("threads", self.threads, integer=True)
-        check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        check_choices(self)
         if self.seed < 0:
             raise ConfigError("--seed", f"must be an integer >= 0, got {self.seed!r}")
+        if self.name is not None:
+            check_run_name(self.name)
+        if self.run_dir is not None:
+            check_run_dir(self.run_dir)
+        if self.overwrite and self.resume != "none":
+            raise ConfigError("--overwrite", f"replaces an earlier run, so it cannot be combined with --resume {self.resume}")
 
 
 @dataclass
@@ -160,8 +243,7 @@ class ClusterConfig:
 
     def validate(self) -> None:
         check_positive("workers", self.workers, integer=True)
-        check_choice("backend", self.backend, ("auto", "gloo", "nccl"))
-        check_choice("device", self.device, ("cpu", "cuda"))
+        check_choices(self)
         if not (0 <= self.master_port <= 65535):
             raise ConfigError("--master-port", f"must be in 0..65535, got {self.master_port!r}")
         check_positive("timeout", self.timeout)
@@ -171,7 +253,7 @@ class ClusterConfig:
 class AlgoConfig:
     """Which training algorithm and its knobs."""
 
-    algorithm: str = _opt("allreduce", "training algorithm")
+    algorithm: str = _opt("allreduce", "training algorithm", _algorithms)
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for allreduce (communication overlaps backward)")
     first_bucket_mb: float = _opt(0.0, "allreduce: size in MB of the first bucket (the last layers, whose gradients "
                                   "come first), so that its all-reduce starts early in backward; 0 = --bucket-mb "
@@ -181,25 +263,18 @@ class AlgoConfig:
                                  "all-reduce among node leaders or push to the servers, broadcast inside the node; "
                                  "links inside a node are not emulated); 0 = flat")
     topology: str = _opt("ring", "decentralized algorithms (dpsgd, d2, adpsgd): who exchanges models with whom",
-                         ("ring", "torus", "exponential", "complete", "bipartite"))
+                         _topologies)
     mixing: str = _opt("lazy", "gossip weights: uniform over neighbours and self (regular graphs only), "
                        "Metropolis-Hastings (any graph), or lazy = (I + Metropolis) / 2 (no negative eigenvalues, "
-                       "which cost accuracy with momentum)", ("uniform", "metropolis", "lazy"))
+                       "which cost accuracy with momentum)", _mixings)
     gossip_order: str = _opt("cta", "dpsgd: cta = x <- W x - lr g (Lian et al. 2017; the exchange overlaps forward and "
                              "backward), atc = x <- W (x - lr g) (exchange after the update)", ("cta", "atc"))
 
     def validate(self) -> None:
-        from distrain.algorithms import ALGORITHMS
-        from distrain.topology import MIXINGS, TOPOLOGIES
-
-        check_choice("algorithm", self.algorithm, tuple(sorted(ALGORITHMS)))
+        check_choices(self)
         check_positive("bucket_mb", self.bucket_mb)
         check_positive("first_bucket_mb", self.first_bucket_mb, allow_zero=True)
-        check_choice("ring", self.ring, ("gloo", "own"))
         check_positive("workers_per_node", self.workers_per_node, integer=True, allow_zero=True)
-        check_choice("topology", self.topology, tuple(TOPOLOGIES))
-        check_choice("mixing", self.mixing, tuple(MIXINGS))
-        check_choice("gossip_order", self.gossip_order, ("cta", "atc"))
 
 
 @dataclass
@@ -212,7 +287,7 @@ class ServerConfig:
 
     def validate(self) -> None:
         check_positive("servers", self.servers, integer=True)
-        check_choice("ps_mode", self.ps_mode, ("sync", "async"))
+        check_choices(self)
         check_positive("max_staleness", self.max_staleness, integer=True, allow_zero=True)
 
 
@@ -224,8 +299,7 @@ class NetworkConfig:
     field. See ``distrain.emulation`` for the model and the bandwidth-trace file format.
     """
 
-    network: str = _opt("none", "emulated network preset ('none' = the real network)",
-                        ("none", "lan", "wan", "edge", "straggler", "slow-link", "fluctuating"))
+    network: str = _opt("none", "emulated network preset ('none' = the real network)", _presets)
     bandwidth: str | None = _opt(None, "every worker's link bandwidth, e.g. 100mbit, 1gbit, 500kbit; None: the preset's, or unlimited")
     latency: str | None = _opt(None, "one-way latency of every message, e.g. 5ms, 100us; None: the preset's, or 0")
     jitter: str | None = _opt(None, "latency varies uniformly by +- this much per message, e.g. 1ms")
@@ -233,11 +307,12 @@ class NetworkConfig:
     slow_link: str | None = _opt(None, "a worker's own link bandwidth RANK:BANDWIDTH, comma-separated, e.g. 3:10mbit")
     bandwidth_trace: str | None = _opt(None, "CSV (time_s,worker,bandwidth) or JSON file: bandwidth per worker over time")
     emulation: str = _opt("model", "how the network is emulated: in-process link model, or shaped network namespaces (Linux, root)",
-                          ("model", "netns"))
+                          _emulation_modes)
 
     def validate(self) -> None:
         from distrain.emulation import NetworkSettings
 
+        check_choices(self)
         NetworkSettings.from_config(self)  # raises ConfigError naming the flag (or the trace file's line)
 
 
@@ -265,9 +340,7 @@ class CompressConfig:
         from distrain.compress import validate_spec
 
         validate_spec(self.compress)
-        check_choice("error_feedback", self.error_feedback, ("on", "off"))
-        check_choice("sparse_collective", self.sparse_collective, ("ring", "allgather"))
-        check_choice("momentum_correction", self.momentum_correction, ("on", "off"))
+        check_choices(self)
         check_positive("density_warmup_epochs", self.density_warmup_epochs, allow_zero=True)
         check_positive("density_decay_epochs", self.density_decay_epochs, allow_zero=True)
 
@@ -290,7 +363,7 @@ class GossipConfig:
                                  "over time) are evaluated after training")
 
     def validate(self) -> None:
-        check_choice("budget", self.budget, ("global", "local", "time"))
+        check_choices(self)
         check_positive("time_budget", self.time_budget)
         check_positive("group_size", self.group_size, integer=True, allow_zero=True)
         if self.group_size == 1:
@@ -314,9 +387,15 @@ SECTIONS: dict[str, type] = {
 }
 
 
-@dataclass
+@dataclass(init=False)
 class TrainConfig:
-    """The whole run configuration: one section per component."""
+    """The whole run configuration: one section per component.
+
+    Built from sections or from single settings by field name, checked like a config file::
+
+        TrainConfig(workers=2, epochs=3, model="mlp")
+        TrainConfig(optim=OptimConfig(lr=0.05), workers=2)
+    """
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -328,6 +407,15 @@ class TrainConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
     gossip: GossipConfig = field(default_factory=GossipConfig)
+
+    def __init__(self, **values: Any) -> None:
+        for section, klass in SECTIONS.items():
+            setattr(self, section, klass())
+        for key, value in values.items():
+            if key in SECTIONS and isinstance(value, SECTIONS[key]):
+                setattr(self, key, value)
+            else:
+                self.set(key, value)
 
     def validate(self) -> TrainConfig:
         """Check every section; raise ConfigError naming the first bad flag."""
@@ -343,29 +431,42 @@ class TrainConfig:
         return getattr(getattr(self, section_of(name)), name)
 
     def set(self, name: str, value: Any) -> None:
-        setattr(getattr(self, section_of(name)), name, value)
+        """Set one setting by field name; a value of the wrong type is refused in one line."""
+        setattr(getattr(self, section_of(name)), name, coerce(name, value))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """Build from a flat ``{field: value}`` or sectioned ``{section: {field: value}}`` dict."""
+        """Build from a flat ``{field: value}`` or sectioned ``{section: {field: value}}`` dict.
+
+        A run's own ``config.json`` loads too: the facts it records beside the settings
+        (:data:`RUN_RECORD_KEYS`) are skipped.
+        """
         cfg = cls()
         for key, value in values.items():
             if key in SECTIONS and isinstance(value, dict):
                 for name, inner in value.items():
                     if section_of(name, missing_ok=True) != key:
                         raise ConfigError(key, f"unknown setting {name!r} in section [{key}]")
-                    cfg.set(name, coerce(name, inner))
-            else:
-                cfg.set(key, coerce(key, value))
+                    cfg.set(name, inner)
+            elif key not in RUN_RECORD_KEYS:
+                cfg.set(key, value)
         return cfg
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
         """Load a JSON, TOML or YAML config file (flat or sectioned)."""
         return cls.from_dict(read_config_file(path))
+
+
+#: What a run's config.json records beside its settings (derived sizes, facts about the run).
+RUN_RECORD_KEYS = frozenset({
+    "world_size", "steps_per_epoch", "total_steps", "global_batch", "peak_lr", "shards", "resumed_from_step",
+    "algorithm_info", "network_bits_per_s", "model_parameters", "commit", "distrain_version", "user_model",
+    "user_data", "segments",
+})
 
 
 def leaf_fields() -> list[tuple[str, dataclasses.Field, type]]:
@@ -396,26 +497,35 @@ def base_type(annotation: Any) -> type:
     return args[0] if args else annotation
 
 
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
 def coerce(name: str, value: Any) -> Any:
-    """Convert a value from a config file to the field's type, with a one-line error."""
+    """Check a setting's value against the field's type, as given in a file or from Python.
+
+    Types must match: a boolean is never a number nor a number a boolean, and a number is never
+    read from a string. An integer is accepted for a float setting, and a float with an integral
+    value (JSON's ``2.0``) for an integer one. Anything else is one ConfigError line.
+    """
     section_of(name)
-    kind = base_type(_TYPE_OF[name])
+    annotation = _TYPE_OF[name]
+    kind = base_type(annotation)
     if value is None:
-        return None
-    try:
-        if kind is bool:
-            if isinstance(value, str):
-                if value.lower() in ("true", "yes", "on", "1"):
-                    return True
-                if value.lower() in ("false", "no", "off", "0"):
-                    return False
-                raise ValueError(value)
-            return bool(value)
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError(value)
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(flag(name), f"expected {kind.__name__}, got {value!r}") from None
+        if type(None) in typing.get_args(annotation):
+            return None
+        raise ConfigError(flag(name), f"expected {_KIND_NAMES[kind]}, got null")
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind is int and not isinstance(value, bool):
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is str and isinstance(value, str):
+        return value
+    raise ConfigError(flag(name), f"expected {_KIND_NAMES[kind]}, got {value!r}")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -434,15 +544,17 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                 import tomli as tomllib  # type: ignore[no-redef]
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
-            import yaml  # optional dependency
-
+            try:
+                import yaml
+            except ModuleNotFoundError:
+                raise ConfigError("--config", "reading .yaml files needs PyYAML: pip install 'distrain[yaml]'") from None
             data = yaml.safe_load(text)
         else:
             raise ConfigError("--config", f"unsupported file type {path.suffix!r}; use .json, .toml or .yaml")
     except ConfigError:
         raise
     except ModuleNotFoundError as exc:
-        raise ConfigError("--config", f"reading {path.suffix} files needs the '{exc.name}' package") from None
+        raise ConfigError("--config", f"reading {path.suffix} files needs the '{exc.name}' package: pip install {exc.name}") from None
     except Exception as exc:  # parse errors differ per format
         raise ConfigError("--config", f"cannot parse {str(path)!r}: {exc}".splitlines()[0]) from None
     if not isinstance(data, dict):

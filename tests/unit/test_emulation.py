@@ -31,16 +31,20 @@ def settings(**values: object) -> NetworkSettings:
 # -- units -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,bits", [("100mbit", 100e6), ("1gbit", 1e9), ("500kbit", 500e3), ("1.5Gbit", 1.5e9),
-                                       ("100Mbps", 100e6), ("20 mbit", 20e6), ("64kbit/s", 64e3), ("9600bit", 9600)])
+                                       ("20 mbit", 20e6), ("64kbit/s", 64e3), ("9600bit", 9600),
+                                       # tc's convention: *bps are bytes per second
+                                       ("100Mbps", 800e6), ("10MBps", 80e6), ("1kbps", 8e3), ("2GBPS", 16e9),
+                                       ("125bps", 1000)])
 def test_bandwidth_units(text, bits):
     assert parse_bandwidth(text) == pytest.approx(bits)
 
 
-@pytest.mark.parametrize("text", ["fast", "100", "100mb", "-5mbit", "0mbit", "", "nanmbit", "1e999mbit"])
+@pytest.mark.parametrize("text", ["fast", "100", "100mb", "-5mbit", "0mbit", "", "nanmbit", "1e999mbit", "10mibps",
+                                  "10 megabit", "5mbyte"])
 def test_bad_bandwidth_is_one_clear_error(text):
     with pytest.raises(ConfigError) as exc:
         parse_bandwidth(text)
-    assert str(exc.value) == f"--bandwidth: must look like 100mbit, 1gbit or 500kbit, got {text!r}"
+    assert str(exc.value) == f"--bandwidth: must look like 100mbit or 500kbit (bits/s) or 10mbps (bytes/s), got {text!r}"
 
 
 @pytest.mark.parametrize("text,seconds", [("5ms", 0.005), ("100us", 1e-4), ("1s", 1.0), ("0", 0.0), ("0.1ms", 1e-4)])
@@ -126,14 +130,14 @@ def test_nothing_set_means_no_emulation():
 
 
 @pytest.mark.parametrize("values,flag,message", [
-    ({"bandwidth": "fast"}, "--bandwidth", "must look like 100mbit, 1gbit or 500kbit, got 'fast'"),
+    ({"bandwidth": "fast"}, "--bandwidth", "must look like 100mbit or 500kbit (bits/s) or 10mbps (bytes/s), got 'fast'"),
     ({"latency": "5"}, "--latency", "must look like 5ms, 100us or 1s, got '5'"),
     ({"jitter": "lots"}, "--jitter", "must look like 5ms, 100us or 1s, got 'lots'"),
     ({"slow_worker": "2"}, "--slow-worker", "must look like 2:4x (rank:value, comma-separated), got '2'"),
     ({"slow_worker": "2:0.5x"}, "--slow-worker", "slowdown must look like 4x (a factor >= 1), got '0.5x'"),
     ({"slow_link": "x:10mbit"}, "--slow-link", "must look like 3:10mbit (rank:value, comma-separated), got 'x:10mbit'"),
-    ({"slow_link": "1:slow"}, "--slow-link", "must look like 100mbit, 1gbit or 500kbit, got 'slow'"),
-    ({"network": "moon"}, "--network", "unknown preset 'moon'; choose one of: none, lan, wan, edge, straggler, slow-link, fluctuating"),
+    ({"slow_link": "1:slow"}, "--slow-link", "must look like 100mbit or 500kbit (bits/s) or 10mbps (bytes/s), got 'slow'"),
+    ({"network": "moon"}, "--network", "unknown value 'moon'; choose one of: none, lan, wan, edge, straggler, slow-link, fluctuating"),
     ({"emulation": "vm"}, "--emulation", "unknown value 'vm'; choose one of: model, netns"),
     ({"bandwidth_trace": "/nonexistent/trace.csv"}, "--bandwidth-trace", "file '/nonexistent/trace.csv' does not exist"),
 ])
@@ -156,7 +160,7 @@ def test_cli_reports_a_bad_bandwidth_in_one_line(capsys):
 
     assert main(["train", "--bandwidth", "fast"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "distrain: --bandwidth: must look like 100mbit, 1gbit or 500kbit, got 'fast'"
+    assert err == "distrain: --bandwidth: must look like 100mbit or 500kbit (bits/s) or 10mbps (bytes/s), got 'fast'"
 
 
 # -- traces --------------------------------------------------------------------------------------

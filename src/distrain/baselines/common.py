@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrain.baselines.wire import WireMeter
 from distrain.config import TrainConfig
-from distrain.emulation import Emulation
+from distrain.emulation import Emulation, NetworkSettings
 from distrain.errors import ConfigError, DataError, DistrainError
 from distrain.launch.common import (
     check_device,
@@ -162,7 +162,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
         write_json_atomic(run_dir / "config.json", {
             **out_cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
             "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": None,
-            "algorithm_info": peer.info(),
+            "algorithm_info": peer.info(), "network_bits_per_s": NetworkSettings.from_config(cfg.network).bits_per_s(),
         })
 
     # --- the loop -----------------------------------------------------------------------------

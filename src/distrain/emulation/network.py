@@ -84,6 +84,12 @@ class NetworkSettings:
     fluctuate: tuple[float, float, float] | None = None  # high, low, period (the fluctuating preset)
     mode: str = "model"
 
+    def bits_per_s(self) -> dict[str, Any]:
+        """The bandwidths as parsed, in bits per second, for a run's config.json."""
+        return {"bandwidth": self.bandwidth,
+                "slow_link": {str(rank): bits for rank, bits in self.slow_links},
+                "fluctuate": None if self.fluctuate is None else {"high": self.fluctuate[0], "low": self.fluctuate[1]}}
+
     @property
     def active(self) -> bool:
         """Whether anything is emulated (or the run goes to namespaces)."""

@@ -160,7 +160,7 @@ class _Builder:
         try:
             bits = parse_bandwidth(bandwidth_text, SETTING)
         except ConfigError:
-            self.fail(number, f"bandwidth must look like 100mbit, 1gbit or 500kbit, got {bandwidth_text!r}")
+            self.fail(number, f"bandwidth must look like 100mbit or 500kbit (bits/s) or 10mbps (bytes/s), got {bandwidth_text!r}")
         self.entries.append(TraceEntry(time_s, worker, bits))
 
     def done(self) -> BandwidthTrace:

@@ -1,13 +1,15 @@
 """Parse and print the units of network settings: bandwidths, durations, sizes, factors.
 
-Bandwidths are bits per second: ``500kbit``, ``100mbit``, ``1gbit`` (``kbps``/``mbps``/``gbps``
-mean the same, bits, as in everyday networking use; note that ``tc`` reads ``mbps`` as
-megabytes). Durations: ``100us``, ``5ms``, ``1s`` (``0`` alone is allowed). Sizes: ``500KB``,
+Bandwidths follow ``tc``'s convention, which users of traffic shaping know: ``bit``, ``kbit``,
+``mbit``, ``gbit``, ``tbit`` are bits per second, and ``bps``, ``kbps``, ``mbps``, ``gbps``,
+``tbps`` are *bytes* per second (``10mbps`` = 80 Mbit/s); case-insensitive, a trailing ``/s`` is
+allowed, any other unit is refused. Every parsed value is in bits per second. Durations: ``100us``, ``5ms``, ``1s`` (``0`` alone is allowed). Sizes: ``500KB``,
 ``10MB``, ``1GB`` (powers of 1000) or ``64KiB``, ``10MiB`` (powers of 1024), or plain bytes.
 
 Example::
 
     parse_bandwidth("100mbit")   # 100e6 bits/s
+    parse_bandwidth("10MBps")    # 80e6 bits/s (10 megabytes per second)
     parse_duration("5ms")        # 0.005 s
     parse_size("10MB")           # 10_000_000 bytes
 """
@@ -23,7 +25,7 @@ _NUMBER = r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
 
 _BANDWIDTH_UNITS = {
     "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12,
+    "bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
 }
 _DURATION_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _SIZE_UNITS = {"b": 1, "": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -40,10 +42,10 @@ def _split(text: object) -> tuple[float, str] | None:
 
 
 def parse_bandwidth(text: object, setting: str = "--bandwidth") -> float:
-    """``"100mbit"`` -> 1e8 (bits per second); must be > 0."""
+    """``"100mbit"`` -> 1e8, ``"10mbps"`` -> 8e7 (bits per second); must be > 0."""
     parts = _split(text)
     if parts is None or parts[1] not in _BANDWIDTH_UNITS or parts[0] <= 0:
-        raise ConfigError(setting, f"must look like 100mbit, 1gbit or 500kbit, got {text!r}")
+        raise ConfigError(setting, f"must look like 100mbit or 500kbit (bits/s) or 10mbps (bytes/s), got {text!r}")
     return parts[0] * _BANDWIDTH_UNITS[parts[1]]
 
 

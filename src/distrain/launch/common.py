@@ -7,6 +7,7 @@ import ctypes.util
 import datetime
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -31,6 +32,35 @@ def default_run_dir(cfg: TrainConfig, stamp: float) -> Path:
     name = cfg.run.name or "{}-{}-{}".format(
         cfg.algo.algorithm, cfg.data.dataset, datetime.datetime.fromtimestamp(stamp).strftime("%Y%m%d-%H%M%S"))
     return Path("runs") / name
+
+
+#: What a run writes into its directory; --overwrite removes these and nothing else.
+RUN_FILES = ("config.json", "summary.json", "metrics", "checkpoints", "failures", "report", "logs", "netns")
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds what an earlier run wrote (its config, results or checkpoints)."""
+    return any((run_dir / name).exists() for name in ("config.json", "summary.json", "metrics", "checkpoints"))
+
+
+def claim_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
+    """Refuse a run directory that holds an earlier run unless the user resumes or overwrites it.
+
+    Starting afresh beside an earlier run's checkpoints would let a later ``--resume auto`` pick
+    up a step of the other run; with ``--overwrite`` the earlier run's files are removed first.
+    Called once, before any worker starts (by the launcher, or torchrun's rank 0).
+    """
+    if cfg.run.resume != "none" or not holds_a_run(run_dir):
+        return
+    if not cfg.run.overwrite:
+        raise ConfigError("--run-dir", f"{str(run_dir)!r} holds an earlier run; continue it with --resume auto, "
+                          "or replace it with --overwrite")
+    for name in RUN_FILES:
+        target = run_dir / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
 
 
 def backend_for(cfg: TrainConfig) -> str:

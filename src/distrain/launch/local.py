@@ -20,11 +20,12 @@ from typing import Any
 import torch.distributed as dist
 
 from distrain.algorithms import ALGORITHMS
-from distrain.config import TrainConfig
+from distrain.config import TrainConfig, check_run_dir
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
 from distrain.launch.common import (
     check_device,
     check_port_free,
+    claim_run_dir,
     close_group,
     configure_worker_logging,
     default_run_dir,
@@ -244,7 +245,8 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
         return launch_netns(cfg, model_fn=model_fn, train_set=train_set, test_set=test_set)
     check_device(cfg)
     run_dir = default_run_dir(cfg, time.time())
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_run_dir(run_dir)
+    claim_run_dir(cfg, run_dir)
     user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set}
     nprocs = cfg.cluster.workers + server_count(cfg)
     if nprocs == 1:
@@ -253,6 +255,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     finished = finished_before_start(cfg, run_dir, nprocs)
     if finished is not None:
         return finished
+    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a start refused above leaves no directory behind
     shutil.rmtree(run_dir / FAILURES, ignore_errors=True)  # notes of an earlier attempt in this directory
     addr = cfg.cluster.master_addr
     if cfg.cluster.master_port:

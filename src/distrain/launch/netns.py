@@ -349,7 +349,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = None, test_set: Any = None) -> dict[str, Any]:
     """Train with ``cfg.cluster.workers`` workers, each in its own shaped network namespace."""
-    from distrain.launch.common import check_device, default_run_dir, server_count
+    from distrain.config import check_run_dir
+    from distrain.launch.common import check_device, claim_run_dir, default_run_dir, server_count
     from distrain.launch.local import finished_before_start, preflight
 
     if model_fn is not None or train_set is not None or test_set is not None:
@@ -363,12 +364,14 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     firsts = [host_of.index(h) for h in range(max(host_of) + 1)]
     preflight(cfg)
     run_dir = default_run_dir(cfg, time.time()).resolve()
+    check_run_dir(run_dir)
+    claim_run_dir(cfg, run_dir)
     finished = finished_before_start(cfg, run_dir, world)
     if finished is not None:
         return finished
     work = run_dir / "netns"
     work.mkdir(parents=True, exist_ok=True)
-    worker_cfg = replace(cfg, run=replace(cfg.run, run_dir=str(run_dir)))
+    worker_cfg = replace(cfg, run=replace(cfg.run, run_dir=str(run_dir), overwrite=False))
     config_path = work / "config.json"
     config_path.write_text(json.dumps(worker_cfg.to_dict(), indent=2))
     clock_file = work / "clock"

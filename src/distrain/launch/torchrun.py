@@ -11,9 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrain.config import TrainConfig
+from distrain.config import TrainConfig, check_run_dir
 from distrain.launch.common import (
     check_device,
+    claim_run_dir,
     close_group,
     configure_worker_logging,
     default_run_dir,
@@ -49,12 +50,18 @@ def run_torchrun_worker(cfg: TrainConfig, **user: Any) -> dict[str, Any] | None:
     check_device(cfg)
     cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world - server_count(cfg)))
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if rank == 0 and attempt == "0" and (cfg.run.run_dir or cfg.run.name):
+        # Before anyone joins: torchrun stops the other ranks when this one exits on bad input. A
+        # restarted attempt finds its own first attempt's files, which are not an earlier run.
+        run_dir = default_run_dir(cfg, 0.0)
+        check_run_dir(run_dir)
+        claim_run_dir(cfg, run_dir)
     hosted_elsewhere = rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if hosted_elsewhere:  # the torchrun agent (or rank 0) hosts the store
         wait_for_master(addr, port, cfg.cluster.timeout)
     # The agent's store outlives a restart: each attempt meets under its own prefix, or a
     # restarted worker could read the addresses of the attempt before and connect to nobody.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"distrain/attempt-{attempt}", store_of(addr, port, cfg.cluster.timeout, host=not hosted_elsewhere))
     init_group(cfg, rank, world, store=store)
     try:

@@ -40,7 +40,7 @@ from distrain.data import (
     partition_indices,
 )
 from distrain.data.sampler import ShardSampler
-from distrain.emulation import Emulation
+from distrain.emulation import Emulation, NetworkSettings
 from distrain.errors import ConfigError, DataError
 from distrain.models import build_model
 from distrain.train.checkpoint import CheckpointStore, check_compatible, planned_steps
@@ -227,7 +227,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         write_json_atomic(run_dir / "config.json", {
             **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
             "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": resume_step,
-            "algorithm_info": algorithm.info(),
+            "algorithm_info": algorithm.info(), "network_bits_per_s": NetworkSettings.from_config(cfg.network).bits_per_s(),
         })
 
     def counters(step: int, wall: float | None = None, cpu: float | None = None) -> list[float]:

@@ -1,0 +1,191 @@
+"""The run's own inputs as a user types them: run directory, run name, config files and their
+types, bandwidth units, and re-using a run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distrain.cli import main
+from distrain.config import TrainConfig, choices_of, leaf_fields
+from distrain.errors import ConfigError
+from tests.reliability.common import QUICK, cli_env
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def typed(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m distrain ARGS`` from ``tmp_path``, as a user types it."""
+    return subprocess.run([sys.executable, "-m", "distrain", *args], cwd=tmp_path, env=cli_env("inputs"),
+                          capture_output=True, text=True, timeout=90)
+
+
+def refused(capsys, *args: str) -> str:  # noqa: ANN001
+    """``distrain train ARGS`` in this process: exit 2 and one stderr line, which is returned."""
+    try:
+        code = main(["train", *QUICK, *args])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, (code, err)
+    return err[0]
+
+
+def test_run_dir_that_is_a_file_is_refused_as_typed(tmp_path):
+    target = tmp_path / "results.txt"
+    target.write_text("a user's file\n")
+    out = typed(tmp_path, "train", *QUICK, "--workers", "2", "--run-dir", str(target))
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("distrain: --run-dir:") and "not a directory" in lines[0]
+    assert target.read_text() == "a user's file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]  # nothing written, not even runs/
+
+
+def test_run_dirs_that_cannot_be_written(capsys, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert "is not a directory" in refused(capsys, "--run-dir", str(blocker / "run"))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    line = refused(capsys, "--run-dir", str(locked / "run"))
+    assert line.startswith("distrain: --run-dir:") and "not writable" in line
+    assert not (locked / "run").exists()
+
+
+def test_name_is_one_path_component_as_typed(tmp_path):
+    (tmp_path / "work").mkdir()
+    out = typed(tmp_path / "work", "train", *QUICK, "--workers", "2", "--name", "../../escape")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("distrain: --name:") and "one path component" in lines[0]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["work"]
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", ".", "", "a\\b"])
+def test_names_that_are_not_one_component(capsys, name):
+    assert refused(capsys, "--name", name).startswith("distrain: --name:")
+
+
+@pytest.mark.parametrize("settings,flag,expected", [
+    ({"workers": True}, "--workers", "an integer"),
+    ({"epochs": True}, "--epochs", "a number"),
+    ({"lr": "0.1"}, "--lr", "a number"),
+    ({"lr_scaling": 1}, "--lr-scaling", "true or false"),
+    ({"progress": "false"}, "--progress", "true or false"),
+    ({"batch_size": 2.5}, "--batch-size", "an integer"),
+    ({"compress": 0}, "--compress", "a string"),
+    ({"epochs": None}, "--epochs", "a number, got null"),
+])
+def test_config_file_types_must_match(tmp_path, settings, flag, expected):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(settings))
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig.from_file(path)
+    assert str(exc.value).startswith(f"{flag}: expected {expected}")
+    assert "\n" not in str(exc.value)
+
+
+def test_config_file_values_of_the_right_type(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("workers = 2.0\nepochs = 3\nlr_scaling = false\n[optim]\nlr = 1\n")
+    cfg = TrainConfig.from_file(path).validate()
+    assert (cfg.cluster.workers, cfg.run.epochs, cfg.optim.lr_scaling, cfg.optim.lr) == (2, 3.0, False, 1.0)
+    assert type(cfg.cluster.workers) is int and type(cfg.run.epochs) is float
+
+
+def test_a_mismatched_type_in_a_config_file_as_typed(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"workers": True}))
+    out = typed(tmp_path, "train", "--config", "run.json")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == ["distrain: --workers: expected an integer, got True"]
+
+
+def test_choices_have_one_source(capsys):
+    """Each setting's allowed values come from its field; validation refuses what help does not list."""
+    checked = 0
+    for _, field, _ in leaf_fields():
+        choices = choices_of(field)
+        if not choices:
+            continue
+        line = refused(capsys, f"--{field.name.replace('_', '-')}", "no-such-value")
+        assert line == f"distrain: --{field.name.replace('_', '-')}: unknown value 'no-such-value'; choose one of: {', '.join(choices)}"
+        checked += 1
+    assert checked >= 15
+
+
+def test_yaml_without_pyyaml_names_the_extra(tmp_path, monkeypatch):
+    path = tmp_path / "run.yaml"
+    path.write_text("workers: 2\n")
+    monkeypatch.setitem(sys.modules, "yaml", None)  # as if PyYAML were not installed
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig.from_file(path)
+    assert str(exc.value) == "--config: reading .yaml files needs PyYAML: pip install 'distrain[yaml]'"
+
+
+def test_keyword_construction_and_version(capsys):
+    cfg = TrainConfig(workers=2, epochs=3, model="mlp")
+    assert (cfg.cluster.workers, cfg.run.epochs, cfg.model.model) == (2, 3, "mlp")
+    assert TrainConfig(workers=2).to_dict() == TrainConfig.from_dict({"workers": 2}).to_dict()
+    with pytest.raises(ConfigError, match="unknown setting"):
+        TrainConfig(wrokers=2)
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    from distrain import __version__
+
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"distrain {__version__}"
+
+
+def test_bandwidth_units_follow_tc_and_config_json_records_bits(tmp_path):
+    """``mbps`` is megabytes per second as in tc; the run's config.json holds bit/s, and loads as
+    the run's own --config."""
+    run = tmp_path / "run"
+    out = typed(tmp_path, "train", *QUICK, "--workers", "2", "--epochs", "0.2", "--run-dir", str(run),
+                "--bandwidth", "10MBps", "--slow-link", "1:4mbit")
+    assert out.returncode == 0, out.stderr
+    record = json.loads((run / "config.json").read_text())
+    assert record["network_bits_per_s"]["bandwidth"] == pytest.approx(80e6)
+    assert record["network_bits_per_s"]["slow_link"] == {"1": pytest.approx(4e6)}
+    again = TrainConfig.from_file(run / "config.json").validate()
+    assert again.to_dict() == TrainConfig.from_dict({k: record[k] for k in again.to_dict()}).to_dict()
+    assert again.network.bandwidth == "10MBps" and again.cluster.workers == 2
+
+
+def test_a_run_dir_holding_an_earlier_run(tmp_path):
+    """Refused without --resume or --overwrite; --overwrite removes the earlier run's files only."""
+    run = tmp_path / "run"
+    out = typed(tmp_path, "train", *QUICK, "--workers", "1", "--epochs", "0.1", "--run-dir", str(run),
+                "--checkpoint-every", "2")
+    assert out.returncode == 0, out.stderr
+    (run / "notes.txt").write_text("mine\n")
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    again = typed(tmp_path, "train", *QUICK, "--workers", "2", "--epochs", "0.1", "--run-dir", str(run))
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 2 and len(lines) == 1, again.stderr
+    assert "--run-dir" in lines[0] and "--resume auto" in lines[0] and "--overwrite" in lines[0]
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before  # nothing touched
+    steps = sorted((run / "checkpoints").iterdir())
+    assert len(steps) >= 2
+
+    fresh = typed(tmp_path, "train", *QUICK, "--workers", "1", "--epochs", "0.05", "--run-dir", str(run), "--overwrite")
+    assert fresh.returncode == 0, fresh.stderr
+    assert (run / "notes.txt").read_text() == "mine\n"
+    left = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len(left) == 1 and left != [steps[-1].name]  # only the new run's final checkpoint
+
+
+def test_overwrite_and_resume_do_not_combine(capsys):
+    assert refused(capsys, "--overwrite", "--resume", "auto").startswith("distrain: --overwrite:")
+
+
+def test_a_refused_start_leaves_no_run_directory(tmp_path):
+    run = tmp_path / "run"
+    out = typed(tmp_path, "train", *QUICK, "--workers", "4", "--batch-size", "10000", "--run-dir", str(run))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not run.exists()
