@@ -128,7 +128,13 @@ def flat_settings(values: dict[str, Any]) -> dict[str, Any]:
 def cmd_report(args: argparse.Namespace) -> int:
     from distrain.report import report
 
-    files, table = report(args.runs, out_dir=args.out, baseline=args.baseline)
+    labels: dict[str, str] = {}
+    for item in args.label or []:
+        directory, sep, name = item.partition("=")
+        if not sep or not directory or not name:
+            raise ConfigError("--label", f"must look like RUN_DIR=NAME, got {item!r}")
+        labels[directory] = name
+    files, table = report(args.runs, out_dir=args.out, baseline=args.baseline, labels=labels)
     print(table)
     print()
     for path in files:
@@ -191,13 +197,16 @@ def build_parser() -> Parser:
     compare.add_argument("--config", default=None, metavar="FILE", help="JSON, TOML or YAML file of shared settings; flags override it")
     add_config_flags(compare, exclude=COMPARE_OWN)
     compare.set_defaults(func=cmd_compare)
-    rep = sub.add_parser("report", help="plot finished runs: accuracy, bytes, throughput, compression ratio, consensus",
+    rep = sub.add_parser("report", help="plot finished runs: accuracy, loss, bytes, throughput, compression ratio, consensus",
                          description="Write PNG plots (and print a table) for run directories, compare output "
-                         "directories, or directories holding runs; repeats of one configuration are aggregated.")
+                         "directories, or directories holding runs; repeats of one configuration (runs whose "
+                         "settings differ only in the seed) are aggregated.")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or a compare --out directory)")
     rep.add_argument("--out", default=None, metavar="DIR", help="where to write the plots (default: a compare directory "
-                     "itself, else report/ next to the first run)")
+                     "itself, report/ inside a single run, else report/ next to the first run)")
     rep.add_argument("--baseline", default=None, metavar="NAME", help="configuration the speed-ups are measured against (default: the first)")
+    rep.add_argument("--label", action="append", default=None, metavar="DIR=NAME", help="name the runs in or below DIR "
+                     "(they form one group); repeatable. Otherwise runs are grouped by every setting but the seed")
     rep.set_defaults(func=cmd_report)
     from distrain.bench import add_bench_parser  # distrain bench link (emulation benchmarks)
 

@@ -23,10 +23,10 @@ def test_report_plots_a_real_run(tmp_path: Path) -> None:
         assert (tmp_path / "plots" / name).stat().st_size > 10_000
         assert f"wrote {tmp_path / 'plots' / name}" in res.stdout
     assert "allreduce (baseline)" in res.stdout
-    # Without --out: report/ next to the run.
+    # Without --out: a single run's report goes inside it.
     res = distrain("report", str(run))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "runs" / "report").iterdir()) == expected
+    assert sorted(p.name for p in (run / "report").iterdir()) == expected
 
 
 def test_report_on_a_missing_directory_exits_2(tmp_path: Path) -> None:

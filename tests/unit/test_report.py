@@ -112,7 +112,7 @@ def test_optional_plots_left_out_without_their_metrics(tmp_path: Path) -> None:
     files, table = report([tmp_path / "runs" / "a"])
     assert sorted(p.name for p in files) == ["accuracy_vs_epoch.png", "accuracy_vs_time.png",
                                              "bytes_sent_per_worker.png", "throughput_per_worker.png"]
-    assert all(p.parent == tmp_path / "runs" / "report" for p in files)
+    assert all(p.parent == tmp_path / "runs" / "a" / "report" for p in files)  # a single run's report stays in it
     assert "allreduce (baseline)" in table and "90.0" in table
 
 

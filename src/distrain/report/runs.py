@@ -1,14 +1,18 @@
 """Reading finished run directories and grouping repeats of one configuration.
 
 A run directory holds ``config.json``, ``summary.json`` and ``metrics/rank<r>.jsonl``. A
-*configuration* is what a comparison varies (algorithm, compressor, network); runs with the same
-label are repeats of it, and the report draws their mean with a shaded min-max band.
+*configuration* is every setting of a run but its seed and the settings that cannot change what
+it computes (:data:`NOT_CONFIGURATION`: where it writes, how it reports progress, how long it
+waits); runs of one configuration are repeats of it, and the report draws their mean with a
+shaded min-max band. A group's label is ``algorithm[+compressor][ @network]``, followed by the
+settings that tell it apart from other groups of that name (``allreduce workers=2
+dataset=digits``), unless a comparison or the user (``--label DIR=NAME``) names it.
 
 Example::
 
-    from distrain.report.runs import load_runs, group_by_label
+    from distrain.report.runs import load_runs, group_runs
     runs = load_runs(["runs/a", "runs/b"])
-    for label, repeats in group_by_label(runs).items():
+    for label, repeats in group_runs(runs).items():
         print(label, [r.summary["final_test_accuracy"] for r in repeats])
 """
 
@@ -179,6 +183,72 @@ def load_runs(paths: Iterable[str | Path], labels: Iterable[str | None] | None =
     if not runs:
         raise DataError("no run directories to report on")
     return runs
+
+
+#: Settings that do not change what a run computes: runs differing only in these (and the seed)
+#: are repeats of one configuration.
+NOT_CONFIGURATION = frozenset({
+    "seed", "run_dir", "name", "progress", "master_addr", "master_port", "resume", "overwrite",
+    "checkpoint_every", "timeout", "peer_timeout",
+})
+
+
+def configuration(run: RunData) -> dict[str, str]:
+    """A run's settings but those in :data:`NOT_CONFIGURATION`, as text, from its config.json."""
+    from distrain.config import SECTIONS
+
+    out: dict[str, str] = {}
+    for key, value in run.config.items():
+        items = value.items() if key in SECTIONS and isinstance(value, dict) else []
+        for name, inner in items:
+            if name not in NOT_CONFIGURATION:
+                out[name] = json.dumps(inner) if not isinstance(inner, str) else inner
+    return out
+
+
+def group_runs(runs: Iterable[RunData], labels: dict[str, str] | None = None) -> dict[str, list[RunData]]:
+    """Runs grouped by configuration (every setting but the seed), in first-seen order.
+
+    ``labels`` maps a directory to a name: every run in or below it gets that name, and runs
+    given one name form one group whatever their settings (the user says they belong together).
+    Other groups are named by :func:`default_label` (or the comparison's label), with the
+    settings that differ between groups of the same name appended.
+    """
+    keyed: dict[tuple[str, tuple[tuple[str, str], ...]], list[RunData]] = {}
+    for run in runs:
+        named = _user_label(run.path, labels or {})
+        key = (named, ()) if named is not None else (run.label, tuple(sorted(configuration(run).items())))
+        keyed.setdefault(key, []).append(run)
+    by_name: dict[str, list[tuple[tuple[str, str], ...]]] = {}
+    for name, settings in keyed:
+        by_name.setdefault(name, []).append(settings)
+    groups: dict[str, list[RunData]] = {}
+    for (name, settings), members in keyed.items():
+        label = name
+        siblings = by_name[name]
+        if len(siblings) > 1:
+            differing = _differing(siblings)
+            label += " " + " ".join(f"{k}={v}" for k, v in settings if k in differing)
+        for run in members:
+            run.label = label
+        groups.setdefault(label, []).extend(members)
+    return groups
+
+
+def _user_label(path: Path, labels: dict[str, str]) -> str | None:
+    resolved = path.resolve()
+    for directory, name in labels.items():
+        base = Path(directory).resolve()
+        if resolved == base or base in resolved.parents:
+            return name
+    return None
+
+
+def _differing(variants: list[tuple[tuple[str, str], ...]]) -> set[str]:
+    """The settings whose values are not the same in every variant."""
+    dicts = [dict(v) for v in variants]
+    names = {k for d in dicts for k in d}
+    return {k for k in names if len({d.get(k) for d in dicts}) > 1}
 
 
 def group_by_label(runs: Iterable[RunData]) -> dict[str, list[RunData]]:
