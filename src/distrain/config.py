@@ -544,11 +544,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                 import tomli as tomllib  # type: ignore[no-redef]
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ModuleNotFoundError:
-                raise ConfigError("--config", "reading .yaml files needs PyYAML: pip install 'distrain[yaml]'") from None
-            data = yaml.safe_load(text)
+            from distrain.extras import require
+
+            data = require("yaml", feature=f"--config {path.name}", setting="--config").safe_load(text)
         else:
             raise ConfigError("--config", f"unsupported file type {path.suffix!r}; use .json, .toml or .yaml")
     except ConfigError:

@@ -19,12 +19,14 @@ import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from distrain.errors import ConfigError, DataError
+from distrain.extras import require
 from distrain.runtime.files import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -186,12 +188,14 @@ def _load_mnist1d(
 ) -> tuple[ArrayDataset, ArrayDataset]:
     """MNIST-1D generated locally, cached as ``.npz`` so that only the first caller pays for it."""
     directory = _default_cache_dir() if cache_dir is None else Path(cache_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     cache = directory / f"mnist1d-v{_CACHE_VERSION}-n{num_samples}-s{seed}.npz"
     # Fast path without the lock: the cache is replaced atomically, so a reader sees either no
     # file or a complete one.
     arrays = _read_mnist1d_cache(cache, num_samples) if cache.exists() else None
     if arrays is None:
+        # Without the package, stop before writing anything (not even the lock file).
+        mnist1d_data = require("mnist1d.data", feature="--dataset mnist1d", setting="--dataset")
+        directory.mkdir(parents=True, exist_ok=True)
         with _exclusive_lock(cache.with_name(cache.name + ".lock")):
             # Another process may have written it while this one waited for the lock.
             arrays = _read_mnist1d_cache(cache, num_samples) if cache.exists() else None
@@ -199,7 +203,7 @@ def _load_mnist1d(
                 logger.info(
                     "generating mnist1d (%d samples, seed %d) into %s", num_samples, seed, cache
                 )
-                arrays = _generate_mnist1d(num_samples, seed)
+                arrays = _generate_mnist1d(mnist1d_data, num_samples, seed)
                 _atomic_savez(cache, version=np.array(_CACHE_VERSION), **arrays)
     return (
         ArrayDataset(arrays["x"], arrays["y"], num_classes=10),
@@ -212,17 +216,16 @@ def _default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "distrain"
 
 
-def _generate_mnist1d(num_samples: int, seed: int) -> dict[str, np.ndarray]:
-    import mnist1d.data
-
-    args = mnist1d.data.get_dataset_args()
+def _generate_mnist1d(mnist1d_data: ModuleType, num_samples: int, seed: int) -> dict[str, np.ndarray]:
+    """Arrays of a fresh MNIST-1D draw made by the ``mnist1d.data`` module given."""
+    args = mnist1d_data.get_dataset_args()
     args.num_samples = num_samples
     args.seed = seed
     # make_dataset reseeds the global `random` and `np.random` generators; put them back so that
     # loading data does not change the caller's random stream.
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
-        data = mnist1d.data.make_dataset(args)
+        data = mnist1d_data.make_dataset(args)
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
@@ -262,14 +265,13 @@ def _read_mnist1d_cache(cache: Path, num_samples: int) -> dict[str, np.ndarray] 
 
 def _load_digits(seed: int) -> tuple[ArrayDataset, ArrayDataset]:
     """scikit-learn's 8x8 digits, scaled to [0, 1], split 80/20 stratified by class."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
+    sklearn_datasets = require("sklearn.datasets", feature="--dataset digits", setting="--dataset")
+    sklearn_selection = require("sklearn.model_selection", feature="--dataset digits", setting="--dataset")
+    digits = sklearn_datasets.load_digits()
     x = (digits.images / 16.0).astype(np.float32)[:, None, :, :]
     y = digits.target.astype(np.int64)
     index = np.arange(len(y))
-    train_idx, test_idx = train_test_split(
+    train_idx, test_idx = sklearn_selection.train_test_split(
         index, test_size=TEST_FRACTION, stratify=y, random_state=seed
     )
     train_idx, test_idx = np.sort(train_idx), np.sort(test_idx)

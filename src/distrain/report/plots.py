@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from matplotlib.figure import Figure
-
+from distrain.extras import require
 from distrain.report.runs import CONSENSUS_KEY, RunData
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Groups = dict[str, list[RunData]]
 #: (x, mean, min, max) of one configuration's curve.
@@ -28,16 +31,19 @@ Curve = tuple[list[float], list[float], list[float], list[float]]
 DPI = 110
 
 
+def _matplotlib(module: str = "matplotlib") -> ModuleType:
+    """matplotlib (or one of its modules), imported on first use: it is the ``plots`` extra."""
+    return require(module, feature="plotting", setting="plots")
+
+
 def colors(groups: Groups) -> dict[str, Any]:
     """One colour per configuration, the same in every plot of a report."""
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10" if len(groups) <= 10 else "tab20"]
+    cmap = _matplotlib().colormaps["tab10" if len(groups) <= 10 else "tab20"]
     return {label: cmap(i % cmap.N) for i, label in enumerate(groups)}
 
 
 def _figure(width: float = 7.5, height: float = 4.5) -> tuple[Figure, Any]:
-    fig = Figure(figsize=(width, height), dpi=DPI)
+    fig = _matplotlib("matplotlib.figure").Figure(figsize=(width, height), dpi=DPI)
     return fig, fig.add_subplot(1, 1, 1)
 
 
@@ -119,8 +125,6 @@ def plot_per_worker_bars(groups: Groups, key: str, path: str | Path, *, title: s
     """Grouped bars: one group per configuration, one bar per worker (mean over repeats, min-max
     error bars); ``key`` is a per-worker list in summary.json."""
     fig, ax = _figure(max(7.5, 1.2 * len(groups) + 3), 4.5)
-    from matplotlib import colormaps
-
     values: dict[str, list[list[float]]] = {}
     for label, runs in groups.items():
         per_run = [[float(v) * scale if v is not None else 0.0 for v in r.summary.get(key) or []] for r in runs]
@@ -131,7 +135,7 @@ def plot_per_worker_bars(groups: Groups, key: str, path: str | Path, *, title: s
         return None
     workers = max(len(v) for runs in values.values() for v in runs)
     width = 0.8 / workers
-    cmap = colormaps["viridis"]
+    cmap = _matplotlib().colormaps["viridis"]
     for w in range(workers):
         xs, heights, err_lo, err_hi = [], [], [], []
         for i, per_run in enumerate(values.values()):
@@ -159,7 +163,7 @@ def plot_per_worker_bars(groups: Groups, key: str, path: str | Path, *, title: s
 
 def _panels(count: int, height: float = 2.6) -> tuple[Figure, list[Any]]:
     """One row of axes per configuration, sharing the x axis."""
-    fig = Figure(figsize=(7.5, 1.0 + height * count), dpi=DPI)
+    fig = _matplotlib("matplotlib.figure").Figure(figsize=(7.5, 1.0 + height * count), dpi=DPI)
     axes = fig.subplots(count, 1, sharex=True, squeeze=False)[:, 0]
     return fig, list(axes)
 
@@ -180,9 +184,7 @@ def plot_ratio_per_worker(groups: Groups, path: str | Path) -> Path | None:
     if not chosen:
         return None
     fig, axes = _panels(len(chosen))
-    from matplotlib import colormaps
-
-    cmap = colormaps["viridis"]
+    cmap = _matplotlib().colormaps["viridis"]
     for ax, (label, per_worker) in zip(axes, chosen, strict=True):
         n = len(per_worker)
         for r, points in per_worker.items():
@@ -232,6 +234,7 @@ def plot_loss_quantiles(groups: Groups, path: str | Path) -> Path | None:
 
 def make_plots(groups: Groups, out_dir: str | Path) -> list[Path]:
     """Every plot that the runs have data for, written into ``out_dir``; returns the files."""
+    _matplotlib("matplotlib.figure")  # missing: say so before any plot is drawn
     out = Path(out_dir)
     written = [
         plot_accuracy(groups, "time", out / "accuracy_vs_time.png"),
