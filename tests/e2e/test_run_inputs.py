@@ -126,7 +126,7 @@ def test_yaml_without_pyyaml_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "yaml", None)  # as if PyYAML were not installed
     with pytest.raises(ConfigError) as exc:
         TrainConfig.from_file(path)
-    assert str(exc.value) == "--config: reading .yaml files needs PyYAML: pip install 'distrain[yaml]'"
+    assert str(exc.value).startswith("--config") and str(exc.value).endswith("pip install 'distrain[yaml]'")
 
 
 def test_keyword_construction_and_version(capsys):
