@@ -158,12 +158,12 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  {'wall time (training)':<22}{s['wall_time_s']:.1f} s",
         f"  {'samples/s':<22}{s['samples_per_s'] or 0:.0f}",
         "",
-        f"  {'worker':<8}{'samples/s':>12}{'sent':>14}{'received':>14}{'compute':>10}{'comm':>10}",
+        f"  {'worker':<8}{'samples/s':>12}{'sent':>14}{'received':>14}{'compute':>10}{'comm wait':>11}",
     ]
     for r in range(s["workers"]):
         sps = s["samples_per_s_per_worker"][r]
         lines.append(f"  {r:<8}{sps or 0:>12.0f}{_mb(s['bytes_sent_per_worker'][r]):>14}"
-                     f"{_mb(s['bytes_received_per_worker'][r]):>14}{s['compute_s_per_worker'][r]:>9.1f}s{s['comm_s_per_worker'][r]:>9.1f}s")
+                     f"{_mb(s['bytes_received_per_worker'][r]):>14}{s['compute_s_per_worker'][r]:>9.1f}s{s['exposed_comm_s_per_worker'][r]:>10.1f}s")
     lines += ["", f"run directory: {s['run_dir']}"]
     return "\n".join(lines)
 

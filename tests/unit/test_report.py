@@ -28,7 +28,7 @@ def make_run(path: Path, *, algorithm: str = "allreduce", compress: str = "none"
         for step in range(1, steps + 1):
             t = step * 0.1 / speed
             line = {"step": step, "epoch": step / every, "time": t, "loss": 2.0 / step, "lr": 0.1,
-                    "bytes_sent": 1000 * step, "bytes_received": 1000 * step, "compute_s": 0.01, "comm_s": 0.05 * step}
+                    "bytes_sent": 1000 * step, "bytes_received": 1000 * step, "compute_s": 0.01, "exposed_comm_s": 0.05}
             line.update({k: f(step, rank) for k, f in (extra or {}).items()})
             if rank == 0 and step % every == 0:
                 acc = acc_end * step / steps

@@ -170,7 +170,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
     time_to_target: float | None = None
     accuracy = test_loss = float("nan")
-    eval_seconds = compute_seconds = 0.0
+    eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
     model.train()
     dist.barrier()
     emulation.start()  # t = 0 of bandwidth traces; meter.link_model is the emulation's
@@ -183,19 +183,26 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
         loss = F.cross_entropy(model(x), y)
         meter.backward_done = 0.0
         loss.backward()  # DDP all-reduces gradient buckets through the hook, overlapping backward
-        compute = (meter.backward_done or time.perf_counter()) - t0
+        t_backward = time.perf_counter()
+        ready = meter.backward_done or t_backward
+        waited = t_backward - ready  # DDP waits for its last buckets inside backward: exposed communication
+        compute = ready - t0
         emulation.after_compute(compute)  # a slow worker takes factor x as long
         compute *= emulation.compute.factor
         compute_seconds += compute
+        t_update = time.perf_counter()
         lr = schedule.apply(optimizer, step)
         optimizer.step()
         peer.after_step(model)
+        exposed = waited + time.perf_counter() - t_update
+        exposed_seconds += exposed
 
         record: dict[str, Any] = {
             "step": step + 1, "epoch": (step + 1) / steps_per_epoch, "time": time.perf_counter() - start - eval_seconds,
             "loss": loss.item(), "lr": lr, "bytes_sent": meter.bytes_sent, "bytes_received": meter.bytes_received,
-            "compute_s": compute, "comm_s": meter.comm_seconds,
+            "compute_s": compute, "exposed_comm_s": exposed, "comm_busy_s": meter.comm_seconds - busy_before,
         }
+        busy_before = meter.comm_seconds
         if (step + 1) % eval_interval == 0 or step + 1 == total_steps:
             t_eval = time.perf_counter()
             eval_model = peer.eval_model(model)
@@ -211,7 +218,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     metrics.close()
     meter.close()
 
-    mine = torch.tensor([total_steps, total_steps * cfg.data.batch_size, wall, compute_seconds, meter.comm_seconds,
+    mine = torch.tensor([total_steps, total_steps * cfg.data.batch_size, wall, compute_seconds, exposed_seconds,
                          *meter.sent, *meter.received, time.process_time() - cpu_start], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine)

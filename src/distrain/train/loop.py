@@ -234,10 +234,10 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         """This segment's counters row at ``step`` (see :func:`summarize`); wall and CPU time now
         unless given."""
         done = step - start_step
-        sent, received, comm_s = traffic(transports)
+        sent, received, _ = traffic(transports)
         wall = time.perf_counter() - start - eval_seconds if wall is None else wall
         cpu = time.process_time() - cpu_start if cpu is None else cpu
-        return [done, done * cfg.data.batch_size, wall, compute_seconds, comm_s, *sent, *received, cpu]
+        return [done, done * cfg.data.batch_size, wall, compute_seconds, exposed_seconds, *sent, *received, cpu]
 
     def save(step: int, wall: float | None = None, cpu: float | None = None) -> None:
         # The run's length and counters go with the state: a resumed run checks the first, and
@@ -255,7 +255,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     progress = _progress_bar(cfg, rank, total_steps, start_step)
     time_to_target: float | None = None
     accuracy = test_loss = float("nan")
-    eval_seconds = compute_seconds = 0.0
+    eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
     params = [p for p in model.parameters() if p.requires_grad]
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
@@ -307,24 +307,28 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         ctx = StepContext(step=step, epoch=(step + 1) / steps_per_epoch, batch_size=len(y),
                           per_sample_losses=losses.detach(), compute_seconds=time.perf_counter() - t0)
         compute_seconds += ctx.compute_seconds
+        t_exposed = time.perf_counter()  # from here to the applied update, the worker waits on exchanges
         algorithm.after_backward(ctx)
         lr = schedule.apply(optimizer, algorithm.schedule_step(step))
         algorithm.apply_update(ctx)
         algorithm.after_update(ctx)
+        exposed = time.perf_counter() - t_exposed
+        exposed_seconds += exposed
         if watch.stop.requested.is_set() and stop_at is None:  # SIGTERM / Ctrl-C: stop together, soon
             stop_at = watch.agreed_step(step, algorithm.synchronous)
             algorithm.request_stop()
         running = algorithm.keep_going(step + 1, total_steps)  # asynchronous: the last one waits for the others
         running = running and (stop_at is None or step + 1 < stop_at)
 
-        sent, received, comm_s = traffic(transports)
-        record: dict[str, Any] = {  # time, bytes and comm_s count from the run's start, before any resume
+        sent, received, busy = traffic(transports)
+        record: dict[str, Any] = {  # see distrain.train.metrics for each field's meaning and unit
             "step": step + 1, "epoch": ctx.epoch, "time": earlier.wall + time.perf_counter() - start - eval_seconds,
             "loss": loss_value if finite else float("nan"), "lr": lr, "bytes_sent": earlier.sent + sum(sent),
             "bytes_received": earlier.received + sum(received), "compute_s": ctx.compute_seconds,
-            "comm_s": earlier.comm + comm_s,
+            "exposed_comm_s": exposed, "comm_busy_s": busy - busy_before,
             "loss_quantiles": loss_quantiles(losses),
         }
+        busy_before = busy
         if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
             t_eval = time.perf_counter()
             eval_model = algorithm.eval_model()  # collective for decentralized algorithms
@@ -419,7 +423,8 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
               eval_seconds: float, resume_step: int | None, interrupted: bool = False,
               lost_workers: dict[int, float] | None = None, segment_wall_s: list[float] | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers,
-    each ``[steps, samples, wall, compute, comm, *sent per peer, *received per peer, cpu]``.
+    each ``[steps, samples, wall, compute, exposed comm, *sent per peer, *received per peer, cpu]``
+    (see :mod:`distrain.train.metrics` for the meaning of each field).
 
     A resumed run's rows, times and ``segment_wall_s`` (each segment's training time) cover every
     segment of the run, not only the last; ``resumed_from_step`` is where the last one started.
@@ -441,7 +446,7 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         "bytes_sent_per_server": [int(sum(r[5 : 5 + n])) for r in servers],
         "bytes_received_per_server": [int(sum(r[5 + n : 5 + 2 * n])) for r in servers],
         "bytes_sent_per_peer": [[int(v) for v in r[5 : 5 + n]] for r in rows],
-        "compute_s_per_worker": [r[3] for r in workers], "comm_s_per_worker": [r[4] for r in workers],
+        "compute_s_per_worker": [r[3] for r in workers], "exposed_comm_s_per_worker": [r[4] for r in workers],
         # CPU time of each worker process (all its threads) from the common start to its last
         # step, evaluation included: against wall time it shows whether the host's cores were
         # the limit (workers sharing a machine) rather than the network or a slow peer

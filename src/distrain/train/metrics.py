@@ -1,4 +1,36 @@
-"""Per-step metrics lines, evaluation, and the run summary."""
+"""Per-step metrics lines, evaluation, and the run summary.
+
+What each field means, in ``metrics/rank<r>.jsonl`` (one line per step of that worker) and in
+``summary.json`` (one value per worker). Times are seconds of the worker's wall clock on its
+training time (evaluation left out); "cumulative" counts from the run's start, across resumes.
+
+================================ ============ ================================================
+field                            kind         meaning
+================================ ============ ================================================
+``time``                         cumulative   training time when the step ended
+``bytes_sent``, ``bytes_received`` cumulative  bytes this worker sent to / received from peers
+``compute_s``                    per step     forward and backward (with an emulated slow
+                                              device's extra time)
+``exposed_comm_s``               per step     communication the worker waited for: from the
+                                              end of backward to the applied update (the part
+                                              of the exchanges compute did not hide, and the
+                                              optimizer step itself)
+``comm_busy_s``                  per step     the step's exchanges from start to finish, added
+                                              up; they overlap compute and each other, so this
+                                              may exceed the step's time
+``loss``, ``lr``                 per step     training loss of the batch, learning rate
+``test_accuracy``, ``test_loss`` at evals     the (consensus) model on the test set
+``compute_s_per_worker``         run total    sum of ``compute_s``
+``exposed_comm_s_per_worker``    run total    sum of ``exposed_comm_s``; with
+                                              ``compute_s_per_worker`` it is at most
+                                              ``wall_time_s`` of that worker
+``wall_time_s``                  run total    training time of worker 0 (or the first
+                                              survivor), all segments
+================================ ============ ================================================
+
+The DDP baselines measure the same fields; DDP waits for its last buckets inside backward, and
+that wait (from the last bucket's hook to the end of backward) is their exposed communication.
+"""
 
 from __future__ import annotations
 
