@@ -102,7 +102,7 @@ def test_make_plots_writes_every_plot_the_metrics_support(runs_dir: Path, tmp_pa
     files = make_plots(group_by_label(load_runs([runs_dir])), tmp_path / "out")
     names = sorted(p.name for p in files)
     assert names == ["accuracy_vs_epoch.png", "accuracy_vs_time.png", "bytes_sent_per_worker.png",
-                     "compression_ratio.png", "consensus_distance.png", "throughput_per_worker.png"]
+                     "compression_ratio.png", "consensus_distance.png", "loss_vs_time.png", "throughput_per_worker.png"]
     for path in files:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
@@ -111,7 +111,7 @@ def test_optional_plots_left_out_without_their_metrics(tmp_path: Path) -> None:
     make_run(tmp_path / "runs" / "a")
     files, table = report([tmp_path / "runs" / "a"])
     assert sorted(p.name for p in files) == ["accuracy_vs_epoch.png", "accuracy_vs_time.png",
-                                             "bytes_sent_per_worker.png", "throughput_per_worker.png"]
+                                             "bytes_sent_per_worker.png", "loss_vs_time.png", "throughput_per_worker.png"]
     assert all(p.parent == tmp_path / "runs" / "a" / "report" for p in files)  # a single run's report stays in it
     assert "allreduce (baseline)" in table and "90.0" in table
 

@@ -29,6 +29,10 @@ Groups = dict[str, list[RunData]]
 Curve = tuple[list[float], list[float], list[float], list[float]]
 
 DPI = 110
+#: Largest figure drawn (inches): with 20 configurations panels go into a grid, not a taller page.
+MAX_WIDTH, MAX_HEIGHT = 16.0, 12.0
+#: Beyond this many lines a legend goes beside the axes instead of over the data.
+LEGEND_INSIDE_MAX = 4
 
 
 def _matplotlib(module: str = "matplotlib") -> ModuleType:
@@ -43,15 +47,24 @@ def colors(groups: Groups) -> dict[str, Any]:
 
 
 def _figure(width: float = 7.5, height: float = 4.5) -> tuple[Figure, Any]:
-    fig = _matplotlib("matplotlib.figure").Figure(figsize=(width, height), dpi=DPI)
+    fig = _matplotlib("matplotlib.figure").Figure(figsize=(min(width, MAX_WIDTH), min(height, MAX_HEIGHT)), dpi=DPI,
+                                                  layout="constrained")
     return fig, fig.add_subplot(1, 1, 1)
+
+
+def _legend(ax: Any, entries: int) -> None:
+    """A legend that does not hide data: inside for a few lines, beside the axes for more."""
+    if entries <= LEGEND_INSIDE_MAX:
+        ax.legend(fontsize="small")
+    else:
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+                  ncol=1 if entries <= 25 else 2)
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path)  # constrained layout keeps titles, labels and outside legends apart
     return path
 
 
@@ -74,11 +87,12 @@ def _lines(groups: Groups, curve_of: Callable[[RunData], list[tuple[float, float
     """One mean line with a min-max band per configuration; None when no run has data."""
     fig, ax = _figure()
     palette = colors(groups)
-    drawn, positive = False, True
+    drawn, positive, entries = False, True, 0
     for label, runs in groups.items():
         curves = [c for c in (curve_of(r) for r in runs) if c]
         if not curves:
             continue
+        entries += 1
         xs, mean, lo, hi = aggregate(curves)
         suffix = f" (n={len(curves)})" if len(curves) > 1 else ""
         ax.plot(xs, mean, marker="o" if len(xs) <= 30 else None, markersize=3, color=palette[label],
@@ -94,7 +108,7 @@ def _lines(groups: Groups, curve_of: Callable[[RunData], list[tuple[float, float
     if logy and positive:  # a zero (exact consensus, say) has no place on a log axis
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend(ax, entries)
     return _save(fig, path)
 
 
@@ -156,16 +170,24 @@ def plot_per_worker_bars(groups: Groups, key: str, path: str | Path, *, title: s
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.margins(y=0.2)  # headroom for the legend
-    ax.legend(fontsize="small", ncol=min(workers, 4), loc="upper right")
+    ax.margins(y=0.2)
+    _legend(ax, workers)
     return _save(fig, path)
 
 
 def _panels(count: int, height: float = 2.6) -> tuple[Figure, list[Any]]:
-    """One row of axes per configuration, sharing the x axis."""
-    fig = _matplotlib("matplotlib.figure").Figure(figsize=(7.5, 1.0 + height * count), dpi=DPI)
-    axes = fig.subplots(count, 1, sharex=True, squeeze=False)[:, 0]
-    return fig, list(axes)
+    """One axes per configuration, sharing the x axis: a column for a few, a grid of up to four
+    columns for more, the figure no larger than MAX_WIDTH x MAX_HEIGHT."""
+    cols = 1 if count <= 3 else 2 if count <= 8 else 3 if count <= 15 else 4
+    rows = -(-count // cols)
+    width = min(MAX_WIDTH, 7.5 if cols == 1 else 4.2 * cols)
+    fig = _matplotlib("matplotlib.figure").Figure(figsize=(width, min(MAX_HEIGHT, 1.0 + height * rows)), dpi=DPI,
+                                                  layout="constrained")
+    grid = fig.subplots(rows, cols, sharex=True, squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    return fig, axes[:count]
 
 
 def plot_ratio_per_worker(groups: Groups, path: str | Path) -> Path | None:
@@ -194,8 +216,9 @@ def plot_ratio_per_worker(groups: Groups, path: str | Path) -> Path | None:
         ax.set_title(label, fontsize="small")
         ax.set_ylabel("kept fraction")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="x-small", ncol=min(n, 4), loc="upper right")
     axes[-1].set_xlabel("training wall time (s)")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncol=min(len(names), 8), fontsize="x-small")
     fig.suptitle("Compression ratio per worker over time")
     return _save(fig, path)
 
@@ -226,9 +249,44 @@ def plot_loss_quantiles(groups: Groups, path: str | Path) -> Path | None:
         ax.set_title(label, fontsize="small")
         ax.set_ylabel("per-sample loss")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="x-small", ncol=4, loc="upper right")
     axes[-1].set_xlabel("step")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncol=4, fontsize="x-small")
     fig.suptitle("Distribution of per-sample losses in worker 0's batches")
+    return _save(fig, path)
+
+
+def loss_curves(run: RunData) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(time, training loss) per step, the mean over workers, and (time, test loss) at rank 0's
+    evaluations: what ``loss_vs_time.png`` draws for one run."""
+    train = run.series("loss")
+    test = sorted((float(m["time"]), float(m["test_loss"])) for m in run.evals() if m.get("test_loss") is not None)
+    return train, test
+
+
+def plot_loss(groups: Groups, path: str | Path) -> Path | None:
+    """Training loss (mean over workers, per step) and test loss (at evaluations) against wall
+    time, one colour per configuration (mean over repeats); None when no run records a loss."""
+    fig, ax = _figure(8.5, 4.8)
+    palette = colors(groups)
+    entries = 0
+    for label, runs in groups.items():
+        pairs = [loss_curves(r) for r in runs]
+        for index, style, kind in ((0, "-", "train"), (1, "--", "test")):
+            curves = [p[index] for p in pairs if p[index]]
+            if not curves:
+                continue
+            xs, mean, _, _ = aggregate(curves)
+            ax.plot(xs, mean, style, color=palette[label], linewidth=1.0 if kind == "train" else 1.6,
+                    label=f"{label} ({kind})")
+            entries += 1
+    if not entries:
+        return None
+    ax.set_title("Training loss (solid) and test loss (dashed) vs wall time")
+    ax.set_xlabel("training wall time (s, evaluation excluded)")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    _legend(ax, entries)
     return _save(fig, path)
 
 
@@ -239,6 +297,7 @@ def make_plots(groups: Groups, out_dir: str | Path) -> list[Path]:
     written = [
         plot_accuracy(groups, "time", out / "accuracy_vs_time.png"),
         plot_accuracy(groups, "epoch", out / "accuracy_vs_epoch.png"),
+        plot_loss(groups, out / "loss_vs_time.png"),
         plot_per_worker_bars(groups, "bytes_sent_per_worker", out / "bytes_sent_per_worker.png", scale=1e-6,
                              title="Bytes sent per worker (whole run)", ylabel="sent (MB)"),
         plot_per_worker_bars(groups, "samples_per_s_per_worker", out / "throughput_per_worker.png",
