@@ -208,7 +208,8 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
     if failures and survivable and finished and len(finished) + len(failures) == len(procs) \
             and all(code != EXIT_BAD_INPUT for _, code in failures):
         for rank, code in failures:
-            log.warning("%s; the other workers finished without it", _describe_exit(run_dir, rank, code, nworkers))
+            log.warning("%s; the other workers finished without it%s", _describe_exit(run_dir, rank, code, nworkers),
+                        _traceback_note(run_dir, rank))
         return
     if failures:
         if all(code == EXIT_BAD_INPUT for _, code in failures):
