@@ -4,12 +4,14 @@ A hook is a function ``hook(state, bucket) -> Future[Tensor]`` registered with
 ``ddp_model.register_comm_hook(state, hook)``; DDP calls it for every gradient bucket and copies
 the future's value (the averaged flat gradient) back into the parameters' gradients.
 
-The hook runs no Python on the backend's threads: it starts each bucket's collectives
-asynchronously and, in the call for the iteration's last bucket, waits for all of them and
-completes every bucket's future itself. A Python callback chained with ``Future.then`` runs on a
-gloo thread, which must take the GIL again to release the callback after DDP has already moved
-on; when that happens while the interpreter is exiting, the thread is torn down inside C++ and
-the process aborts ("terminate called without an active exception").
+A backend thread (gloo's) must never need the GIL while the interpreter may be exiting: Python
+then ends that thread inside C++ and the process aborts ("terminate called without an active
+exception") after a run that went well. It needs the GIL to run or release a Python callback,
+and to drop the last reference to a collective's work, whose tensors are Python objects. So the
+hook chains no ``Future.then`` callback: it starts each bucket's collectives asynchronously and,
+in the call for the iteration's last bucket, waits for all of them and completes every bucket's
+future itself; and the state keeps the works of the last iteration, so that they are released
+by the training thread (at the next iteration, or with the state), never by the backend.
 
 Example::
 
@@ -72,7 +74,7 @@ class GroupTopKState:
     """
 
     __slots__ = ["process_group", "ratio", "group", "error_feedback", "start_iter", "momentum", "iter", "residuals",
-                 "velocities", "pending"]
+                 "velocities", "pending", "finished"]
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, ratio: float = 0.01, group: int = DEFAULT_GROUP,
                  error_feedback: bool = True, start_iter: int = 2, momentum: float = 0.0) -> None:
@@ -99,8 +101,10 @@ class GroupTopKState:
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
         self.velocities: dict[int, torch.Tensor] = {}
-        # This iteration's buckets whose collectives are in flight, completed at the last bucket.
+        # This iteration's buckets whose collectives are in flight, completed at the last bucket;
+        # then kept in ``finished`` until the next iteration's are (see the module docstring).
         self.pending: list[_Pending] = []
+        self.finished: list[_Pending] = []
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
@@ -152,8 +156,9 @@ class _Pending:
             torch.futures.Future(devices=[flat.device]) if flat.is_cuda else torch.futures.Future())
 
 
-def _complete(pending: list[_Pending]) -> None:
+def _complete(state: GroupTopKState) -> None:
     """Wait for every bucket's collectives, in order, and complete its future (on this thread)."""
+    pending, state.pending = state.pending, []
     try:
         for item in pending:
             for work in item.works:
@@ -167,7 +172,9 @@ def _complete(pending: list[_Pending]) -> None:
                 item.future.set_exception(exc)
         raise
     finally:
-        pending.clear()
+        # A backend thread lets go of a work just after completing it: keeping the works until
+        # the next iteration leaves their release, and their tensors', to this thread.
+        state.finished = pending
 
 
 def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -195,8 +202,9 @@ def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.fut
     world = dist.get_world_size(group)
     flat = bucket.buffer()
     key = bucket.index()
-    if key == 0:  # DDP hands buckets over in index order: whatever is left is from a failed iteration
-        state.pending.clear()
+    if key == 0:  # DDP hands buckets over in index order: anything pending is from a failed iteration
+        state.finished += state.pending
+        state.pending = []
     velocity = state.velocity(key, flat) if state.momentum else None
     if state.iter < state.start_iter:
         if velocity is not None:  # the optimizer has no momentum: average the velocities
@@ -208,7 +216,7 @@ def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.fut
     state.pending.append(pending)
     state.maybe_increase_iter(bucket)
     if bucket.is_last():
-        _complete(state.pending)
+        _complete(state)
     return pending.future
 
 

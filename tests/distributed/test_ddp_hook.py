@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import subprocess
 import sys
+import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -104,6 +108,38 @@ def futures_done_after_last_bucket(rank: int, steps: int) -> list[bool]:
     return done
 
 
+def threads_releasing_collective_tensors(rank: int, steps: int) -> tuple[int, int]:
+    """Train with the hook while watching every tensor it hands to a collective: how many of them
+    were released in all, and how many by a thread other than this one (the backend's)."""
+    released: list[int] = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def watching(collective):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, list) for t in a]
+            for t in tensors:
+                weakref.finalize(t, lambda: released.append(threading.get_ident()))
+            return collective(*args, **kwargs)
+        return call
+
+    try:
+        for name, collective in originals.items():
+            setattr(dist, name, watching(collective))
+        model = DDP(make_model(), bucket_cap_mb=0.01)
+        state = GroupTopKState(ratio=0.1, group=64)
+        model.register_comm_hook(state, group_topk_hook)
+        x, y = make_data(rank)
+        for step in range(steps):
+            F.cross_entropy(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32]).backward()
+        del model, state
+        gc.collect()
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
+    return len(released), sum(ident != threading.get_ident() for ident in released)
+
+
 def _body(rank: int, world: int) -> dict:
     plain, _ = train(rank, None, steps=12, lr=0.05)
     with warnings.catch_warnings():
@@ -118,7 +154,8 @@ def _body(rank: int, world: int) -> dict:
             "sparse": torch.cat([p.detach().reshape(-1) for p in sparse.parameters()]),
             "losses": torch.tensor(losses), "accuracy": accuracy, "dense_accuracy": dense_accuracy,
             "residual_keys": torch.tensor(sorted(sparse_state.residuals)), "iter": torch.tensor(sparse_state.iter),
-            "futures_done": torch.tensor(futures_done_after_last_bucket(rank, steps=6))}
+            "futures_done": torch.tensor(futures_done_after_last_bucket(rank, steps=6)),
+            "released": torch.tensor(threads_releasing_collective_tensors(rank, steps=6))}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +188,16 @@ def test_no_future_is_left_to_the_backend_after_the_last_bucket(results):
     perhaps exits."""
     for r in results:
         assert r["futures_done"].tolist() == [True] * 6  # dense iterations (2) and sparse ones
+
+
+@pytest.mark.timeout(180)
+def test_no_tensor_of_the_hook_is_released_by_a_backend_thread(results):
+    """Dropping the last reference to a collective's tensor takes the GIL (its Python object):
+    the training thread must do it, not a gloo thread that may be running while Python exits."""
+    for r in results:
+        released, by_backend = r["released"].tolist()
+        assert released >= 6 * 3  # non-vacuous: 6 iterations of at least 3 buckets, each a collective
+        assert by_backend == 0, f"{by_backend} of {released} released by a backend thread"
 
 
 #: The README's DDP-hook script, run as its users run it.
