@@ -10,8 +10,9 @@ exception") after a run that went well. It needs the GIL to run or release a Pyt
 and to drop the last reference to a collective's work, whose tensors are Python objects. So the
 hook chains no ``Future.then`` callback: it starts each bucket's collectives asynchronously and,
 in the call for the iteration's last bucket, waits for all of them and completes every bucket's
-future itself; and the state keeps the works of the last iteration, so that they are released
-by the training thread (at the next iteration, or with the state), never by the backend.
+future itself; and the state keeps the works of the last iteration, so that the training
+thread releases them (at the next iteration, or with the state) rather than the gloo thread
+that has just completed them.
 
 Example::
 
