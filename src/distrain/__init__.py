@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from distrain.config import TrainConfig
@@ -11,11 +14,14 @@ __version__ = "0.1.0"
 
 
 def fit(model_fn: Any = None, train_set: Any = None, test_set: Any = None,
-        config: TrainConfig | None = None, **settings: Any) -> dict[str, Any] | None:
+        config: TrainConfig | None = None, **settings: Any) -> dict[str, Any]:
     """Train ``model_fn()`` on ``train_set`` with distrain's worker loop; returns the run summary.
 
     Spawns ``workers`` local processes on 127.0.0.1, or, when this process was started by
-    torchrun, runs as one of its workers (then only rank 0 gets the summary; others get None).
+    torchrun, runs as one of its workers (``workers`` is then torchrun's world size, and every
+    rank returns the summary). A model or data set of the caller's own is recorded as such in
+    ``config.json``, the summary and the run name: model ``user:<module>.<qualname>`` of
+    ``model_fn``, data set ``user`` with ``num_samples`` its training plus test samples.
 
     Args:
         model_fn: a picklable zero-argument callable returning an ``nn.Module`` (a module-level
@@ -48,10 +54,28 @@ def fit(model_fn: Any = None, train_set: Any = None, test_set: Any = None,
     for name, value in settings.items():
         cfg.set(name, value)
     cfg.validate()
+    cfg = _as_given(cfg, model_fn, train_set, test_set)
     user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set}
     if in_torchrun():
-        return run_torchrun_worker(cfg, **user)
+        summary = run_torchrun_worker(cfg, summary_everywhere=True, **user)
+        assert summary is not None
+        return summary
     return launch_local(cfg, **user)
+
+
+def _as_given(cfg: TrainConfig, model_fn: Any, train_set: Any, test_set: Any) -> TrainConfig:
+    """``cfg`` naming the caller's own model and data instead of the settings they replace."""
+    if model_fn is not None:
+        module = getattr(model_fn, "__module__", None) or type(model_fn).__module__
+        if module == "__main__":  # a function of the script being run: name the script
+            module = Path(getattr(sys.modules["__main__"], "__file__", None) or "__main__").stem
+        name = getattr(model_fn, "__qualname__", None) or type(model_fn).__qualname__
+        cfg = replace(cfg, model=replace(cfg.model, model=f"user:{module}.{name}"))
+    if train_set is not None:
+        sizes = [len(s) for s in (train_set, test_set) if s is not None and hasattr(s, "__len__")]
+        cfg = replace(cfg, data=replace(cfg.data, dataset="user", data_path=None,
+                                        num_samples=sum(sizes) or cfg.data.num_samples))
+    return cfg
 
 
 __all__ = ["CheckpointError", "ConfigError", "DataError", "DistrainError", "TrainConfig", "WorkerFailure", "fit"]

@@ -4,6 +4,16 @@ A hook is a function ``hook(state, bucket) -> Future[Tensor]`` registered with
 ``ddp_model.register_comm_hook(state, hook)``; DDP calls it for every gradient bucket and copies
 the future's value (the averaged flat gradient) back into the parameters' gradients.
 
+A backend thread (gloo's) must never need the GIL while the interpreter may be exiting: Python
+then ends that thread inside C++ and the process aborts ("terminate called without an active
+exception") after a run that went well. It needs the GIL to run or release a Python callback,
+and to drop the last reference to a collective's work, whose tensors are Python objects. So the
+hook chains no ``Future.then`` callback: it starts each bucket's collectives asynchronously and,
+in the call for the iteration's last bucket, waits for all of them and completes every bucket's
+future itself; and the state keeps the works of the last iteration, so that the training
+thread releases them (at the next iteration, or with the state) rather than the gloo thread
+that has just completed them.
+
 Example::
 
     import torch.distributed as dist
@@ -22,11 +32,11 @@ Example::
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not strings.
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from distrain.compress.base import check_ratio
 from distrain.compress.group_topk import DEFAULT_GROUP, group_topk_indices
@@ -65,7 +75,7 @@ class GroupTopKState:
     """
 
     __slots__ = ["process_group", "ratio", "group", "error_feedback", "start_iter", "momentum", "iter", "residuals",
-                 "velocities"]
+                 "velocities", "pending", "finished"]
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, ratio: float = 0.01, group: int = DEFAULT_GROUP,
                  error_feedback: bool = True, start_iter: int = 2, momentum: float = 0.0) -> None:
@@ -92,6 +102,10 @@ class GroupTopKState:
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
         self.velocities: dict[int, torch.Tensor] = {}
+        # This iteration's buckets whose collectives are in flight, completed at the last bucket;
+        # then kept in ``finished`` until the next iteration's are (see the module docstring).
+        self.pending: list[_Pending] = []
+        self.finished: list[_Pending] = []
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
@@ -130,13 +144,48 @@ def one_dimensional_positions(bucket: dist.GradBucket) -> torch.Tensor:
     return torch.cat(parts).to(bucket.buffer().device) if parts else torch.zeros(0, dtype=torch.int64)
 
 
+class _Pending:
+    """One bucket's collectives in flight, and how to turn their result into its averaged gradient."""
+
+    __slots__ = ["works", "finish", "future", "flat"]
+
+    def __init__(self, works: list[Any], finish: Callable[[], None] | None, flat: torch.Tensor) -> None:
+        self.works = works
+        self.finish = finish  # None: the collective leaves the average in ``flat`` itself
+        self.flat = flat
+        self.future: torch.futures.Future[torch.Tensor] = (
+            torch.futures.Future(devices=[flat.device]) if flat.is_cuda else torch.futures.Future())
+
+
+def _complete(state: GroupTopKState) -> None:
+    """Wait for every bucket's collectives, in order, and complete its future (on this thread)."""
+    pending, state.pending = state.pending, []
+    try:
+        for item in pending:
+            for work in item.works:
+                work.wait()  # raises if the collective failed
+            if item.finish is not None:
+                item.finish()
+            item.future.set_result(item.flat)
+    except Exception as exc:
+        for item in pending:
+            if not item.future.done():
+                item.future.set_exception(exc)
+        raise
+    finally:
+        # A backend thread lets go of a work just after completing it: keeping the works until
+        # the next iteration leaves their release, and their tensors', to this thread.
+        state.finished = pending
+
+
 def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bucket's gradient from its group top-k sparsification on every worker.
 
     Each worker adds its error-feedback residual to the bucket, keeps the largest magnitudes of
     every group (one-dimensional parameters whole), and all-gathers (indices, values); every
     worker then sums the n sparse gradients in rank order and divides by n, so all replicas get
-    the same gradient.
+    the same gradient. The collectives of every bucket overlap the rest of the backward pass;
+    the call for the last bucket waits for them and completes all the iteration's futures.
 
     Args:
         state: a :class:`GroupTopKState`.
@@ -154,13 +203,28 @@ def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.fut
     world = dist.get_world_size(group)
     flat = bucket.buffer()
     key = bucket.index()
+    if key == 0:  # DDP hands buckets over in index order: anything pending is from a failed iteration
+        state.finished += state.pending
+        state.pending = []
     velocity = state.velocity(key, flat) if state.momentum else None
     if state.iter < state.start_iter:
         if velocity is not None:  # the optimizer has no momentum: average the velocities
             flat.copy_(velocity)
-        state.maybe_increase_iter(bucket)
-        return allreduce_hook(group, bucket)
+        flat.div_(world)
+        pending = _Pending([dist.all_reduce(flat, group=group, async_op=True)], None, flat)
+    else:
+        pending = _start_sparse_exchange(state, bucket, key, velocity, group, world)
+    state.pending.append(pending)
+    state.maybe_increase_iter(bucket)
+    if bucket.is_last():
+        _complete(state)
+    return pending.future
 
+
+def _start_sparse_exchange(state: GroupTopKState, bucket: dist.GradBucket, key: int,
+                           velocity: torch.Tensor | None, group: Any, world: int) -> _Pending:
+    """Compress the bucket (error feedback, momentum masking) and start the all-gathers."""
+    flat = bucket.buffer()
     grad = velocity if velocity is not None else flat
     residual = state.residuals.get(key) if state.error_feedback else None
     compensated = grad + residual if residual is not None and residual.shape == grad.shape else grad.clone()
@@ -181,16 +245,13 @@ def group_topk_hook(state: GroupTopKState, bucket: dist.GradBucket) -> torch.fut
     # Every worker has the same bucket sizes and ratio, hence the same k: plain all-gathers fit.
     all_indices = [torch.empty_like(indices) for _ in range(world)]
     all_values = [torch.empty_like(values) for _ in range(world)]
-    gathered = [dist.all_gather(all_indices, indices, group=group, async_op=True).get_future(),
-                dist.all_gather(all_values, values, group=group, async_op=True).get_future()]
+    works = [dist.all_gather(all_indices, indices, group=group, async_op=True),
+             dist.all_gather(all_values, values, group=group, async_op=True)]
 
-    def average(done: torch.futures.Future) -> torch.Tensor:
-        for future in done.value():
-            future.value()  # raises if the all-gather failed
+    def average() -> None:
         flat.zero_()
         for idx, val in zip(all_indices, all_values, strict=True):
             flat.index_add_(0, idx, val)
-        return flat.div_(world)
+        flat.div_(world)
 
-    state.maybe_increase_iter(bucket)
-    return torch.futures.collect_all(gathered).then(average)
+    return _Pending(works, average, flat)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ from torch.utils.data import TensorDataset
 import distrain
 from distrain.data import load_dataset, write_shard_dir
 from distrain.launch import launch_local
+from distrain.launch.common import free_port
 from tests.conftest import small_config
 
 
@@ -35,6 +40,10 @@ def test_fit_trains_a_user_model_on_user_datasets(tmp_path):
                            run_dir=str(tmp_path / "fit"), timeout=60)
     assert summary["workers"] == 2
     assert summary["final_test_accuracy"] > max(0.9, majority + 0.3)
+    config = json.loads((tmp_path / "fit" / "config.json").read_text())
+    assert config["model"]["model"] == f"user:{__name__}.make_model"  # not the default model's name
+    assert config["data"]["dataset"] == "user" and config["data"]["num_samples"] == len(train) + len(test)
+    assert summary["model"] == config["model"]["model"] and summary["dataset"] == "user"
 
 
 @pytest.mark.timeout(180)
@@ -56,3 +65,31 @@ def test_shard_directory_each_worker_reads_its_own_files(tmp_path):
     sizes = [len(np.load(f)["y"]) for f in files]
     # shard i belongs to rank i % 2
     assert [s["size"] for s in shards] == [sizes[0] + sizes[2], sizes[1] + sizes[3]]
+
+
+#: The README's example of ``distrain.fit``, run as its users run it.
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.mark.timeout(180)
+def test_readme_fit_example_under_torchrun_on_every_rank(tmp_path):
+    section = README.read_text().split("### From Python", 1)[1]
+    script = tmp_path / "fit_example.py"
+    script.write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    # Each rank's stdout in its own file: ranks printing at once would interleave their words.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "--log-dir", str(tmp_path / "logs"), "--redirects", "1", str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    printed = {int(f.parent.name): f.read_text() for f in (tmp_path / "logs").glob("**/attempt_0/*/stdout.log")}
+    assert sorted(printed) == [0, 1], printed
+    lines = printed[0].splitlines()  # the example prints the summary's accuracy and run directory
+    assert len(lines) == 1 and printed[1] == printed[0], printed  # every rank has the same summary
+    run_dir = tmp_path / lines[0].split()[1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert lines[0] == f"{summary['final_test_accuracy']} {summary['run_dir']}"
+    assert re.fullmatch(r"allreduce-user-.+", run_dir.name), run_dir.name
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["model"]["model"] == "user:fit_example.make_model"
+    assert config["data"]["dataset"] == "user" and config["data"]["num_samples"] == 2000  # x[:1600] + x[1600:]
+    assert sum(shard["size"] for shard in config["shards"]) == 1600

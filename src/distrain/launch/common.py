@@ -13,6 +13,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +139,22 @@ def close_group() -> None:
 
 
 def configure_worker_logging(rank: int) -> None:
+    """Set up what a worker process prints: once per run, not once per worker.
+
+    Log lines carry the worker's rank. distrain's warnings about settings (legal but
+    pointless ones, e.g. a warm-up longer than the run) come from settings every worker shares,
+    so only rank 0 shows them. Progress bars get a thread lock instead of tqdm's default
+    multiprocessing one: a worker leaves through :func:`exit_now`, which skips the finalizer that
+    would release that lock's semaphore, and the launcher's resource tracker would then report it
+    as leaked when the run ends.
+    """
     logging.basicConfig(level=os.environ.get("DISTRAIN_LOG", "WARNING").upper(),
                         format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
+    if rank != 0:
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"distrain(\.|$)")
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def exit_now(code: int) -> None:

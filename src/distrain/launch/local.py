@@ -47,7 +47,8 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 #: Seconds workers get, after SIGTERM / Ctrl-C, to agree on a step, checkpoint and leave.
 STOP_GRACE_S = 10.0
-#: Where workers leave their one-line reason for failing, inside the run directory.
+#: Where a failed worker leaves its reason, inside the run directory: ``rank-<r>.txt`` (one line,
+#: which the launcher prints once for the run) and ``rank-<r>.log`` (the traceback, when there is one).
 FAILURES = "failures"
 
 
@@ -108,32 +109,40 @@ def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_d
         init_group(cfg, rank, world, store=store_of(addr, port, cfg.cluster.timeout))
         run_role(cfg, rank, world, run_dir, **user)
     except (ConfigError, DataError, CheckpointError) as exc:
-        if rank == 0:
+        if rank == 0:  # every worker reads the same settings: one of them says what is wrong
             print(f"distrain: {exc}", file=sys.stderr)
         code = EXIT_BAD_INPUT
-    except Interrupted:
+    except (Interrupted, KeyboardInterrupt):
         code = EXIT_INTERRUPTED
-    except KeyboardInterrupt:
-        code = EXIT_INTERRUPTED
-    except DistrainError as exc:
-        _report(run_dir, rank, str(exc))
+    except DistrainError as exc:  # distrain's own one-line failures: a lost peer, a non-finite loss
+        # The traceback matters only when the user's code raised underneath (e.g. a model factory).
+        _report(run_dir, rank, str(exc), traceback.format_exc() if exc.__cause__ is not None else None)
         code = 1
-    except Exception:
-        print(f"distrain: worker {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
-        _report(run_dir, rank, traceback.format_exc().strip().splitlines()[-1])
+    except Exception as exc:
+        _report(run_dir, rank, last_line(exc), traceback.format_exc())
         code = 1
     finally:
         close_group()
     exit_now(code)
 
 
-def _report(run_dir: str, rank: int, message: str) -> None:
-    """One line on stderr, and in the run directory for the launcher's own report."""
-    print(f"distrain: {message}", file=sys.stderr)
-    with contextlib.suppress(OSError):
+def last_line(exc: BaseException) -> str:
+    """``Type: message``, as a traceback ends, on one line."""
+    return " ".join(traceback.format_exception_only(type(exc), exc)[-1].split())
+
+
+def _report(run_dir: str, rank: int, message: str, details: str | None = None) -> None:
+    """Leave a failed worker's reason for the launcher, which tells the user once for the run:
+    one line in ``failures/rank-<r>.txt``, the traceback (if any) in ``failures/rank-<r>.log``.
+    Only when the run directory cannot take them does the worker print the line itself."""
+    try:
         failures = Path(run_dir) / FAILURES
         failures.mkdir(exist_ok=True)
+        if details:
+            (failures / f"rank-{rank}.log").write_text(details)
         (failures / f"rank-{rank}.txt").write_text(message + "\n")
+    except OSError:
+        print(f"distrain: worker {rank}: {message}", file=sys.stderr)
 
 
 def _describe_exit(run_dir: Path, rank: int, code: int, nworkers: int) -> str:
@@ -144,6 +153,12 @@ def _describe_exit(run_dir: Path, rank: int, code: int, nworkers: int) -> str:
     if code < 0:
         return f"{role} was killed by {signal.Signals(-code).name}"
     return f"{role} exited with status {code}"
+
+
+def _traceback_note(run_dir: Path, rank: int) -> str:
+    """Where a failed worker's traceback is, as a note for the launcher's line ('' if none)."""
+    log_file = run_dir / FAILURES / f"rank-{rank}.log"
+    return f" (traceback in {log_file})" if log_file.is_file() else ""
 
 
 class _Signals:
@@ -207,14 +222,16 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
     if failures and survivable and finished and len(finished) + len(failures) == len(procs) \
             and all(code != EXIT_BAD_INPUT for _, code in failures):
         for rank, code in failures:
-            log.warning("%s; the other workers finished without it", _describe_exit(run_dir, rank, code, nworkers))
+            log.warning("%s; the other workers finished without it%s", _describe_exit(run_dir, rank, code, nworkers),
+                        _traceback_note(run_dir, rank))
         return
     if failures:
         if all(code == EXIT_BAD_INPUT for _, code in failures):
             raise SystemExit(EXIT_BAD_INPUT)
         killed = [(r, c) for r, c in failures if c < 0]  # a process killed outright is the cause
         rank, code = (killed or failures)[0]
-        raise WorkerFailure(f"{_describe_exit(run_dir, rank, code, nworkers)}; the run was stopped")
+        raise WorkerFailure(f"{_describe_exit(run_dir, rank, code, nworkers)}; the run was stopped"
+                            f"{_traceback_note(run_dir, rank)}")
     interrupted = [r for r, p in enumerate(procs) if p.exitcode == EXIT_INTERRUPTED]
     if interrupted:  # a worker was signalled directly: every one stopped at the agreed step
         raise Interrupted(-1)

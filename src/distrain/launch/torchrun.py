@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import replace
@@ -43,8 +44,10 @@ def _shared_run_dir(cfg: TrainConfig) -> Path:
     return default_run_dir(cfg, float(stamp.item()))
 
 
-def run_torchrun_worker(cfg: TrainConfig, **user: Any) -> dict[str, Any] | None:
-    """Train as the worker torchrun made this process; returns the summary on rank 0."""
+def run_torchrun_worker(cfg: TrainConfig, *, summary_everywhere: bool = False,
+                        **user: Any) -> dict[str, Any] | None:
+    """Train as the worker torchrun made this process; returns the summary on rank 0 (on every
+    rank with ``summary_everywhere``: a script running the same code on each rank reads it)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     configure_worker_logging(rank)
     check_device(cfg)
@@ -67,6 +70,25 @@ def run_torchrun_worker(cfg: TrainConfig, **user: Any) -> dict[str, Any] | None:
     try:
         run_dir = _shared_run_dir(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
-        return run_role(cfg, rank, world, run_dir, **user)
+        summary = run_role(cfg, rank, world, run_dir, **user)
+        return share_summary(summary) if summary_everywhere else summary
     finally:
         close_group()
+
+
+def share_summary(summary: dict[str, Any] | None) -> dict[str, Any]:
+    """The run summary on every rank, from the one rank that has it (collective).
+
+    It travels as JSON bytes, not as a pickled object, and needs no run directory shared
+    between hosts.
+    """
+    mine = json.dumps(summary).encode() if summary is not None else b""
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64))
+    source = next((r for r, size in enumerate(sizes) if size.item() > 0), None)  # the rank that wrote it
+    if source is None:
+        raise RuntimeError("no rank has the run summary")
+    payload = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else torch.empty(
+        int(sizes[source].item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=source)
+    return summary if summary is not None else json.loads(payload.numpy().tobytes())

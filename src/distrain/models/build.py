@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from torch import nn
 
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, DistrainError
 from distrain.models.zoo import MLP, CNN1d, CNN2d
 
-__all__ = ["MODELS", "build_model"]
+__all__ = ["MODELS", "ModelFactoryError", "build_model"]
 
 _BUILTINS: dict[str, Callable[..., nn.Module]] = {"cnn1d": CNN1d, "cnn2d": CNN2d, "mlp": MLP}
 
 MODELS: tuple[str, ...] = tuple(sorted(_BUILTINS))
 """Names of the built-in models."""
+
+
+class ModelFactoryError(DistrainError, RuntimeError):
+    """A user's model factory raised; the message names it, the cause is the factory's exception."""
 
 
 def build_model(
@@ -30,10 +37,11 @@ def build_model(
 ) -> nn.Module:
     """Build a freshly initialised model; the weights depend only on the torch seed.
 
-    ``name`` is one of :data:`MODELS` or ``"package.module:factory"``. A factory is called with
-    whichever of ``input_shape``, ``num_classes``, ``width`` and ``depth`` its signature names
-    (``width`` and ``depth`` only when given), or with no arguments, and must return an
-    ``nn.Module``.
+    ``name`` is one of :data:`MODELS` or ``"package.module:factory"``. The module is found as
+    ``python -m`` finds one: in the current directory first, then on ``sys.path``. A factory is
+    called with whichever of ``input_shape``, ``num_classes``, ``width`` and ``depth`` its
+    signature names (``width`` and ``depth`` only when given), or with no arguments, and must
+    return an ``nn.Module``. If it raises, :class:`ModelFactoryError` names it.
 
     Args:
         name: a built-in name or ``"package.module:factory"``.
@@ -67,7 +75,7 @@ def _build_user_model(
     if not module_name or not attr:
         raise ConfigError("--model", f"{spec!r} must look like package.module:factory")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_from_cwd(module_name)
     except ImportError as exc:
         raise ConfigError("--model", f"cannot import module {module_name!r} ({exc})") from exc
     factory = getattr(module, attr, None)
@@ -81,12 +89,24 @@ def _build_user_model(
         if key not in accepted:
             raise ConfigError(f"--model-{key}", f"{spec!r} takes no {key!r} argument")
     offered: dict[str, Any] = {"input_shape": input_shape, "num_classes": num_classes, **sizes}
-    model = factory(**{k: v for k, v in offered.items() if k in accepted})
+    try:
+        model = factory(**{k: v for k, v in offered.items() if k in accepted})
+    except Exception as exc:
+        raise ModelFactoryError(f"--model {spec}: the factory raised {_one_line(exc)}") from exc
     if not isinstance(model, nn.Module):
         raise ConfigError(
             "--model", f"{spec!r} returned a {type(model).__name__}, not a torch.nn.Module"
         )
     return model
+
+
+def _import_from_cwd(module_name: str) -> ModuleType:
+    """Import ``module_name`` with the current directory first on ``sys.path``, as ``python -m``
+    has it: the ``distrain`` command (a console script) starts with its own directory there."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    return importlib.import_module(module_name)
 
 
 def _keyword_names(factory: Callable[..., Any]) -> set[str]:
@@ -100,3 +120,8 @@ def _keyword_names(factory: Callable[..., Any]) -> set[str]:
         return wanted
     keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {p.name for p in params if p.kind in keyword_kinds and p.name in wanted}
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line, as the last line of its traceback reads."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
