@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.algorithms.base import Algorithm, StepContext
-from distrain.comm.transport import Transport
+from distrain.comm.transport import Transport, blocked
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.train.health import Liveness
 
@@ -127,7 +127,7 @@ class SharedModel:
             return True
         start = time.perf_counter()
         deadline = start + timeout
-        with self.lock:
+        with blocked(), self.lock:  # the worker waits on the network: exposed communication
             while self.counts[self.rank] - self.steps_at_round >= max_lag and not failed():
                 left = deadline - time.perf_counter()
                 if left <= 0:

@@ -11,6 +11,16 @@ backend only at its emulated release time (latency + bytes / bandwidth of its li
 behind earlier messages on the worker's uplink), by one dispatcher thread per Transport that
 keeps the order in which they were started. So the delay measured by ``Handle.wait`` includes
 the emulated one, and anything that reads ``stats.exchanges`` sees the emulated network.
+
+Two clocks, for two questions:
+
+- ``stats.comm_seconds`` (*busy* time): the sum of every exchange's duration, from the call that
+  started it to the end of its ``wait()``. Exchanges in flight at the same time (several servers,
+  several neighbours, buckets overlapping backward, background gossip threads) each count in
+  full, so it can exceed the wall time.
+- :func:`blocked_seconds` (*exposed* time): how long the calling thread has spent blocked in
+  ``wait()`` / ``recv_any()`` (or in a :func:`blocked` block), over every Transport. Only the
+  waiting that nothing else hid: at most the thread's wall time.
 """
 
 from __future__ import annotations
@@ -20,7 +30,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +44,37 @@ log = logging.getLogger(__name__)
 
 # How long past its release time a delayed message may take to be handed to the backend.
 ISSUE_GRACE_S = 300.0
+
+_waiting = threading.local()  # per thread: total seconds blocked, and how deep in blocked() it is
+
+
+def blocked_seconds() -> float:
+    """Seconds the calling thread has spent blocked on communication so far (every Transport).
+
+    Example::
+
+        before = blocked_seconds()
+        transport.all_reduce(grad).wait()
+        exposed = blocked_seconds() - before   # the wait no computation overlapped
+    """
+    return getattr(_waiting, "total", 0.0)
+
+
+@contextmanager
+def blocked() -> Iterator[None]:
+    """Count the time spent inside as the calling thread waiting on communication.
+
+    Nested blocks count once (a wait inside a wait is the same wait).
+    """
+    depth = getattr(_waiting, "depth", 0)
+    _waiting.depth = depth + 1
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _waiting.depth = depth
+        if depth == 0:
+            _waiting.total = blocked_seconds() + time.perf_counter() - start
 
 
 @dataclass
@@ -103,6 +145,10 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
+        with blocked():
+            self._wait()
+
+    def _wait(self) -> None:
         if self._issued is not None:
             limit = max(0.0, self._release - time.perf_counter()) + ISSUE_GRACE_S
             if not self._issued.wait(limit):
@@ -319,15 +365,16 @@ class Transport:
         """Receive into ``tensor`` from whichever peer sends first; blocks; returns its group rank."""
         start = time.perf_counter()
         work = dist.irecv(tensor, src=None, group=self.group)
-        work.wait()
-        # The sender's rank in ``self.group`` (not a global rank); ``_source_rank`` is what
-        # torch.distributed.recv uses, without the deprecation warning of ``source_rank``.
-        src = work._source_rank()
-        nbytes = _nbytes(tensor)
-        self._charge({}, {src: nbytes})
-        delivery = self._delivery(src, nbytes)
-        if delivery is not None:
-            delivery()
+        with blocked():
+            work.wait()
+            # The sender's rank in ``self.group`` (not a global rank); ``_source_rank`` is what
+            # torch.distributed.recv uses, without the deprecation warning of ``source_rank``.
+            src = work._source_rank()
+            nbytes = _nbytes(tensor)
+            self._charge({}, {src: nbytes})
+            delivery = self._delivery(src, nbytes)
+            if delivery is not None:
+                delivery()
         self._record("recv_any", 0, nbytes, time.perf_counter() - start)
         return src
 

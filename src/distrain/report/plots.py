@@ -159,8 +159,8 @@ def plot_per_worker_bars(groups: Groups, key: str, path: str | Path, *, title: s
             mean = sum(ys) / len(ys)
             xs.append(i - 0.4 + width * (w + 0.5))
             heights.append(mean)
-            err_lo.append(mean - min(ys))
-            err_hi.append(max(ys) - mean)
+            err_lo.append(max(0.0, mean - min(ys)))  # equal repeats: rounding must not make them negative
+            err_hi.append(max(0.0, max(ys) - mean))
         color = cmap(w / max(1, workers - 1) * 0.85)
         ax.bar(xs, heights, width=width, color=color, label=f"worker {w}",
                yerr=[err_lo, err_hi] if any(err_lo) or any(err_hi) else None, capsize=2)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from distrain.algorithms import StepContext, build_algorithm
-from distrain.comm.transport import Transport
+from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data import (
     ArrayDataset,
@@ -271,7 +271,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     while running:
         watch.step = step
         maybe_injected_kill(rank, step)  # fault injection for tests (environment variables)
-        t0 = time.perf_counter()
+        t0, blocked_at_start = time.perf_counter(), blocked_seconds()
         x, y = batches_of(train_set, sampler.batch(step))
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         losses = F.cross_entropy(model(x), y, reduction="none")
@@ -304,16 +304,19 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             losses = torch.zeros_like(losses)
             log.warning("worker %d: non-finite loss or gradient at step %d; its gradient is dropped", rank, step)
         emulation.after_compute(time.perf_counter() - t0)  # emulation: a slow worker takes factor x as long
+        # Compute is forward and backward without what they waited on the network (an exchange
+        # finished in a forward pre-hook, say); exposed communication is every wait of the step.
         ctx = StepContext(step=step, epoch=(step + 1) / steps_per_epoch, batch_size=len(y),
-                          per_sample_losses=losses.detach(), compute_seconds=time.perf_counter() - t0)
+                          per_sample_losses=losses.detach(),
+                          compute_seconds=time.perf_counter() - t0 - (blocked_seconds() - blocked_at_start))
         compute_seconds += ctx.compute_seconds
-        t_exposed = time.perf_counter()  # from here to the applied update, the worker waits on exchanges
         algorithm.after_backward(ctx)
         lr = schedule.apply(optimizer, algorithm.schedule_step(step))
         algorithm.apply_update(ctx)
         algorithm.after_update(ctx)
-        exposed = time.perf_counter() - t_exposed
+        exposed = blocked_seconds() - blocked_at_start
         exposed_seconds += exposed
+        step_seconds = time.perf_counter() - t0
         if watch.stop.requested.is_set() and stop_at is None:  # SIGTERM / Ctrl-C: stop together, soon
             stop_at = watch.agreed_step(step, algorithm.synchronous)
             algorithm.request_stop()
@@ -325,7 +328,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "step": step + 1, "epoch": ctx.epoch, "time": earlier.wall + time.perf_counter() - start - eval_seconds,
             "loss": loss_value if finite else float("nan"), "lr": lr, "bytes_sent": earlier.sent + sum(sent),
             "bytes_received": earlier.received + sum(received), "compute_s": ctx.compute_seconds,
-            "exposed_comm_s": exposed, "comm_busy_s": busy - busy_before,
+            "step_s": step_seconds, "exposed_comm_s": exposed, "comm_busy_s": busy - busy_before,
             "loss_quantiles": loss_quantiles(losses),
         }
         busy_before = busy

@@ -9,12 +9,14 @@ field                            kind         meaning
 ================================ ============ ================================================
 ``time``                         cumulative   training time when the step ended
 ``bytes_sent``, ``bytes_received`` cumulative  bytes this worker sent to / received from peers
+``step_s``                       per step     the step's wall time (data, compute, waits, update)
 ``compute_s``                    per step     forward and backward (with an emulated slow
-                                              device's extra time)
-``exposed_comm_s``               per step     communication the worker waited for: from the
-                                              end of backward to the applied update (the part
-                                              of the exchanges compute did not hide, and the
-                                              optimizer step itself)
+                                              device's extra time), less any wait on the
+                                              network inside them
+``exposed_comm_s``               per step     time the training thread was blocked on
+                                              communication (``Transport`` waits, gossip lag
+                                              waits): the part of the exchanges no compute hid;
+                                              ``compute_s + exposed_comm_s <= step_s``
 ``comm_busy_s``                  per step     the step's exchanges from start to finish, added
                                               up; they overlap compute and each other, so this
                                               may exceed the step's time
@@ -29,7 +31,8 @@ field                            kind         meaning
 ================================ ============ ================================================
 
 The DDP baselines measure the same fields; DDP waits for its last buckets inside backward, and
-that wait (from the last bucket's hook to the end of backward) is their exposed communication.
+that wait (from the last bucket's hook to the end of backward) plus the optimizer step and any
+averaging after it is their exposed communication.
 """
 
 from __future__ import annotations
