@@ -83,6 +83,7 @@ def test_async_ps_with_zero_staleness_equals_sync(tmp_path):
             torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # make test-all: hierarchical aggregation stays in CI through test_hierarchical.py (all-reduce)
 @pytest.mark.timeout(300)
 def test_hierarchical_ps_equals_flat_ps_and_one_process(tmp_path):
     settings = {"algorithm": "ps", "servers": 2, "workers": 4}

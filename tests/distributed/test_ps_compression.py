@@ -130,6 +130,7 @@ def test_compressed_pushes_with_a_ratio_per_worker_and_step_match_a_replay(tmp_p
             assert got == sent[w][s], (w, s)
 
 
+@pytest.mark.slow  # make test-all: compressed pushes are checked exactly in CI by the replay test above
 @pytest.mark.timeout(240)
 def test_ps_with_group_topk_at_ratio_one_equals_dense_sgd(tmp_path):
     # ratio 1 keeps everything: with momentum correction the workers' velocities average to the
