@@ -224,8 +224,6 @@ class RunConfig:
             raise ConfigError("--seed", f"must be an integer >= 0, got {self.seed!r}")
         if self.name is not None:
             check_run_name(self.name)
-        if self.run_dir is not None:
-            check_run_dir(self.run_dir)
         if self.overwrite and self.resume != "none":
             raise ConfigError("--overwrite", f"replaces an earlier run, so it cannot be combined with --resume {self.resume}")
 

@@ -20,7 +20,7 @@ def test_totals_add_up_over_segments_and_survive_a_checkpoint(tmp_path) -> None:
     save_checkpoint(path, {"totals": first.state_dict()})
     earlier = RunTotals.from_state(load_checkpoint(path)["totals"])
     assert earlier == first
-    assert earlier.offsets(2) == (2.0, 100, 90, 2.0)
+    assert earlier.offsets(2) == (2.0, 100, 90)
     second = earlier.plus(_row(5, 1.5, [0, 50], [0, 45]), eval_s=0.25, time_to_target_s=3.0)
     assert second.row == [15, 240, 3.5, 1.5, 3.0, 0, 150, 0, 135, 1.0]
     assert second.segment_wall_s == [2.0, 1.5] and second.wall_s == 3.5
@@ -28,7 +28,7 @@ def test_totals_add_up_over_segments_and_survive_a_checkpoint(tmp_path) -> None:
     # The target reached in an earlier segment stays the first time it was reached.
     third = RunTotals(time_to_target_s=1.0).plus(_row(1, 1.0, [0, 1], [0, 1]), 0.0, 5.0)
     assert third.time_to_target_s == 1.0
-    assert RunTotals.from_state(None) == RunTotals() and RunTotals().offsets(3) == (0.0, 0, 0, 0.0)
+    assert RunTotals.from_state(None) == RunTotals() and RunTotals().offsets(3) == (0.0, 0, 0)
 
 
 def test_summary_of_a_resumed_run_never_replaces_a_fuller_one(tmp_path) -> None:

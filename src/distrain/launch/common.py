@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrain.config import TrainConfig
+from distrain.config import TrainConfig, check_run_dir
 from distrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,10 @@ def claim_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
 
     Starting afresh beside an earlier run's checkpoints would let a later ``--resume auto`` pick
     up a step of the other run; with ``--overwrite`` the earlier run's files are removed first.
-    Called once, before any worker starts (by the launcher, or torchrun's rank 0).
+    Called once, before any worker starts (by the launcher, or torchrun's rank 0); it first checks
+    that the directory is, or can be made, a writable directory.
     """
+    check_run_dir(run_dir)
     if cfg.run.resume != "none" or not holds_a_run(run_dir):
         return
     if not cfg.run.overwrite:

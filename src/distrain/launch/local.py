@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distrain.algorithms import ALGORITHMS
-from distrain.config import TrainConfig, check_run_dir
+from distrain.config import TrainConfig
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
 from distrain.launch.common import (
     check_device,
@@ -262,7 +262,6 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
         return launch_netns(cfg, model_fn=model_fn, train_set=train_set, test_set=test_set)
     check_device(cfg)
     run_dir = default_run_dir(cfg, time.time())
-    check_run_dir(run_dir)
     claim_run_dir(cfg, run_dir)
     user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set}
     nprocs = cfg.cluster.workers + server_count(cfg)

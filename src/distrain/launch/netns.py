@@ -349,7 +349,6 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = None, test_set: Any = None) -> dict[str, Any]:
     """Train with ``cfg.cluster.workers`` workers, each in its own shaped network namespace."""
-    from distrain.config import check_run_dir
     from distrain.launch.common import check_device, claim_run_dir, default_run_dir, server_count
     from distrain.launch.local import finished_before_start, preflight
 
@@ -364,7 +363,6 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     firsts = [host_of.index(h) for h in range(max(host_of) + 1)]
     preflight(cfg)
     run_dir = default_run_dir(cfg, time.time()).resolve()
-    check_run_dir(run_dir)
     claim_run_dir(cfg, run_dir)
     finished = finished_before_start(cfg, run_dir, world)
     if finished is not None:

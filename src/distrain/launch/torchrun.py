@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrain.config import TrainConfig, check_run_dir
+from distrain.config import TrainConfig
 from distrain.launch.common import (
     check_device,
     claim_run_dir,
@@ -57,9 +57,7 @@ def run_torchrun_worker(cfg: TrainConfig, *, summary_everywhere: bool = False,
     if rank == 0 and attempt == "0" and (cfg.run.run_dir or cfg.run.name):
         # Before anyone joins: torchrun stops the other ranks when this one exits on bad input. A
         # restarted attempt finds its own first attempt's files, which are not an earlier run.
-        run_dir = default_run_dir(cfg, 0.0)
-        check_run_dir(run_dir)
-        claim_run_dir(cfg, run_dir)
+        claim_run_dir(cfg, default_run_dir(cfg, 0.0))
     hosted_elsewhere = rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if hosted_elsewhere:  # the torchrun agent (or rank 0) hosts the store
         wait_for_master(addr, port, cfg.cluster.timeout)

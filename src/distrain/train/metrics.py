@@ -139,7 +139,6 @@ class Offsets(NamedTuple):
     wall: float
     sent: int
     received: int
-    comm: float
 
 
 @dataclass
@@ -179,10 +178,10 @@ class RunTotals:
         return sum(self.segment_wall_s)
 
     def offsets(self, peers: int) -> Offsets:
-        """Where this segment's clock, bytes and communication time start, for a process with
+        """Where this segment's clock and bytes start, for a process with
         ``peers`` peers (its transport's world size)."""
         row = self.row or [0.0] * (6 + 2 * peers)
-        return Offsets(self.wall_s, int(sum(row[5 : 5 + peers])), int(sum(row[5 + peers : 5 + 2 * peers])), row[4])
+        return Offsets(self.wall_s, int(sum(row[5 : 5 + peers])), int(sum(row[5 + peers : 5 + 2 * peers])))
 
     def total_row(self, row: list[float]) -> list[float]:
         """This segment's counters ``row`` plus the earlier segments'."""
