@@ -146,7 +146,7 @@ class RunTotals:
     """What a run did in its earlier segments (before the checkpoint it resumed from).
 
     Checkpoints carry it, so ``summary.json`` covers the whole run however often it was stopped
-    and resumed: each process's counters row (``[steps, samples, wall, compute, comm, *sent per
+    and resumed: each process's counters row (``[steps, samples, wall, compute, exposed comm, *sent per
     peer, *received per peer, cpu]``, see :func:`~distrain.train.loop.summarize`) summed over
     segments, the evaluation time, when the target accuracy was first reached (on the run's
     training clock) and each segment's training time. The time a segment spent after its last
