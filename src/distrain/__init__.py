@@ -78,4 +78,15 @@ def _as_given(cfg: TrainConfig, model_fn: Any, train_set: Any, test_set: Any) ->
     return cfg
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DistrainError", "TrainConfig", "WorkerFailure", "fit"]
+def __getattr__(name: str) -> Any:
+    # wrap() brings in the algorithms and torch.distributed: loaded when first used, so that
+    # "import distrain" stays light.
+    if name in ("wrap", "DistributedOptimizer"):
+        from distrain import distributed as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'distrain' has no attribute {name!r}")
+
+
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DistrainError", "DistributedOptimizer", "TrainConfig",
+           "WorkerFailure", "fit", "wrap"]

@@ -21,12 +21,14 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"distrain: {message} (see '{self.prog} --help')\n")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per TrainConfig leaf field (but those in ``exclude``), grouped by section; unset flags stay absent."""
-    groups = {name: parser.add_argument_group(f"{name} settings") for name in SECTIONS}
+def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
+                     sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
+    """One flag per TrainConfig leaf field of ``sections`` (but those in ``exclude``), grouped by
+    section; unset flags stay absent."""
+    groups = {name: parser.add_argument_group(f"{name} settings") for name in sections}
     defaults = TrainConfig()
     for section, field, annotation in leaf_fields():
-        if field.name in exclude:
+        if field.name in exclude or section not in sections:
             continue
         kind = base_type(annotation)
         meta = field.metadata
@@ -69,6 +71,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     elif summary is not None:
         print(format_summary(summary))
     return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from distrain.launch.script import Target, launch_script
+
+    if args.module is None and not args.target:
+        raise ConfigError("SCRIPT", "name the training script to run (or -m MODULE)")
+    target = (Target(module=args.module, args=list(args.target)) if args.module is not None
+              else Target(script=args.target[0], args=list(args.target[1:])))
+    settings = {f.name: getattr(args, f.name) for _, f, _ in leaf_fields() if hasattr(args, f.name)}
+    settings["timeout"] = args.timeout
+    return launch_script(target, args.workers, settings, master_port=args.master_port, timeout=args.timeout)
 
 
 # Settings that `distrain compare` varies (as lists) or sets per run, instead of single flags.
@@ -197,6 +211,19 @@ def build_parser() -> Parser:
     compare.add_argument("--config", default=None, metavar="FILE", help="JSON, TOML or YAML file of shared settings; flags override it")
     add_config_flags(compare, exclude=COMPARE_OWN)
     compare.set_defaults(func=cmd_compare)
+    launch = sub.add_parser("launch", help="run your own training script (which calls distrain.wrap) as N processes on "
+                            "this machine, on an emulated network", description="Run SCRIPT (or -m MODULE) as --workers "
+                            "processes on 127.0.0.1 with the environment torchrun sets; distrain.wrap() in the script "
+                            "joins them and emulates the network given here. Output lines carry the rank; if one "
+                            "process fails, all stop.")
+    launch.add_argument("--workers", type=int, default=TrainConfig().cluster.workers, metavar="N", help="processes to start (default: %(default)s)")
+    launch.add_argument("--master-port", type=int, default=0, metavar="PORT", help="port of the rendezvous on 127.0.0.1 (0 = a free one)")
+    launch.add_argument("--timeout", type=float, default=TrainConfig().cluster.timeout, metavar="S",
+                        help="seconds any rendezvous or collective may take (default: %(default)s)")
+    launch.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module, as python -m does")
+    add_config_flags(launch, sections=("network",))
+    launch.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]", help="the script and its arguments")
+    launch.set_defaults(func=cmd_launch)
     rep = sub.add_parser("report", help="plot finished runs: accuracy, loss, bytes, throughput, compression ratio, consensus",
                          description="Write PNG plots (and print a table) for run directories, compare output "
                          "directories, or directories holding runs; repeats of one configuration (runs whose "

@@ -10,12 +10,13 @@ from distrain.data.datasets import (
     worker_shard_files,
     write_shard_dir,
 )
-from distrain.data.partition import PARTITION_SCHEMES, partition_indices, shard_stats
+from distrain.data.partition import PARTITION_SCHEMES, labels_of, partition_indices, shard_stats
 
 __all__ = [
     "DATASETS",
     "PARTITION_SCHEMES",
     "ArrayDataset",
+    "labels_of",
     "load_dataset",
     "load_shard_dir_test",
     "load_worker_shards",

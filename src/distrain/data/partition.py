@@ -8,6 +8,7 @@ import numbers
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from distrain.errors import ConfigError, DataError
 
@@ -142,3 +143,13 @@ def _as_labels(labels: np.ndarray | torch.Tensor) -> np.ndarray:
     if array.size and array.min() < 0:
         raise DataError(f"labels must be non-negative, got {int(array.min())}")
     return array.astype(np.int64, copy=False)
+
+
+def labels_of(dataset: Dataset) -> np.ndarray:
+    """The class of every sample of a data set of ``(input, label)`` pairs, as an int array
+    (in-memory data sets give their label tensor without reading each sample)."""
+    from distrain.data.datasets import ArrayDataset
+
+    if isinstance(dataset, ArrayDataset):
+        return dataset.y.numpy()
+    return np.array([int(dataset[i][1]) for i in range(len(dataset))])  # type: ignore[arg-type]

@@ -54,8 +54,7 @@ FAILURES = "failures"
 
 def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
     """Check what can be checked before any worker starts; warms the data cache on the way."""
-    from distrain.data import load_dataset, partition_indices
-    from distrain.train.loop import labels_of
+    from distrain.data import labels_of, load_dataset, partition_indices
 
     if train_set is None and cfg.data.dataset == "shards":
         return  # workers read their own shard files; they check them

@@ -29,18 +29,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from distrain.algorithms import StepContext, build_algorithm
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data import (
-    ArrayDataset,
+    labels_of,
     load_dataset,
     load_shard_dir_test,
     load_worker_shards,
     partition_indices,
 )
 from distrain.data.sampler import ShardSampler
-from distrain.emulation import Emulation, NetworkSettings
+from distrain.distributed import DistributedOptimizer
+from distrain.emulation import NetworkSettings
 from distrain.errors import ConfigError, DataError
 from distrain.models import build_model
 from distrain.train.checkpoint import CheckpointStore, check_compatible, planned_steps
@@ -48,7 +48,6 @@ from distrain.train.faults import (
     FaultWatch,
     Interrupted,
     NonFinite,
-    grads_finite,
     injected_nan,
     maybe_injected_kill,
     nonfinite_error,
@@ -74,13 +73,6 @@ from distrain.train.schedule import LRSchedule, scaled_lr
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[], torch.nn.Module]
-
-
-def labels_of(dataset: Dataset) -> np.ndarray:
-    """All labels of a data set, as an int array."""
-    if isinstance(dataset, ArrayDataset):
-        return dataset.y.numpy()
-    return np.array([int(dataset[i][1]) for i in range(len(dataset))])  # type: ignore[arg-type]
 
 
 def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | None,
@@ -166,10 +158,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
 def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFactory | None,
            train_set: Dataset | None, test_set: Dataset | None, workers_group: Any) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.run.threads)
-    emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers,
-                                      workers_per_node=cfg.algo.workers_per_node)  # emulated links, compute speed
-    transport = Transport(link_model=emulation.link_model)
-    rank, world = transport.rank, dist.get_world_size(workers_group)  # world: training workers only
+    rank, world = dist.get_rank(), dist.get_world_size(workers_group)  # world: training workers only
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
 
     # --- data: each worker trains on its own shard ----------------------------------------------
@@ -177,7 +166,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         cfg, rank, world, train_set, test_set, workers_group)
 
     # --- resume: the checkpoint this worker continues from, if any ------------------------------
-    store = CheckpointStore(run_dir, rank, transport.world_size)  # servers save their shards too
+    store = CheckpointStore(run_dir, rank, dist.get_world_size())  # servers save their shards too
     resume_step = store.resolve(cfg.run.resume)
     state = store.load(resume_step) if resume_step is not None else None
     if state is not None:
@@ -204,8 +193,11 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=round(o.warmup_epochs * steps_per_epoch),
                           total_steps=total_steps, decay=o.lr_decay)
     optimizer = build_optimizer(o.optimizer, model.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
-    algorithm = build_algorithm(cfg.algo.algorithm, cfg)
-    algorithm.setup(model, optimizer, transport)
+    # The same object a user's own loop gets from distrain.wrap(): it runs the algorithm around
+    # each optimizer step. Every worker built the same model from the same seed: no broadcast.
+    opt = DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                               workers_group=workers_group, broadcast=False, heartbeat=False)
+    algorithm, transport = opt.algorithm, opt.transport
     transports = [transport, *algorithm.transports()]  # an algorithm's own groups' traffic is this worker's too
 
     # --- resume: the state of every part, and what the earlier segments did ---------------------
@@ -218,7 +210,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         algorithm.load_state_dict(state["algorithm"])
         if "rng" in state:
             set_rng_state(state["rng"])
-        start_step = int(state["step"])
+        start_step = opt.steps = int(state["step"])
         log.info("worker %d resumed from step %d", rank, start_step)
         if rank == 0 and int(state.get("total_steps", total_steps)) != total_steps:
             log.warning(describe_extension(state, schedule))
@@ -260,9 +252,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
     model.train()
-    dist.barrier(group=workers_group)  # start the clock together
-    emulation.start()  # emulation: bandwidth traces start now, on every worker
-    algorithm.start(total_steps, steps_per_epoch)  # after the barrier: asynchronous algorithms start their clocks
+    opt.start()  # together: emulated bandwidth traces and asynchronous algorithms' clocks start now
     start, cpu_start = time.perf_counter(), time.process_time()
     # Asynchronous algorithms (AD-PSGD, Prague) decide when a worker stops (its own budget; faster
     # workers take more steps), evaluate only at the end, and give the consensus over time after it.
@@ -293,27 +283,16 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                 (sum(p.sum() for p in params) * 0.0).backward()  # skip: zero gradients, still sent
         except NonFinite as exc:
             raise nonfinite_error(rank, step, exc.what) from None
-        if finite and not algorithm.checks_gradients and not grads_finite(params):
-            if not skip_nonfinite:
-                raise nonfinite_error(rank, step, "gradient")
-            finite = False
-            for p in params:
-                if p.grad is not None:
-                    p.grad.zero_()
         if not finite:
             losses = torch.zeros_like(losses)
-            log.warning("worker %d: non-finite loss or gradient at step %d; its gradient is dropped", rank, step)
-        emulation.after_compute(time.perf_counter() - t0)  # emulation: a slow worker takes factor x as long
-        # Compute is forward and backward without what they waited on the network (an exchange
-        # finished in a forward pre-hook, say); exposed communication is every wait of the step.
-        ctx = StepContext(step=step, epoch=(step + 1) / steps_per_epoch, batch_size=len(y),
-                          per_sample_losses=losses.detach(),
-                          compute_seconds=time.perf_counter() - t0 - (blocked_seconds() - blocked_at_start))
-        compute_seconds += ctx.compute_seconds
-        algorithm.after_backward(ctx)
+            log.warning("worker %d: non-finite loss at step %d; its gradient is dropped", rank, step)
         lr = schedule.apply(optimizer, algorithm.schedule_step(step))
-        algorithm.apply_update(ctx)
-        algorithm.after_update(ctx)
+        # Aggregate, update, average; a non-finite gradient stops here, or is dropped (skip). An
+        # emulated slow worker's compute is stretched here; compute time leaves out network waits.
+        opt.step(losses=losses.detach())
+        if opt.skipped:
+            finite, losses = False, torch.zeros_like(losses)
+        compute_seconds += opt.last_compute_seconds
         exposed = blocked_seconds() - blocked_at_start
         exposed_seconds += exposed
         step_seconds = time.perf_counter() - t0
@@ -325,16 +304,16 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
 
         sent, received, busy = traffic(transports)
         record: dict[str, Any] = {  # see distrain.train.metrics for each field's meaning and unit
-            "step": step + 1, "epoch": ctx.epoch, "time": earlier.wall + time.perf_counter() - start - eval_seconds,
+            "step": step + 1, "epoch": (step + 1) / steps_per_epoch, "time": earlier.wall + time.perf_counter() - start - eval_seconds,
             "loss": loss_value if finite else float("nan"), "lr": lr, "bytes_sent": earlier.sent + sum(sent),
-            "bytes_received": earlier.received + sum(received), "compute_s": ctx.compute_seconds,
+            "bytes_received": earlier.received + sum(received), "compute_s": opt.last_compute_seconds,
             "step_s": step_seconds, "exposed_comm_s": exposed, "comm_busy_s": busy - busy_before,
             "loss_quantiles": loss_quantiles(losses),
         }
         busy_before = busy
         if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
             t_eval = time.perf_counter()
-            eval_model = algorithm.eval_model()  # collective for decentralized algorithms
+            eval_model = opt.eval_model()  # collective for decentralized algorithms
             if leads(algorithm, transport):
                 accuracy, test_loss = evaluate(eval_model, test_set, device)
                 record.update(test_accuracy=accuracy, test_loss=test_loss)
@@ -367,7 +346,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     metrics.close()
     if step > start_step and not (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
         save(step, wall, cpu)
-    algorithm.close()
+    opt.close()
 
     # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
     run = totals.plus(counters(step, wall, cpu), eval_seconds, time_to_target)

@@ -1,0 +1,413 @@
+"""distrain in the user's own training loop: ``wrap(model, optimizer)`` returns a
+:class:`DistributedOptimizer` whose ``step()`` does what the chosen algorithm does around the
+optimizer step.
+
+The loop stays the user's::
+
+    import torch, distrain
+
+    model = MyModel()
+    opt = distrain.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-4),
+                        algorithm="allreduce", compress="group_topk:0.01")
+    loader = torch.utils.data.DataLoader(opt.shard(train_set), batch_size=64, shuffle=True)
+    for x, y in loader:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()            # aggregate / gossip / compress with error feedback
+        opt.zero_grad()
+    final = opt.finish()      # the consensus model, on every worker
+
+Run it on one machine with ``distrain launch --workers 4 train.py`` (add ``--network edge`` or
+``--slow-worker 3:4x`` to try it on an emulated network), or with ``torchrun --nproc-per-node 4
+train.py``; on two machines with ``torchrun --nnodes 2 --nproc-per-node 4 --node-rank R
+--master-addr HOST --master-port 29500 train.py``. Without either, the script trains as one
+process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, Subset
+
+from distrain.algorithms import StepContext, build_algorithm
+from distrain.comm.transport import Transport, blocked_seconds
+from distrain.config import TrainConfig
+from distrain.data.partition import labels_of, partition_indices
+from distrain.emulation import Emulation
+from distrain.errors import ConfigError
+from distrain.train.faults import grads_finite, nonfinite_error, start_heartbeat
+
+log = logging.getLogger(__name__)
+
+#: The environment variable through which ``distrain launch`` hands its settings (the emulated
+#: network, the number of servers) to ``wrap()`` in every process: a JSON object of setting names.
+SETTINGS_ENV = "DISTRAIN_SETTINGS"
+
+#: A run length for asynchronous budgets when the user gives none: their loop and ``finish()``
+#: decide when a worker stops.
+UNBOUNDED_STEPS = 2**62
+
+
+def settings_from_env() -> dict[str, Any]:
+    """The settings ``distrain launch`` put in :data:`SETTINGS_ENV` (empty when not launched by it)."""
+    text = os.environ.get(SETTINGS_ENV, "")
+    if not text:
+        return {}
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(SETTINGS_ENV, f"is not a JSON object ({exc.msg})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(SETTINGS_ENV, f"must be a JSON object of settings, got {type(values).__name__}")
+    return values
+
+
+def _world_from_env() -> tuple[int, int]:
+    """(rank, world size) of this process as the launcher set them; (0, 1) without a launcher."""
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError("RANK/WORLD_SIZE", f"must be integers, got RANK={os.environ.get('RANK')!r} "
+                          f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}") from None
+
+
+def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: TrainConfig | None = None,
+         process_group: Any = None, total_steps: int | None = None, steps_per_epoch: int | None = None,
+         **settings: Any) -> DistributedOptimizer:
+    """Make ``optimizer`` a distributed one: the chosen algorithm runs around its ``step()``.
+
+    Joins the process group that ``distrain launch`` or ``torchrun`` describes in the environment
+    (one process of world size 1 when there is none), or uses the default group the caller has
+    already initialised. Rank 0's parameters and buffers are copied to every worker, as DDP does.
+
+    Args:
+        model: the user's model, on its device; its parameters are the ones ``optimizer`` steps.
+        optimizer: the user's optimizer; schedulers attached to it keep working.
+        config: a :class:`~distrain.config.TrainConfig` to start from (not modified).
+        process_group: the default group (the only one supported); None: the default group.
+        total_steps: the run's length in steps per worker, for ``keep_going()`` and asynchronous
+            budgets; :meth:`DistributedOptimizer.shard` derives it from ``epochs`` otherwise.
+        steps_per_epoch: steps per worker in one pass over the data (density warm-up epochs,
+            asynchronous budgets); also set by :meth:`DistributedOptimizer.shard`.
+        **settings: distrain's settings by field name, as on the command line with underscores
+            (``algorithm="dpsgd"``, ``compress="group_topk:0.01"``, ``network="edge"``,
+            ``slow_worker="3:4x"``); they override those ``distrain launch`` sets. A bad value
+            raises :class:`~distrain.errors.ConfigError` naming the setting.
+
+    Example::
+
+        opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            algorithm="dpsgd", topology="ring")
+    """
+    cfg = _configure(config, settings, model, process_group, optimizer)
+    created = _join(cfg)
+    try:
+        return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                                    owns_group=created)
+    except BaseException:
+        if created:
+            dist.destroy_process_group()
+        raise
+
+
+def _configure(config: TrainConfig | None, settings: dict[str, Any], model: torch.nn.Module,
+               process_group: Any, optimizer: torch.optim.Optimizer) -> TrainConfig:
+    """The run's settings: ``config`` (copied), then ``distrain launch``'s, then the caller's;
+    checked for this world before any process group exists."""
+    cfg = TrainConfig.from_dict(config.to_dict()) if config is not None else TrainConfig()
+    given = {**settings_from_env(), **settings}
+    if config is None and "momentum_correction" not in given:
+        # Momentum correction moves an SGD optimizer's momentum into the compressor, i.e. edits
+        # the user's optimizer: only when asked for.
+        given["momentum_correction"] = "off"
+    for name, value in given.items():
+        cfg.set(name, value)
+    if (cfg.compress.momentum_correction == "off" and "momentum_correction" not in settings
+            and cfg.compress.compress.split(":")[0] in ("topk", "group_topk", "randomk")
+            and isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum") for g in optimizer.param_groups)):
+        warnings.warn(f"compress={cfg.compress.compress!r} with SGD momentum: momentum_correction='on' applies the "
+                      "momentum before sparsifying (Deep Gradient Compression; it sets your optimizer's momentum to "
+                      "0 and keeps it in distrain's state), which usually keeps accuracy", stacklevel=3)
+    if process_group is not None and (not dist.is_initialized() or process_group is not dist.group.WORLD
+                                      and dist.get_world_size(process_group) != dist.get_world_size()):
+        raise ConfigError("process_group", "only the default (world) group is supported; initialise it with "
+                          "torch.distributed.init_process_group, or let wrap() join the one the launcher describes")
+    world = dist.get_world_size() if dist.is_initialized() else _world_from_env()[1]
+    servers = cfg.ps.servers if cfg.algo.algorithm == "ps" else 0
+    if servers:
+        raise ConfigError("algorithm", "ps runs through 'distrain train' and distrain.fit; wrap() drives allreduce, "
+                          "dpsgd, d2, adpsgd and prague")
+    param = next(iter(model.parameters()), None)
+    device = "cuda" if param is not None and param.device.type == "cuda" else "cpu"
+    cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world, device=device))
+    cfg.validate()
+    return cfg
+
+
+def _join(cfg: TrainConfig) -> bool:
+    """Open the default process group unless one exists; True when this call opened it."""
+    if dist.is_initialized():
+        return False
+    from distrain.launch.common import backend_for, init_group
+
+    rank, world = _world_from_env()
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        if cfg.cluster.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        dist.init_process_group(backend_for(cfg), init_method="env://", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
+    elif world == 1:
+        init_group(cfg, 0, 1)
+    else:
+        raise ConfigError("WORLD_SIZE", f"is {world} but MASTER_ADDR / MASTER_PORT are not set; start the script "
+                          "with 'distrain launch' or torchrun")
+    return True
+
+
+class DistributedOptimizer:
+    """The user's optimizer with a distributed training algorithm around its step.
+
+    Made by :func:`wrap`. Per step the user calls ``loss.backward()``, :meth:`step` and
+    :meth:`zero_grad`; at the end :meth:`finish`. Gradient all-reduce overlaps backward (its hooks
+    are registered when wrapping); ``step()`` waits for it.
+
+    Attributes:
+        rank: this worker's rank.
+        workers: the number of training workers.
+        is_worker: True (servers never return from :func:`wrap`).
+        optimizer: the user's optimizer.
+        steps: steps taken by this worker.
+        config: the settings in force.
+    """
+
+    is_worker = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, *,
+                 total_steps: int | None = None, steps_per_epoch: int | None = None, owns_group: bool = False,
+                 workers_group: Any = None, broadcast: bool = True, heartbeat: bool = True) -> None:
+        self.model, self.optimizer, self.config = model, optimizer, config
+        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
+        self._owns_group = owns_group
+        #: the training workers' group when the world also holds parameter servers, else None
+        self.workers_group = workers_group
+        self.emulation = Emulation.from_config(config.network, seed=config.run.seed, workers=config.cluster.workers,
+                                               workers_per_node=config.algo.workers_per_node)
+        self.transport = Transport(link_model=self.emulation.link_model)
+        self.rank, self.workers = self.transport.rank, dist.get_world_size(workers_group)
+        if broadcast:
+            _broadcast_from_rank0(model, workers_group)
+        self.algorithm = build_algorithm(config.algo.algorithm, config)
+        self.algorithm.setup(model, optimizer, self.transport)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # Asynchronous gossip tells a lost peer from a slow one by its heartbeat in the store
+        # (distrain's own loop stamps one for every algorithm).
+        self._heartbeat = start_heartbeat() if heartbeat and not self.algorithm.synchronous else None
+        self.steps = 0
+        self.compute_seconds = self.exposed_seconds = 0.0  # summed over this worker's steps
+        #: compute seconds of the last step (forward and backward, without network waits, with
+        #: an emulated slowdown's stretch)
+        self.last_compute_seconds = 0.0
+        self._started = self._finished = False
+        #: True when the last step's gradient was dropped (non-finite, ``on_nonfinite="skip"``)
+        self.skipped = False
+        self._forward_at: float | None = None
+        self._blocked_at_forward = 0.0
+        self._last_step_end = time.perf_counter()
+        self._forward_hook = model.register_forward_pre_hook(self._forward_started, prepend=True)
+        self._final: torch.nn.Module | None = None
+
+    # -- the user's optimizer, seen through -------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def _forward_started(self, module: torch.nn.Module, _args: Any) -> None:
+        # The step's first training forward (gradient accumulation: several); an evaluation
+        # between steps (eval mode) is not the next step's compute.
+        if self._forward_at is None and module.training:
+            self._forward_at, self._blocked_at_forward = time.perf_counter(), blocked_seconds()
+
+    def start(self) -> None:
+        """Start training together (collective): the emulated network's clock and the algorithm's
+        (asynchronous budgets, gossip threads). :meth:`step` calls it the first time; call it
+        earlier to leave set-up time out of the first step."""
+        if self._started:
+            return
+        self._started = True
+        dist.barrier(group=self.workers_group)
+        self.emulation.start()
+        self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
+        self._last_step_end = time.perf_counter()
+
+    def step(self, losses: torch.Tensor | None = None) -> None:
+        """What the algorithm does around the optimizer step, then the step itself (or the
+        servers' / the gossip's equivalent).
+
+        Args:
+            losses: this batch's per-sample losses (any shape; detached here), for adaptive
+                compression (``compress="adaptive:..."``); optional otherwise.
+        """
+        if self._finished:
+            raise RuntimeError("step() after finish(): this optimizer has ended training")
+        self.start()
+        began = self._forward_at if self._forward_at is not None else self._last_step_end
+        blocked_before = self._blocked_at_forward if self._forward_at is not None else blocked_seconds()
+        self.skipped = not self.algorithm.checks_gradients and not grads_finite(self.params)
+        if self.skipped:
+            self._drop_nonfinite()
+        self.emulation.after_compute(time.perf_counter() - began - (blocked_seconds() - blocked_before))
+        compute = time.perf_counter() - began - (blocked_seconds() - blocked_before)
+        per_epoch = self.steps_per_epoch or 1
+        detached = losses.detach().reshape(-1) if losses is not None else None
+        if detached is not None and self.skipped:
+            detached = torch.zeros_like(detached)  # a dropped gradient says nothing about its samples
+        ctx = StepContext(step=self.steps, epoch=(self.steps + 1) / per_epoch,
+                          batch_size=len(detached) if detached is not None else self.config.data.batch_size,
+                          per_sample_losses=detached, compute_seconds=compute)
+        self.algorithm.after_backward(ctx)
+        self.algorithm.apply_update(ctx)
+        self.algorithm.after_update(ctx)
+        self.steps += 1
+        self.last_compute_seconds = compute
+        self.compute_seconds += compute
+        self.exposed_seconds += blocked_seconds() - blocked_before  # every network wait of the step
+        self._forward_at, self._last_step_end = None, time.perf_counter()
+
+    def _drop_nonfinite(self) -> None:
+        """A NaN or infinite gradient never leaves this worker: stop, or (``on_nonfinite="skip"``)
+        send zeros for this step."""
+        if self.config.run.on_nonfinite != "skip":
+            raise nonfinite_error(self.rank, self.steps, "gradient")
+        log.warning("worker %d: non-finite gradient at step %d; its gradient is dropped", self.rank, self.steps)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def keep_going(self) -> bool:
+        """Whether this worker takes another step: its share of the run's budget (``epochs``, or
+        an asynchronous algorithm's ``budget``) is not used yet. Asynchronous workers that are
+        done first wait here until every worker is (then their models are final)."""
+        if self.total_steps is None:
+            raise RuntimeError("keep_going() needs the run's length: call shard(dataset) first, or pass "
+                               "total_steps= to wrap()")
+        self.start()
+        return self.algorithm.keep_going(self.steps, self.total_steps)
+
+    def traffic(self) -> dict[str, float]:
+        """This worker's use of the network so far: bytes sent and received (every message, as
+        the emulated links carried them), seconds spent in exchanges, and over its steps the
+        compute time and the exposed communication (time the training thread waited on the
+        network)."""
+        transports = [self.transport, *self.algorithm.transports()]
+        return {"steps": self.steps, "bytes_sent": sum(sum(t.stats.sent) for t in transports),
+                "bytes_received": sum(sum(t.stats.received) for t in transports),
+                "comm_busy_s": sum(t.stats.comm_seconds for t in transports),
+                "compute_s": self.compute_seconds, "exposed_comm_s": self.exposed_seconds}
+
+    # -- the end ------------------------------------------------------------------------------------
+
+    def eval_model(self) -> torch.nn.Module:
+        """The model to evaluate: the consensus (average over workers) for decentralized
+        algorithms, else the model itself. Collective: every worker calls it. Asynchronous
+        algorithms have a consensus only after :meth:`finish`."""
+        if self._final is not None:
+            return self._final
+        return self.algorithm.eval_model()
+
+    def finish(self) -> torch.nn.Module:
+        """End training on this worker and return the final model (the consensus for
+        decentralized algorithms), the same on every worker. Collective.
+
+        Asynchronous workers (adpsgd, prague) keep averaging until every worker has left its
+        own loop, so workers may have taken different numbers of steps.
+        """
+        if self._final is not None:
+            return self._final
+        self.start()
+        if not self.algorithm.synchronous:
+            self.algorithm.request_stop()
+            while self.algorithm.keep_going(self.steps, self.total_steps or UNBOUNDED_STEPS):
+                pass
+        self._final = self.algorithm.eval_model()
+        control = self.algorithm.control_transport() or self.transport
+        self.close()
+        control.control_barrier()  # nobody tears the group down while another still averages
+        if self._owns_group:
+            dist.destroy_process_group()
+        return self._final
+
+    def close(self) -> None:
+        """Release what the algorithm holds (hooks, threads, its process groups); no more steps."""
+        if not self._finished:
+            self._finished = True
+            self._forward_hook.remove()
+            self.algorithm.close()
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+
+    # -- state and data -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The user optimizer's state and every algorithm state (error-feedback residuals, gossip
+        state, bucket order), with the step count: what resuming needs besides the model."""
+        return {"steps": self.steps, "optimizer": self.optimizer.state_dict(),
+                "algorithm": self.algorithm.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.steps = int(state["steps"])
+
+    def shard(self, dataset: Dataset, labels: Any = None) -> Subset:
+        """This worker's shard of ``dataset``: the split ``distrain train`` makes (``partition``
+        iid or dirichlet, seeded with ``seed``), and the run's length from ``epochs`` and
+        ``batch_size`` unless given to :func:`wrap`.
+
+        Args:
+            dataset: the whole training set (every worker passes the same one).
+            labels: the class of each sample, for ``partition="dirichlet"`` (default: read from
+                the data set's ``(input, label)`` pairs).
+        """
+        d = self.config.data
+        n = len(dataset)  # type: ignore[arg-type]
+        if n < self.workers:
+            raise ConfigError("workers", f"must be at most the number of training samples ({n}), got {self.workers}")
+        if d.partition == "iid":
+            classes = np.zeros(n, dtype=np.int64)
+        else:
+            classes = np.asarray(labels) if labels is not None else labels_of(dataset)
+        parts = partition_indices(classes, self.workers, d.partition, alpha=d.dirichlet_alpha, seed=self.config.run.seed)
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = max(1, sum(len(p) for p in parts) // (self.workers * d.batch_size))
+        if self.total_steps is None:
+            self.total_steps = max(1, round(self.config.run.epochs * self.steps_per_epoch))
+        return Subset(dataset, parts[self.rank].tolist())
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: torch.nn.Module, group: Any) -> None:
+    """Every worker starts from rank 0's parameters and buffers (set-up, not training traffic)."""
+    if dist.get_world_size(group) == 1:
+        return
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+
+
+__all__ = ["SETTINGS_ENV", "DistributedOptimizer", "settings_from_env", "wrap"]

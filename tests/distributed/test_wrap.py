@@ -1,0 +1,154 @@
+"""The user's own loop: a script calling distrain.wrap() run through distrain launch and torchrun,
+for every algorithm, against references computed here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.reliability.common import cli_env, kill_tagged, tagged
+
+SCRIPT = Path(__file__).with_name("wrap_script.py")
+_spec = importlib.util.spec_from_file_location("wrap_script", SCRIPT)
+user = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(user)
+
+WORKERS = 4
+
+
+def run(launcher: str, algorithm: str, mode: str, out: Path, settings: dict | None = None,
+        launch_flags: tuple[str, ...] = (), timeout: float = 150) -> subprocess.CompletedProcess:
+    """Run the user script as WORKERS processes; check it succeeded and left nothing running."""
+    script_args = [str(SCRIPT), algorithm, mode, str(out), json.dumps(settings or {})]
+    if launcher == "launch":
+        command = [sys.executable, "-m", "distrain", "launch", "--workers", str(WORKERS), "--timeout", "60",
+                   *launch_flags, *script_args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORKERS),
+                   *script_args]
+    tag = uuid.uuid4().hex
+    try:
+        done = subprocess.run(command, env=cli_env(tag, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                              timeout=timeout)
+        assert tagged(tag) == []
+    finally:
+        kill_tagged(tag)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def reference_sync() -> dict[str, torch.Tensor]:
+    """One process on the concatenation of the workers' batches, with the same schedule."""
+    model = user.make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    x, y = user.make_data(3 * WORKERS * user.BATCH)
+    for step in range(3):
+        rows = slice(step * WORKERS * user.BATCH, (step + 1) * WORKERS * user.BATCH)
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        inner.step()
+        scheduler.step()
+        inner.zero_grad()
+    return model.state_dict()
+
+
+def saved(out: Path) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORKERS)]
+
+
+SYNC = {"allreduce": {}, "allreduce-own": {"ring": "own"}, "allreduce-hierarchical": {"workers_per_node": 2}}
+
+
+@pytest.mark.parametrize("launcher", ["launch", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", list(SYNC))
+def test_synchronous_equals_one_process_on_the_concatenated_batches(tmp_path: Path, launcher: str, name: str):
+    run(launcher, "allreduce", "sync", tmp_path, SYNC[name])
+    expected = reference_sync()
+    for rank, state in enumerate(saved(tmp_path)):
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
+
+
+def test_synchronous_under_torchrun(tmp_path: Path):
+    run("torchrun", "allreduce", "sync", tmp_path)
+    expected = reference_sync()
+    for state in saved(tmp_path):
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5)
+
+
+#: Settings whose state goes beyond the optimizer's: error-feedback residuals and momentum moved
+#: into the compressor, and the gossip's mixing.
+RESUMABLE = {"allreduce-topk": ("allreduce", {"compress": "group_topk:0.1", "momentum_correction": "on"}),
+             "dpsgd": ("dpsgd", {})}
+
+
+@pytest.mark.parametrize("name", list(RESUMABLE))
+def test_a_script_resumed_from_its_checkpoint_matches_the_uninterrupted_run(tmp_path: Path, name: str):
+    algorithm, settings = RESUMABLE[name]
+    run("launch", algorithm, "full", tmp_path, settings)
+    run("launch", algorithm, "first", tmp_path, settings)
+    run("launch", algorithm, "second", tmp_path, settings)
+    for rank in range(WORKERS):
+        uninterrupted = torch.load(tmp_path / f"full{rank}.pt", weights_only=True)
+        resumed = torch.load(tmp_path / f"second{rank}.pt", weights_only=True)
+        for key, value in uninterrupted.items():
+            torch.testing.assert_close(resumed[key], value, rtol=0, atol=1e-6, msg=f"rank {rank} {key}")
+        first = torch.load(tmp_path / f"first{rank}.pt", weights_only=True)
+        assert any(not torch.equal(first[k], v) for k, v in uninterrupted.items())  # it trained after the stop
+
+
+@pytest.mark.parametrize("launcher", ["launch", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algorithm", ["dpsgd", "d2"])
+def test_decentralized_keeps_the_global_mean_at_lr_zero(tmp_path: Path, launcher: str, algorithm: str):
+    run(launcher, algorithm, "mean", tmp_path)
+    start = user.make_model().state_dict()
+    states = saved(tmp_path)
+    mean_offset = sum(range(WORKERS)) / WORKERS
+    for key, value in start.items():
+        final = torch.stack([s[key] for s in states])
+        torch.testing.assert_close(final.mean(0), value + mean_offset, rtol=0, atol=1e-5)
+        # the models were mixed: closer together than the rank offsets they started with
+        assert float((final - final.mean(0)).abs().max()) < 0.75 * (WORKERS - 1 - mean_offset)
+
+
+def reference_accuracy(steps: int) -> float:
+    """One process taking ``steps`` SGD steps of the script's batch on the whole training set."""
+    model = user.make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = user.make_data(4000)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        rows = torch.randint(3200, (user.BATCH,), generator=g)
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        inner.step()
+        inner.zero_grad()
+    with torch.no_grad():
+        return (model(x[3200:]).argmax(1) == y[3200:]).float().mean().item()
+
+
+@pytest.mark.parametrize("launcher", ["launch", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])
+def test_asynchronous_finishes_with_uneven_steps(tmp_path: Path, launcher: str, algorithm: str):
+    settings = {"epochs": 3, "batch_size": user.BATCH}
+    if launcher == "launch":
+        run(launcher, algorithm, "async", tmp_path, settings, launch_flags=("--slow-worker", "3:4x"))
+    else:
+        run(launcher, algorithm, "async", tmp_path, {**settings, "slow_worker": "3:4x"})
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORKERS)]
+    steps = [r["steps"] for r in results]
+    assert steps[3] < min(steps[:3]), steps  # the slow worker took fewer steps; nobody waited for it
+    budget = 3 * (3200 // (WORKERS * user.BATCH))  # steps per worker in 3 epochs
+    assert sum(steps) >= 0.9 * budget * WORKERS, steps  # the global budget was used
+    accuracies = {round(r["accuracy"], 6) for r in results}
+    assert len(accuracies) == 1, accuracies  # every worker holds the same consensus
+    # as good as one worker alone taking a worker's share of the steps (the consensus averages
+    # models trained on 4 shards at once, so it should not be worse)
+    assert accuracies.pop() >= reference_accuracy(budget) - 0.03

@@ -1,0 +1,143 @@
+"""distrain launch as a user types it: one line and exit 2 on bad input, the failing rank named,
+nothing left running; and wrap() in a plain single process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import distrain
+from distrain.errors import ConfigError
+from tests.reliability.common import cli_env, kill_tagged, tagged
+
+
+def launch(args: list[str], cwd: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, list[int]]:
+    tag = uuid.uuid4().hex
+    try:
+        done = subprocess.run([sys.executable, "-m", "distrain", "launch", *args], env=cli_env(tag), cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
+        return done, tagged(tag)
+    finally:
+        kill_tagged(tag)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--bandwidth", "10parsecs", "x.py"], "--bandwidth"),
+    (["--workers", "0", "x.py"], "--workers"),
+    (["--emulation", "netns", "x.py"], "--emulation"),
+    (["missing.py"], "SCRIPT"),
+    ([], "SCRIPT"),
+])
+def test_bad_input_is_one_line_before_anything_starts(tmp_path: Path, args: list[str], flag: str):
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    done, orphans = launch(args, tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0], done.stderr
+    assert "must not run" not in done.stdout + done.stderr
+    assert orphans == []
+
+
+def test_a_failing_rank_stops_all_and_is_named(tmp_path: Path):
+    # rank 2 fails; the others would wait forever in a collective without it
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("started", flush=True)
+        if dist.get_rank() == 2:
+            raise RuntimeError("boom on purpose")
+        dist.barrier()
+    """))
+    done, orphans = launch(["--workers", "3", "--timeout", "60", "job.py"], tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == \
+        "distrain: rank 2 failed: RuntimeError: boom on purpose (exit status 1)"
+    assert sorted(line for line in done.stdout.splitlines() if "started" in line) == \
+        [f"[rank {r}] started" for r in range(3)]
+    assert orphans == []
+
+
+def test_environment_is_torchruns_and_the_settings_reach_wrap(tmp_path: Path):
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import os, sys, torch, distrain
+        model = torch.nn.Linear(4, 2)
+        opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        print(os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], opt.rank, opt.workers,
+              opt.config.network.network, opt.emulation.link_model is not None, sys.argv[1:])
+        opt.finish()
+    """))
+    done, orphans = launch(["--workers", "2", "--network", "lan", "job.py", "--my-flag", "7"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(done.stdout.strip().splitlines())
+    assert lines == [f"[rank {r}] {r} {r} 2 {r} 2 lan True ['--my-flag', '7']" for r in range(2)]
+    assert orphans == []
+
+
+def test_wrap_in_one_process_is_the_plain_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    plain.load_state_dict(model.state_dict())
+    opt = distrain.wrap(model, torch.optim.AdamW(model.parameters(), lr=0.01), progress=False)
+    reference = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    x, y = torch.randn(40, 6), torch.randint(2, (40,))
+    try:
+        assert (opt.rank, opt.workers, opt.is_worker) == (0, 1, True)
+        for step in range(5):
+            rows = slice(8 * step, 8 * step + 8)
+            torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+            opt.step()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(plain(x[rows]), y[rows]).backward()
+            reference.step()
+            reference.zero_grad()
+        for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert opt.steps == 5 and opt.state_dict()["steps"] == 5
+    finally:
+        opt.finish()
+    assert not torch.distributed.is_initialized()  # wrap() opened the group, finish() closed it
+
+
+@pytest.mark.parametrize("settings, name", [
+    ({"algorithm": "nope"}, "algorithm"), ({"compress": "topk:7"}, "compress"), ({"lr_typo": 1}, "lr_typo"),
+    ({"algorithm": "dpsgd"}, "workers"), ({"algorithm": "ps"}, "algorithm"),
+])
+def test_bad_settings_raise_one_line_naming_them(settings: dict, name: str):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError) as info:
+        distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), **settings)
+    assert name in str(info.value) and "\n" not in str(info.value)
+    assert not torch.distributed.is_initialized()  # refused before any process group exists
+
+
+def test_ctrl_c_stops_every_rank(tmp_path: Path):
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import threading
+        print("started", flush=True)
+        threading.Event().wait()   # a script that would never end by itself
+    """))
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "distrain", "launch", "--workers", "3", "job.py"], cwd=tmp_path,
+                            env=cli_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = 0
+        while started < 3:  # every rank is running
+            line = proc.stdout.readline()
+            assert line, "the launcher ended early"
+            started += "started" in line
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        assert err.strip().splitlines() == ["distrain: interrupted (SIGINT); stopped 3 processes"]
+        assert tagged(tag) == []
+    finally:
+        proc.kill()
+        kill_tagged(tag)
