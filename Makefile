@@ -32,7 +32,7 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

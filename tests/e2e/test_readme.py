@@ -8,7 +8,7 @@ Runnable blocks are marked by an HTML comment on the line before the fence:
 
 A ```bash block runs command by command (``\\`` continues a line, ``#`` starts a comment) in a
 fresh directory; a ```python block marked runnable runs there as a script. That directory links
-``benchmarks/`` of this checkout and holds every ```python block whose first line is
+``benchmarks/`` and ``examples/`` of this checkout and holds every ```python block whose first line is
 ``# NAME.py``, saved as NAME.py, so that commands naming them run. ``distrain``, ``torchrun`` and
 ``python`` are this interpreter's. ``~`` is a home directory holding the data a user is assumed
 to have: ``~/mnist``, a small set of MNIST-format IDX files.
@@ -137,7 +137,8 @@ def run_block(block: Block, tmp_path: Path) -> None:
     home, work = tmp_path / "home", tmp_path / "work"
     user_home(home)
     work.mkdir()
-    (work / "benchmarks").symlink_to(ROOT / "benchmarks")
+    for linked in ("benchmarks", "examples"):
+        (work / linked).symlink_to(ROOT / linked)
     for other in blocks(README.read_text()):
         if other.lang == "python" and other.file_name:
             (work / other.file_name).write_text(other.text + "\n")
