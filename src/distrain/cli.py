@@ -9,7 +9,7 @@ from typing import Any
 
 from distrain.config import SECTIONS, TrainConfig, base_type, choices_of, flag, leaf_fields
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError
-from distrain.train.faults import Interrupted
+from distrain.runtime.faults import Interrupted
 
 EXIT_BAD_INPUT = 2
 

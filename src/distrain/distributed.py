@@ -46,7 +46,7 @@ from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError
-from distrain.train.faults import grads_finite, nonfinite_error, start_heartbeat
+from distrain.runtime.faults import grads_finite, nonfinite_error, start_heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def _join(cfg: TrainConfig) -> bool:
     """Open the default process group unless one exists; True when this call opened it."""
     if dist.is_initialized():
         return False
-    from distrain.launch.common import backend_for, init_group
+    from distrain.comm.group import backend_for, init_group
 
     rank, world = _world_from_env()
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:

@@ -10,9 +10,9 @@ from distrain.data import load_dataset, partition_indices
 from distrain.data.sampler import ShardSampler
 from distrain.launch import launch_local
 from distrain.models import build_model
-from distrain.train.checkpoint import CheckpointStore
+from distrain.optim.schedule import scaled_lr
+from distrain.runtime.checkpoint import CheckpointStore
 from distrain.train.metrics import batches_of
-from distrain.train.schedule import scaled_lr
 from tests.conftest import small_config
 
 

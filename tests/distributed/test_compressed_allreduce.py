@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distrain.launch import launch_local
-from distrain.train.checkpoint import CheckpointStore
+from distrain.runtime.checkpoint import CheckpointStore
 from distrain.train.metrics import read_metrics
 from tests.conftest import small_config
 from tests.distributed.test_allreduce import reference_parameters

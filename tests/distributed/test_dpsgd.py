@@ -16,10 +16,10 @@ from distrain.data import load_dataset, partition_indices
 from distrain.data.sampler import ShardSampler
 from distrain.launch import launch_local
 from distrain.models import build_model
+from distrain.optim.schedule import scaled_lr
+from distrain.runtime.checkpoint import CheckpointStore
 from distrain.topology import build_topology, eigenvalues, mixing_matrix, spectral_gap
-from distrain.train.checkpoint import CheckpointStore
 from distrain.train.metrics import batches_of, read_metrics
-from distrain.train.schedule import scaled_lr
 from tests.conftest import small_config
 from tests.harness import run_group
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distrain.launch import launch_local
-from distrain.train.checkpoint import CheckpointStore
+from distrain.runtime.checkpoint import CheckpointStore
 from tests.conftest import small_config
 
 WORLD = 4

@@ -7,7 +7,7 @@ import torch
 
 from distrain.algorithms.parameter_server import RoundMomentumSGD, async_momentum, shard_bounds
 from distrain.launch import launch_local
-from distrain.train.checkpoint import CheckpointStore
+from distrain.runtime.checkpoint import CheckpointStore
 from tests.conftest import small_config
 from tests.distributed.test_allreduce import reference_parameters
 

@@ -22,8 +22,8 @@ from distrain.compress import CompressInfo, MomentumCorrection, build_compressor
 from distrain.compress.pushes import PushDecoder, ShardPush
 from distrain.launch import launch_local
 from distrain.models import build_model
+from distrain.optim.schedule import scaled_lr
 from distrain.train.metrics import read_metrics
-from distrain.train.schedule import scaled_lr
 from tests.conftest import small_config
 from tests.distributed.test_allreduce import reference_parameters
 from tests.distributed.test_parameter_server import final_models

@@ -18,7 +18,7 @@ from distrain.errors import CheckpointError, WorkerFailure
 from distrain.launch import launch_local
 from distrain.launch.common import free_port
 from distrain.models import build_model
-from distrain.train.checkpoint import CHECKSUM_KEY, CheckpointStore, content_digest
+from distrain.runtime.checkpoint import CHECKSUM_KEY, CheckpointStore, content_digest
 from distrain.train.metrics import read_metrics
 from tests.conftest import small_config
 from tests.reliability.common import cli_env, kill_tagged, run_cli, tagged

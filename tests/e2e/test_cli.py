@@ -36,7 +36,7 @@ def test_train_two_workers_writes_run_directory(tmp_path):
 
     from distrain.data import load_dataset
     from distrain.models import build_model
-    from distrain.train.checkpoint import load_checkpoint
+    from distrain.runtime.checkpoint import load_checkpoint
     from distrain.train.metrics import evaluate
 
     _, test_set = load_dataset("synthetic", num_samples=1200, seed=0)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from distrain.train.checkpoint import load_checkpoint
+from distrain.runtime.checkpoint import load_checkpoint
 from tests.reliability.common import QUICK, run_cli, run_losing_worker
 
 pytestmark = pytest.mark.timeout(400)

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from distrain.train.checkpoint import CheckpointStore
+from distrain.runtime.checkpoint import CheckpointStore
 from tests.reliability.common import QUICK, kill_tagged, start_cli, tagged, wait_for
 
 pytestmark = pytest.mark.timeout(240)

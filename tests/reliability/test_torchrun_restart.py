@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distrain.launch.common import free_port
-from distrain.train.checkpoint import CheckpointStore
+from distrain.runtime.checkpoint import CheckpointStore
 from tests.reliability.common import QUICK, cli_env, kill_tagged, tagged
 
 pytestmark = pytest.mark.timeout(400)

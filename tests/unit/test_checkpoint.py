@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from distrain.errors import CheckpointError, ConfigError
-from distrain.train.checkpoint import (
+from distrain.runtime.checkpoint import (
     CHECKSUM_KEY,
     OLD_MAGIC,
     CheckpointStore,
@@ -32,7 +32,7 @@ from distrain.train.checkpoint import (
     verify_checkpoint,
 )
 
-LOGGER = "distrain.train.checkpoint"
+LOGGER = "distrain.runtime.checkpoint"
 
 
 def _training_state(seed: int = 0) -> dict[str, Any]:
@@ -514,7 +514,7 @@ def test_sigkill_during_saves_always_leaves_a_complete_checkpoint(tmp_path: Path
     # Forkserver children fork from a server that has already imported torch and this module,
     # so each of the 50 trials starts in milliseconds instead of re-importing torch.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "distrain.train.checkpoint", __name__])
+    ctx.set_forkserver_preload(["torch", "distrain.runtime.checkpoint", __name__])
     rng = random.Random(20240611)
     expected = {0: _kill_version(0), 1: _kill_version(1)}
     killed_mid_write = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distrain.train.faults import all_finite, grads_finite
+from distrain.runtime.faults import all_finite, grads_finite
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -7,7 +7,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from distrain.launch.common import free_port
-from distrain.train.health import Heartbeat
+from distrain.runtime.health import Heartbeat
 
 
 def test_a_worker_that_stops_stamping_becomes_the_suspect():

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from distrain.train.checkpoint import load_checkpoint, save_checkpoint
-from distrain.train.metrics import RunTotals, write_summary
+from distrain.runtime.checkpoint import load_checkpoint, save_checkpoint
+from distrain.runtime.totals import RunTotals
+from distrain.train.metrics import write_summary
 
 
 def _row(steps: int, wall: float, sent: list[int], received: list[int], cpu: float = 0.5) -> list[float]:

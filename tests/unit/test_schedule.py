@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from distrain.errors import ConfigError
-from distrain.train.optim import LARS, OPTIMIZERS, build_optimizer
-from distrain.train.schedule import DECAYS, LRSchedule, scaled_lr
+from distrain.optim.optimizers import LARS, OPTIMIZERS, build_optimizer
+from distrain.optim.schedule import DECAYS, LRSchedule, scaled_lr
 
 # --- scaled_lr ------------------------------------------------------------------------------------
 

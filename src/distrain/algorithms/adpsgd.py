@@ -65,9 +65,9 @@ from distrain.algorithms.gossip import (
 )
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import ConfigError, WorkerFailure
+from distrain.runtime.faults import is_comm_error
+from distrain.runtime.health import Liveness
 from distrain.topology import Graph, bipartite_sets, build_topology
-from distrain.train.faults import is_comm_error
-from distrain.train.health import Liveness
 
 log = logging.getLogger(__name__)
 

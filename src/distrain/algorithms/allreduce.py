@@ -23,7 +23,7 @@ from distrain.algorithms.hierarchical import build_hierarchy
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.gradients import GradientCompression
-from distrain.train.faults import NonFinite, all_finite
+from distrain.runtime.faults import NonFinite, all_finite
 
 
 @dataclass

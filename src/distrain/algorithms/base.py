@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from distrain.comm.transport import Transport
-from distrain.compress.adaptive import AdaptivePolicy, policy_from_spec
+from distrain.compress.adaptive import AdaptivePolicy
+from distrain.compress.registry import policy_from_spec
 from distrain.compress.warmup import DensityWarmup
 from distrain.errors import ConfigError
 

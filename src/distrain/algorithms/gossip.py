@@ -44,7 +44,7 @@ import torch.distributed as dist
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import ConfigError, WorkerFailure
-from distrain.train.health import Liveness
+from distrain.runtime.health import Liveness
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ import os
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -82,13 +82,15 @@ from distrain.compress.momentum_correction import MomentumCorrection
 from distrain.compress.pushes import PushDecoder, ShardPush, send_message
 from distrain.compress.registry import build_compressor
 from distrain.compress.warmup import DensityWarmup
-from distrain.config import TrainConfig
 from distrain.errors import ConfigError, WorkerFailure
+from distrain.optim.optimizers import build_optimizer
+from distrain.optim.schedule import LRSchedule, scaled_lr
+from distrain.runtime.faults import FaultWatch, maybe_injected_kill
+from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
-from distrain.train.faults import FaultWatch, maybe_injected_kill
-from distrain.train.metrics import RunTotals
-from distrain.train.optim import build_optimizer
-from distrain.train.schedule import LRSchedule, scaled_lr
+
+if TYPE_CHECKING:  # the settings' type only: config imports the algorithms to check them
+    from distrain.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +487,7 @@ class ShardServer:
         self.save(self.total_steps)
 
     def save(self, step: int) -> None:
-        from distrain.train.checkpoint import CheckpointStore
+        from distrain.runtime.checkpoint import CheckpointStore
 
         store = CheckpointStore(self.run_dir, self.transport.rank, self.transport.world_size)
         store.save(step, {"shard": self.shard.data, "optimizer": self.optimizer.state_dict(), "step": step,
@@ -515,7 +517,7 @@ def serve(cfg: TrainConfig, run_dir: str | Path, control_group: Any = None) -> N
 
 def _serve(cfg: TrainConfig, run_dir: str | Path, watch: FaultWatch) -> None:
     from distrain.emulation import Emulation
-    from distrain.train.checkpoint import CheckpointStore, finished_for
+    from distrain.runtime.checkpoint import CheckpointStore, finished_for
 
     emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers,
                                       workers_per_node=cfg.algo.workers_per_node)

@@ -81,8 +81,8 @@ from distrain.algorithms.gossip import (
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import WorkerFailure
-from distrain.train.faults import is_comm_error
-from distrain.train.health import Liveness
+from distrain.runtime.faults import is_comm_error
+from distrain.runtime.health import Liveness
 
 log = logging.getLogger(__name__)
 

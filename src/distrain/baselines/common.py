@@ -37,24 +37,22 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrain.baselines.wire import WireMeter
+from distrain.comm.group import check_device, close_group, init_group
 from distrain.config import TrainConfig
 from distrain.emulation import Emulation, NetworkSettings
 from distrain.errors import ConfigError, DataError, DistrainError
 from distrain.launch.common import (
-    check_device,
-    close_group,
     configure_worker_logging,
     default_run_dir,
     die_with_parent,
     exit_now,
     free_port,
-    init_group,
 )
 from distrain.models import build_model
+from distrain.optim.optimizers import build_optimizer
+from distrain.optim.schedule import LRSchedule, scaled_lr
 from distrain.train.loop import plan_worker_data, summarize
 from distrain.train.metrics import MetricsWriter, batches_of, evaluate, write_json_atomic
-from distrain.train.optim import build_optimizer
-from distrain.train.schedule import LRSchedule, scaled_lr
 
 log = logging.getLogger(__name__)
 
@@ -259,11 +257,8 @@ def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: 
 
 def launch_peer(cfg: TrainConfig, peer: Peer) -> dict[str, Any]:
     """Run ``peer`` with ``cfg.cluster.workers`` local processes on loopback; returns the summary."""
-    from distrain.launch.local import (  # the same supervision as distrain train
-        _stop,
-        _supervise,
-        preflight,
-    )
+    from distrain.launch.checks import preflight
+    from distrain.launch.local import _stop, _supervise  # the same supervision as distrain train
 
     check_device(cfg)
     check_peer_config(peer, cfg)

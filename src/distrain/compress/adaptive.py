@@ -342,16 +342,6 @@ class AdaptivePolicy:
             self.mean_f = float(state["mean_f"])
 
 
-def policy_from_spec(text: str) -> AdaptivePolicy | None:
-    """A fresh policy for an ``adaptive:...`` ``--compress`` spec; None for any other spec."""
-    from distrain.compress.registry import parse_spec  # the registry builds AdaptiveGroupTopK
-
-    if str(text).split(":", 1)[0].strip() != AdaptiveGroupTopK.name:
-        return None
-    spec = parse_spec(text)
-    return AdaptivePolicy(parse_adaptive(spec.args, spec.options))
-
-
 class AdaptiveGroupTopK(GroupTopK):
     """Group top-k whose ratio an :class:`AdaptivePolicy` sets per call (``CompressInfo.ratio``);
     ``ratio`` is the policy's base, used when a call gives none."""

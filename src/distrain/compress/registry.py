@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distrain.compress.adaptive import AdaptiveGroupTopK, parse_adaptive
+from distrain.compress.adaptive import AdaptiveGroupTopK, AdaptivePolicy, parse_adaptive
 from distrain.compress.base import Compressor
 from distrain.compress.error_feedback import ErrorFeedback
 from distrain.compress.fp16 import FP16Compressor
@@ -172,3 +172,12 @@ def build_compressor(text: str, *, error_feedback: bool = True, seed: int = 0) -
 def validate_spec(text: str) -> None:
     """Raise ConfigError unless ``text`` is a valid ``--compress`` spec."""
     build_compressor(text, error_feedback=False)
+
+
+def policy_from_spec(text: str) -> AdaptivePolicy | None:
+    """A fresh adaptive-ratio policy for an ``adaptive:...`` ``--compress`` spec; None for any
+    other spec."""
+    if str(text).split(":", 1)[0].strip() != AdaptiveGroupTopK.name:
+        return None
+    spec = parse_spec(text)
+    return AdaptivePolicy(parse_adaptive(spec.args, spec.options))

@@ -17,7 +17,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from distrain.config import TrainConfig, check_run_dir
@@ -66,15 +65,6 @@ def claim_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
             target.unlink()
 
 
-def backend_for(cfg: TrainConfig) -> str:
-    if cfg.cluster.backend != "auto":
-        return cfg.cluster.backend
-    return "nccl" if cfg.cluster.device == "cuda" else "gloo"
-
-
-def check_device(cfg: TrainConfig) -> None:
-    if cfg.cluster.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device", "cuda was asked for but this machine has no CUDA device; use --device cpu")
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
@@ -113,31 +103,7 @@ def wait_for_master(addr: str, port: int, timeout: float) -> None:
             time.sleep(0.2)
 
 
-def init_group(cfg: TrainConfig, rank: int, world: int, init_method: str | None = None,
-               store: dist.Store | None = None) -> None:
-    """Open the default process group with the run's timeout (a world of 1 needs no network).
 
-    Meet through ``store`` when given (the local launcher hosts one that outlives every
-    worker), else through ``init_method``, else (one process) an in-memory store.
-    """
-    if cfg.cluster.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    if store is None and init_method is None:
-        store = dist.HashStore()
-    dist.init_process_group(backend_for(cfg), init_method=None if store is not None else init_method, store=store,
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
-
-
-def store_of(addr: str, port: int, timeout: float, *, host: bool = False) -> dist.TCPStore:
-    """The rendezvous store at ``addr:port``: host it (the launcher), or connect to it (a worker,
-    failing after ``timeout`` seconds if nobody answers)."""
-    return dist.TCPStore(addr, port, is_master=host, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout))
-
-
-def close_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def configure_worker_logging(rank: int) -> None:

@@ -20,24 +20,22 @@ from typing import Any
 import torch.distributed as dist
 
 from distrain.algorithms import ALGORITHMS
+from distrain.comm.group import check_device, close_group, init_group, store_of
 from distrain.config import TrainConfig
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
+from distrain.launch.checks import finished_before_start, preflight
 from distrain.launch.common import (
-    check_device,
     check_port_free,
     claim_run_dir,
-    close_group,
     configure_worker_logging,
     default_run_dir,
     die_with_parent,
     exit_now,
     free_port,
-    init_group,
     run_role,
     server_count,
-    store_of,
 )
-from distrain.train.faults import Interrupted
+from distrain.runtime.faults import Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -52,50 +50,7 @@ STOP_GRACE_S = 10.0
 FAILURES = "failures"
 
 
-def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
-    """Check what can be checked before any worker starts; warms the data cache on the way."""
-    from distrain.data import labels_of, load_dataset, partition_indices
 
-    if train_set is None and cfg.data.dataset == "shards":
-        return  # workers read their own shard files; they check them
-    if train_set is None:
-        d = cfg.data
-        train_set, _ = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed)
-    n, world = len(train_set), cfg.cluster.workers
-    if n == 0:
-        raise DataError("the training set is empty")
-    if world > n:
-        raise ConfigError("--workers", f"must be at most the number of training samples ({n}), got {world}")
-    labels = labels_of(train_set) if cfg.data.partition != "iid" else [0] * n
-    parts = partition_indices(labels, world, cfg.data.partition, alpha=cfg.data.dirichlet_alpha, seed=cfg.run.seed)
-    smallest = min(range(world), key=lambda r: len(parts[r]))
-    if len(parts[smallest]) < cfg.data.batch_size:
-        raise ConfigError("--batch-size", f"worker {smallest}'s shard has {len(parts[smallest])} samples, fewer than one batch of {cfg.data.batch_size}")
-
-
-def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
-    """The checkpoint --resume points at exists, is intact, and was written by this model,
-    algorithm and number of workers (rank 0's file stands for the set); returns its state, or
-    None when the run starts afresh."""
-    from distrain.train.checkpoint import CheckpointStore, check_compatible
-
-    store = CheckpointStore(run_dir, 0, nprocs)
-    step = store.resolve(cfg.run.resume)
-    if step is None:
-        return None
-    state = store.load(step)
-    check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=cfg.cluster.workers)
-    return state
-
-
-def finished_before_start(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
-    """The recorded result of a run resumed with nothing left to train (no worker need start;
-    see :func:`distrain.train.resume.already_finished`), else None."""
-    from distrain.train.checkpoint import finished_for
-    from distrain.train.resume import already_finished
-
-    state = check_resume(cfg, run_dir, nprocs)
-    return already_finished(run_dir, state) if state is not None and finished_for(state, cfg.run.epochs) else None
 
 
 def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_dir: str, user: dict[str, Any],
@@ -290,7 +245,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
         _supervise(procs, grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
                    signals=signals, survivable=ALGORITHMS[cfg.algo.algorithm].survives_lost_workers)
     except Interrupted:
-        from distrain.train.checkpoint import CheckpointStore
+        from distrain.runtime.checkpoint import CheckpointStore
 
         saved = CheckpointStore(run_dir, 0, nprocs).latest_complete()
         raise Interrupted(-1 if saved is None else saved, run_dir) from None

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from distrain.comm.group import store_of
 from distrain.config import TrainConfig
 from distrain.distributed import SETTINGS_ENV
 from distrain.errors import ConfigError
-from distrain.launch.common import PR_SET_PDEATHSIG, free_port, store_of
+from distrain.launch.common import PR_SET_PDEATHSIG, free_port
 
 #: Seconds the other processes get to stop after a failure or Ctrl-C before they are killed.
 STOP_GRACE_S = 5.0

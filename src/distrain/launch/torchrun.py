@@ -12,17 +12,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distrain.comm.group import check_device, close_group, init_group, store_of
 from distrain.config import TrainConfig
 from distrain.launch.common import (
-    check_device,
     claim_run_dir,
-    close_group,
     configure_worker_logging,
     default_run_dir,
-    init_group,
     run_role,
     server_count,
-    store_of,
     wait_for_master,
 )
 

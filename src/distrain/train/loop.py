@@ -43,8 +43,10 @@ from distrain.distributed import DistributedOptimizer
 from distrain.emulation import NetworkSettings
 from distrain.errors import ConfigError, DataError
 from distrain.models import build_model
-from distrain.train.checkpoint import CheckpointStore, check_compatible, planned_steps
-from distrain.train.faults import (
+from distrain.optim.optimizers import build_optimizer
+from distrain.optim.schedule import LRSchedule, scaled_lr
+from distrain.runtime.checkpoint import CheckpointStore, check_compatible, planned_steps
+from distrain.runtime.faults import (
     FaultWatch,
     Interrupted,
     NonFinite,
@@ -52,15 +54,14 @@ from distrain.train.faults import (
     maybe_injected_kill,
     nonfinite_error,
 )
+from distrain.runtime.totals import RunTotals
 from distrain.train.metrics import (
     MetricsWriter,
-    RunTotals,
     batches_of,
     evaluate,
     write_json_atomic,
     write_summary,
 )
-from distrain.train.optim import build_optimizer
 from distrain.train.resume import (
     already_finished,
     check_epoch_length,
@@ -68,7 +69,6 @@ from distrain.train.resume import (
     rng_state,
     set_rng_state,
 )
-from distrain.train.schedule import LRSchedule, scaled_lr
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     ``workers_group`` is the group of training workers when the world also holds other
     processes (parameter servers); None when every process is a worker.
 
-    Raises :class:`~distrain.train.faults.Interrupted` after a SIGTERM / Ctrl-C (every worker
+    Raises :class:`~distrain.runtime.faults.Interrupted` after a SIGTERM / Ctrl-C (every worker
     stopped at the same step and saved a checkpoint), and ``WorkerFailure`` in one line naming
     the step and the cause when a peer is lost or a value is not finite.
     """

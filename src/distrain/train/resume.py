@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from distrain.errors import CheckpointError
-from distrain.train.schedule import LRSchedule
+from distrain.optim.schedule import LRSchedule
 
 log = logging.getLogger(__name__)
 

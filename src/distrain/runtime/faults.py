@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from distrain.errors import WorkerFailure
 from distrain.runtime.files import atomic_write
-from distrain.train.health import Heartbeat
+from distrain.runtime.health import Heartbeat
 
 T = TypeVar("T")
 

@@ -1,0 +1,57 @@
+"""What every launcher checks before any worker starts: the data fits the workers and the
+batch, and a resumed run's checkpoint exists, is intact and was written by this job (or the run
+is already finished)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from distrain.config import TrainConfig
+from distrain.errors import ConfigError, DataError
+
+
+def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
+    """Check what can be checked before any worker starts; warms the data cache on the way."""
+    from distrain.data import labels_of, load_dataset, partition_indices
+
+    if train_set is None and cfg.data.dataset == "shards":
+        return  # workers read their own shard files; they check them
+    if train_set is None:
+        d = cfg.data
+        train_set, _ = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed)
+    n, world = len(train_set), cfg.cluster.workers
+    if n == 0:
+        raise DataError("the training set is empty")
+    if world > n:
+        raise ConfigError("--workers", f"must be at most the number of training samples ({n}), got {world}")
+    labels = labels_of(train_set) if cfg.data.partition != "iid" else [0] * n
+    parts = partition_indices(labels, world, cfg.data.partition, alpha=cfg.data.dirichlet_alpha, seed=cfg.run.seed)
+    smallest = min(range(world), key=lambda r: len(parts[r]))
+    if len(parts[smallest]) < cfg.data.batch_size:
+        raise ConfigError("--batch-size", f"worker {smallest}'s shard has {len(parts[smallest])} samples, fewer than one batch of {cfg.data.batch_size}")
+
+
+def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
+    """The checkpoint --resume points at exists, is intact, and was written by this model,
+    algorithm and number of workers (rank 0's file stands for the set); returns its state, or
+    None when the run starts afresh."""
+    from distrain.runtime.checkpoint import CheckpointStore, check_compatible
+
+    store = CheckpointStore(run_dir, 0, nprocs)
+    step = store.resolve(cfg.run.resume)
+    if step is None:
+        return None
+    state = store.load(step)
+    check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=cfg.cluster.workers)
+    return state
+
+
+def finished_before_start(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
+    """The recorded result of a run resumed with nothing left to train (no worker need start;
+    see :func:`distrain.train.resume.already_finished`), else None."""
+    from distrain.runtime.checkpoint import finished_for
+    from distrain.train.resume import already_finished
+
+    state = check_resume(cfg, run_dir, nprocs)
+    return already_finished(run_dir, state) if state is not None and finished_for(state, cfg.run.epochs) else None

@@ -1,0 +1,75 @@
+"""What a run did in its earlier segments, carried in checkpoints so that a resumed run's
+summary covers the whole run (workers and parameter servers alike)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+
+class Offsets(NamedTuple):
+    """What the earlier segments of a run add to this one's per-step metrics."""
+
+    wall: float
+    sent: int
+    received: int
+
+
+@dataclass
+class RunTotals:
+    """What a run did in its earlier segments (before the checkpoint it resumed from).
+
+    Checkpoints carry it, so ``summary.json`` covers the whole run however often it was stopped
+    and resumed: each process's counters row (``[steps, samples, wall, compute, exposed comm, *sent per
+    peer, *received per peer, cpu]``, see :func:`~distrain.train.loop.summarize`) summed over
+    segments, the evaluation time, when the target accuracy was first reached (on the run's
+    training clock) and each segment's training time. The time a segment spent after its last
+    checkpoint, before it died, is lost with its work and is not counted.
+
+    Example::
+
+        totals = RunTotals.from_state(state.get("totals"))   # zeros for a new run
+        checkpoint["totals"] = totals.plus(row, eval_s, time_to_target).state_dict()
+    """
+
+    row: list[float] = field(default_factory=list)
+    eval_s: float = 0.0
+    time_to_target_s: float | None = None
+    segment_wall_s: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None) -> RunTotals:
+        if not state:
+            return cls()
+        target = state.get("time_to_target_s")
+        return cls(row=[float(v) for v in state.get("row", [])], eval_s=float(state.get("eval_s", 0.0)),
+                   time_to_target_s=None if target is None else float(target),
+                   segment_wall_s=[float(v) for v in state.get("segment_wall_s", [])])
+
+    @property
+    def wall_s(self) -> float:
+        """Training time of the earlier segments (the offset of this segment's clock)."""
+        return sum(self.segment_wall_s)
+
+    def offsets(self, peers: int) -> Offsets:
+        """Where this segment's clock and bytes start, for a process with
+        ``peers`` peers (its transport's world size)."""
+        row = self.row or [0.0] * (6 + 2 * peers)
+        return Offsets(self.wall_s, int(sum(row[5 : 5 + peers])), int(sum(row[5 + peers : 5 + 2 * peers])))
+
+    def total_row(self, row: list[float]) -> list[float]:
+        """This segment's counters ``row`` plus the earlier segments'."""
+        if not self.row:
+            return list(row)
+        if len(self.row) != len(row):
+            raise ValueError(f"counters of {len(row)} values cannot extend a run's {len(self.row)}")
+        return [a + b for a, b in zip(self.row, row, strict=True)]
+
+    def plus(self, row: list[float], eval_s: float, time_to_target_s: float | None) -> RunTotals:
+        """The totals after this segment, whose counters are ``row`` (``row[2]``: its wall time)."""
+        target = self.time_to_target_s if self.time_to_target_s is not None else time_to_target_s
+        return RunTotals(self.total_row(row), self.eval_s + eval_s, target, [*self.segment_wall_s, row[2]])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"row": list(self.row), "eval_s": self.eval_s, "time_to_target_s": self.time_to_target_s,
+                "segment_wall_s": list(self.segment_wall_s)}
