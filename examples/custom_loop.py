@@ -4,6 +4,7 @@
     distrain launch --workers 4 --network edge examples/custom_loop.py --compress group_topk:0.01
     distrain launch --workers 4 --slow-worker 3:4x examples/custom_loop.py --algorithm adpsgd
     torchrun --nproc-per-node 4 examples/custom_loop.py --algorithm dpsgd
+    distrain launch --workers 4 --servers 2 examples/custom_loop.py --algorithm ps
 
 Two machines (4 processes each; run on both with --node-rank 0 and 1):
 
@@ -66,14 +67,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--servers", type=int, default=None, help="parameter servers (algorithm ps) under torchrun")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     train_set, test_set = make_data()
     model = ResidualMLP(features=64, width=256, classes=10)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    servers = {"servers": args.servers} if args.servers else {}  # distrain launch --servers sets it itself
     opt = distrain.wrap(model, inner, algorithm=args.algorithm, compress=args.compress, epochs=args.epochs,
-                        batch_size=args.batch_size)
+                        batch_size=args.batch_size, **servers)
     loader = DataLoader(opt.shard(train_set), batch_size=args.batch_size, shuffle=True, drop_last=True)
     total = opt.total_steps  # this worker's share of --epochs (opt.shard worked it out)
     scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / total, 1))))

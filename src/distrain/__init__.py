@@ -13,9 +13,32 @@ from distrain.errors import CheckpointError, ConfigError, DataError, DistrainErr
 __version__ = "0.1.0"
 
 
+class FitResult(dict):
+    """What :func:`fit` returns: the run summary (this object is that dict, as ``summary.json``
+    holds it), and the trained model.
+
+    Attributes:
+        summary: the summary as a plain dict.
+        state_dict: the trained model's parameters and buffers (the consensus model for
+            decentralized algorithms), read from ``model.pt`` in the run directory with
+            ``torch.load(..., weights_only=True)``; load them into ``model_fn()``.
+    """
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return dict(self)
+
+    @property
+    def state_dict(self) -> dict[str, Any]:
+        import torch
+
+        return torch.load(Path(self["run_dir"]) / "model.pt", weights_only=True)
+
+
 def fit(model_fn: Any = None, train_set: Any = None, test_set: Any = None,
-        config: TrainConfig | None = None, **settings: Any) -> dict[str, Any]:
-    """Train ``model_fn()`` on ``train_set`` with distrain's worker loop; returns the run summary.
+        config: TrainConfig | None = None, *, loss_fn: Any = None, **settings: Any) -> FitResult:
+    """Train ``model_fn()`` on ``train_set`` with distrain's worker loop; returns the run summary
+    and the trained model (:class:`FitResult`).
 
     Spawns ``workers`` local processes on 127.0.0.1, or, when this process was started by
     torchrun, runs as one of its workers (``workers`` is then torchrun's world size, and every
@@ -26,10 +49,14 @@ def fit(model_fn: Any = None, train_set: Any = None, test_set: Any = None,
     Args:
         model_fn: a picklable zero-argument callable returning an ``nn.Module`` (a module-level
             function, not a lambda, when workers > 1); None uses ``config.model``.
-        train_set, test_set: any ``torch.utils.data.Dataset`` of ``(input, label)`` pairs;
+        train_set, test_set: any ``torch.utils.data.Dataset`` of ``(input, target)`` pairs;
             None uses ``config.dataset``.
-        config: a :class:`TrainConfig`; defaults if None.
-        **settings: overrides of single settings by field name, e.g. ``workers=2, lr=0.05``.
+        config: a :class:`TrainConfig` to start from (copied, never modified); defaults if None.
+        loss_fn: your own loss, ``loss_fn(output, targets)`` returning per-sample losses or
+            their mean (picklable, like ``model_fn``); default: the task's (cross-entropy for
+            ``task="classification"``, mean squared error for ``task="regression"``).
+        **settings: single settings by field name, e.g. ``workers=2, lr=0.05``,
+            ``task="regression", target_loss=0.05``.
 
     Example::
 
@@ -45,22 +72,24 @@ def fit(model_fn: Any = None, train_set: Any = None, test_set: Any = None,
             x = torch.randn(2000, 20, generator=g)
             y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
             train, test = TensorDataset(x[:1600], y[:1600]), TensorDataset(x[1600:], y[1600:])
-            summary = distrain.fit(make_model, train, test, workers=2, epochs=5, batch_size=32)
-            print(summary["final_test_accuracy"])
+            result = distrain.fit(make_model, train, test, workers=2, epochs=5, batch_size=32)
+            print(result["final_test_accuracy"])
+            model = make_model()
+            model.load_state_dict(result.state_dict)
     """
     from distrain.launch import in_torchrun, launch_local, run_torchrun_worker
 
-    cfg = config or TrainConfig()
+    cfg = TrainConfig.from_dict(config.to_dict()) if config is not None else TrainConfig()
     for name, value in settings.items():
         cfg.set(name, value)
     cfg.validate()
     cfg = _as_given(cfg, model_fn, train_set, test_set)
-    user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set}
+    user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set, "loss_fn": loss_fn}
     if in_torchrun():
         summary = run_torchrun_worker(cfg, summary_everywhere=True, **user)
         assert summary is not None
-        return summary
-    return launch_local(cfg, **user)
+        return FitResult(summary)
+    return FitResult(launch_local(cfg, **user))
 
 
 def _as_given(cfg: TrainConfig, model_fn: Any, train_set: Any, test_set: Any) -> TrainConfig:
@@ -88,5 +117,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'distrain' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DistrainError", "DistributedOptimizer", "TrainConfig",
-           "WorkerFailure", "fit", "wrap"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DistrainError", "DistributedOptimizer", "FitResult",
+           "TrainConfig", "WorkerFailure", "fit", "wrap"]

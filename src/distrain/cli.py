@@ -80,9 +80,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError("SCRIPT", "name the training script to run (or -m MODULE)")
     target = (Target(module=args.module, args=list(args.target)) if args.module is not None
               else Target(script=args.target[0], args=list(args.target[1:])))
-    settings = {f.name: getattr(args, f.name) for _, f, _ in leaf_fields() if hasattr(args, f.name)}
+    settings = {f.name: getattr(args, f.name) for _, f, _ in leaf_fields()
+                if hasattr(args, f.name) and f.name != "servers"}  # --servers: below, only when asked for
     settings["timeout"] = args.timeout
-    return launch_script(target, args.workers, settings, master_port=args.master_port, timeout=args.timeout)
+    if args.servers:  # the last --servers ranks serve: wrap() makes them parameter servers
+        settings.update(algorithm="ps", servers=args.servers)
+    return launch_script(target, args.workers, settings, master_port=args.master_port, timeout=args.timeout,
+                         servers=args.servers)
 
 
 # Settings that `distrain compare` varies (as lists) or sets per run, instead of single flags.
@@ -163,11 +167,21 @@ def _mb(n: float) -> str:
 def format_summary(s: dict[str, Any]) -> str:
     """The final table of a run, for the terminal."""
     ttt = s.get("time_to_target_s")
-    target = f"{s['target_accuracy']:.0%}"
+    accuracy, loss = s.get("final_test_accuracy"), s.get("final_test_loss")
+    if s.get("target_loss") is not None:
+        target = f"loss {s['target_loss']:g}"
+    else:
+        target = f"{s['target_accuracy']:.0%}" if accuracy is not None else "target"
+    final = (f"  {'final test accuracy':<22}{accuracy:.4f}" if accuracy is not None
+             else f"  {'final test loss':<22}{float('nan') if loss is None else loss:.4g}")
+    if s.get("final_val_bpb") is not None:  # a language model: bits per byte, against a bigram model's
+        bigram = s.get("bigram_val_bpb")
+        final += f"\n  {'val bits per byte':<22}{s['final_val_bpb']:.3f}" + (
+            f" (bigram model: {bigram:.3f})" if bigram is not None else "")
     lines = [
         f"distrain {s['algorithm']}: {s['workers']} workers, {s['dataset']}/{s['model']}, {s['epochs']:g} epochs, global batch {s['global_batch']}",
         "",
-        f"  {'final test accuracy':<22}{s['final_test_accuracy']:.4f}",
+        final,
         f"  {'time to ' + target:<22}{'not reached' if ttt is None else f'{ttt:.1f} s'}",
         f"  {'wall time (training)':<22}{s['wall_time_s']:.1f} s",
         f"  {'samples/s':<22}{s['samples_per_s'] or 0:.0f}",
@@ -217,6 +231,8 @@ def build_parser() -> Parser:
                             "joins them and emulates the network given here. Output lines carry the rank; if one "
                             "process fails, all stop.")
     launch.add_argument("--workers", type=int, default=TrainConfig().cluster.workers, metavar="N", help="processes to start (default: %(default)s)")
+    launch.add_argument("--servers", type=int, default=0, metavar="S",
+                        help="also start S parameter servers (the last S ranks; the script's wrap() uses algorithm ps)")
     launch.add_argument("--master-port", type=int, default=0, metavar="PORT", help="port of the rendezvous on 127.0.0.1 (0 = a free one)")
     launch.add_argument("--timeout", type=float, default=TrainConfig().cluster.timeout, metavar="S",
                         help="seconds any rendezvous or collective may take (default: %(default)s)")
@@ -236,8 +252,10 @@ def build_parser() -> Parser:
                      "(they form one group); repeatable. Otherwise runs are grouped by every setting but the seed")
     rep.set_defaults(func=cmd_report)
     from distrain.bench import add_bench_parser  # distrain bench link (emulation benchmarks)
+    from distrain.sample import add_sample_parser  # distrain sample RUN_DIR (language models)
 
     add_bench_parser(sub)
+    add_sample_parser(sub)
     return parser
 
 

@@ -288,7 +288,9 @@ def _describe(record: dict[str, Any]) -> str:
     if record["status"] != "ok":
         return f"failed after {record['elapsed_s']:.0f} s: {record['error']}"
     tta = record.get("time_to_target_s")
-    return (f"accuracy {record['final_test_accuracy']:.4f}, wall {record['wall_time_s']:.1f} s, "
+    accuracy = record.get("final_test_accuracy")
+    quality = f"accuracy {accuracy:.4f}" if accuracy is not None else f"test loss {record.get('final_test_loss', float('nan')):.4g}"
+    return (f"{quality}, wall {record['wall_time_s']:.1f} s, "
             f"{record['samples_per_s']:.0f} samples/s, {record['bytes_sent_per_worker_mean'] / 1e6:.2f} MB sent/worker, "
             f"target {'not reached' if tta is None else f'at {tta:.1f} s'} ({record['elapsed_s']:.0f} s in all)")
 

@@ -62,6 +62,18 @@ def _datasets() -> tuple[str, ...]:
     return tuple(DATASETS)
 
 
+def _task_choices() -> tuple[str, ...]:
+    from distrain.tasks import TASKS
+
+    return ("auto", *TASKS)
+
+
+def _gpt_sizes() -> tuple[str, ...]:
+    from distrain.models.gpt import GPT_SIZES
+
+    return tuple(GPT_SIZES)
+
+
 def _algorithms() -> tuple[str, ...]:
     from distrain.algorithms import ALGORITHMS
 
@@ -141,29 +153,48 @@ class DataConfig:
     partition: str = _opt("iid", "how training data is split among workers", ("iid", "dirichlet"))
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration for --partition dirichlet (small = skewed)")
     batch_size: int = _opt(64, "samples per worker per step")
+    task: str = _opt("auto", "what the targets are: classification (class indices; cross-entropy, accuracy), "
+                     "regression (values; mean squared error, on your own data set), lm (next tokens; loss in "
+                     "nats per token, bits per byte), or auto (lm for --dataset text, else classification)",
+                     _task_choices)
+    context: int = _opt(128, "text: tokens per window, the language model's context")
 
     def validate(self) -> None:
         check_choices(self)
+        if self.task_name() != "classification" and self.partition != "iid":
+            raise ConfigError("--partition", f"{self.partition} splits by class; {self.task_name()} targets have none: "
+                                             "use iid")
+        check_positive("context", self.context, integer=True)
         if self.dataset in ("npz", "idx", "shards") and not self.data_path:
             raise ConfigError("--data-path", f"is required for --dataset {self.dataset}")
         check_positive("num_samples", self.num_samples, integer=True)
         check_positive("dirichlet_alpha", self.dirichlet_alpha)
         check_positive("batch_size", self.batch_size, integer=True)
 
+    def task_name(self) -> str:
+        """The task, with ``auto`` resolved: ``lm`` for text, else ``classification``."""
+        if self.task != "auto":
+            return self.task
+        return "lm" if self.dataset == "text" else "classification"
+
 
 @dataclass
 class ModelConfig:
     """Which model to train."""
 
-    model: str = _opt("cnn1d", "mlp, cnn1d, cnn2d, or a user factory 'package.module:function'")
+    model: str = _opt("cnn1d", "mlp, cnn1d, cnn2d, gpt (a language model, for --dataset text), or a user factory "
+                      "'package.module:function'")
     model_width: int | None = _opt(None, "hidden units (mlp) or channels (cnn); model default if unset")
     model_depth: int | None = _opt(None, "hidden layers (mlp) or conv layers (cnn); model default if unset")
+    model_size: str = _opt("nano", "gpt: nano (~0.2M parameters), micro (~1M), small (~6M), medium (~25M), base "
+                           "(~85M); --model-width / --model-depth override", _gpt_sizes)
 
     def validate(self) -> None:
         from distrain.models import MODELS
 
         if ":" not in self.model:
             check_choice("model", self.model, tuple(MODELS) + ("package.module:factory",))
+        check_choices(self)
         for name in ("model_width", "model_depth"):
             if getattr(self, name) is not None:
                 check_positive(name, getattr(self, name), integer=True)
@@ -203,6 +234,8 @@ class RunConfig:
     name: str | None = _opt(None, "run name (default: <algorithm>-<dataset>-<time>)")
     eval_every: float = _opt(1.0, "evaluate the test accuracy every this many epochs")
     target_accuracy: float = _opt(0.95, "test accuracy whose first crossing gives time_to_target_s")
+    target_loss: float | None = _opt(None, "test loss whose first crossing (at or below) gives time_to_target_s "
+                                     "instead of --target-accuracy (regression: the mean squared error)")
     checkpoint_every: int = _opt(0, "save a checkpoint every this many steps (0 = only at the end)")
     resume: str = _opt("none", "'auto' (newest valid checkpoint in --run-dir), 'none', or a checkpoint step directory")
     overwrite: bool = _opt(False, "start afresh in a --run-dir that holds an earlier run: its config, metrics, summary, "
@@ -217,6 +250,8 @@ class RunConfig:
         check_positive("eval_every", self.eval_every)
         if not (0 < self.target_accuracy <= 1):
             raise ConfigError("--target-accuracy", f"must be in (0, 1], got {self.target_accuracy!r}")
+        if self.target_loss is not None:
+            check_positive("target_loss", self.target_loss)
         check_positive("checkpoint_every", self.checkpoint_every, integer=True, allow_zero=True)
         check_positive("threads", self.threads, integer=True)
         check_choices(self)
@@ -421,6 +456,11 @@ class TrainConfig:
 
         for section in SECTIONS:
             getattr(self, section).validate()
+        task = self.data.task_name()
+        if self.model.model == "gpt" and task != "lm":
+            raise ConfigError("--model", f"gpt is a language model: train it with --dataset text (the task here is {task})")
+        if task == "lm" and self.model.model in ("mlp", "cnn1d", "cnn2d"):
+            raise ConfigError("--model", f"{self.model.model} is not a language model: use --model gpt with --dataset text")
         ALGORITHMS[self.algo.algorithm].check_config(self)
         return self
 

@@ -22,6 +22,11 @@ Run it on one machine with ``distrain launch --workers 4 train.py`` (add ``--net
 train.py``; on two machines with ``torchrun --nnodes 2 --nproc-per-node 4 --node-rank R
 --master-addr HOST --master-port 29500 train.py``. Without either, the script trains as one
 process.
+
+Every algorithm runs this way: allreduce, dpsgd, d2, adpsgd, prague, and ps, whose
+servers are the last ``servers`` ranks (``distrain launch --workers 4 --servers 2 train.py``, or
+``torchrun --nproc-per-node 6 train.py`` with ``servers=2``): on those ranks ``wrap()`` serves
+until every worker has called ``finish()`` and then exits the process with status 0.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Subset
 
 from distrain.algorithms import StepContext, build_algorithm
+from distrain.algorithms.parameter_server import serve, server_optimizer
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
@@ -113,9 +119,14 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
     cfg = _configure(config, settings, model, process_group, optimizer)
     created = _join(cfg)
     try:
+        workers = cfg.cluster.workers
+        servers = dist.get_world_size() - workers
+        group = dist.new_group(list(range(workers))) if servers else None  # collective: servers too
+        if dist.get_rank() >= workers:
+            _serve(cfg, optimizer)  # a parameter server: serve until the workers are done, then exit
         return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                                    owns_group=created)
-    except BaseException:
+                                    owns_group=created, workers_group=group)
+    except BaseException:  # SystemExit from a server too: the group it opened is closed first
         if created:
             dist.destroy_process_group()
         raise
@@ -145,14 +156,29 @@ def _configure(config: TrainConfig | None, settings: dict[str, Any], model: torc
                           "torch.distributed.init_process_group, or let wrap() join the one the launcher describes")
     world = dist.get_world_size() if dist.is_initialized() else _world_from_env()[1]
     servers = cfg.ps.servers if cfg.algo.algorithm == "ps" else 0
-    if servers:
-        raise ConfigError("algorithm", "ps runs through 'distrain train' and distrain.fit; wrap() drives allreduce, "
-                          "dpsgd, d2, adpsgd and prague")
+    if "servers" in given and not servers:
+        raise ConfigError("servers", f"starts parameter servers, which only algorithm 'ps' uses; this script's "
+                          f"algorithm is {cfg.algo.algorithm!r}")
+    if world - servers < 1:
+        raise ConfigError("servers", f"{servers} server(s) leave no training worker in a world of {world} processes")
     param = next(iter(model.parameters()), None)
     device = "cuda" if param is not None and param.device.type == "cuda" else "cpu"
-    cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world, device=device))
+    cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world - servers, device=device))
     cfg.validate()
+    if servers:  # the servers step this optimizer's kind on their shards: refuse what they cannot, now
+        server_optimizer(optimizer, torch.nn.Parameter(torch.zeros(1)), asynchronous=cfg.ps.ps_mode == "async",
+                         pushers=cfg.cluster.workers, max_staleness=cfg.ps.max_staleness, corrected=False)
     return cfg
+
+
+def _serve(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
+    """This process is a parameter server (the last ``servers`` ranks): serve the workers with
+    ``optimizer``'s kind and hyperparameters until every worker's training has ended, then leave
+    the process (SystemExit(0)): the rest of the user's script is a worker's."""
+    log.info("rank %d: parameter server %d of %d", dist.get_rank(), dist.get_rank() - cfg.cluster.workers,
+             cfg.ps.servers)
+    serve(cfg, None, optimizer, gather_totals=False)
+    raise SystemExit(0)
 
 
 def _join(cfg: TrainConfig) -> bool:
@@ -185,7 +211,9 @@ class DistributedOptimizer:
     Attributes:
         rank: this worker's rank.
         workers: the number of training workers.
-        is_worker: True (servers never return from :func:`wrap`).
+        is_worker: True: a parameter server's process (``algorithm="ps"``, the last ``servers``
+            ranks) never returns from :func:`wrap`; it serves until every worker has called
+            :meth:`finish`, then exits with status 0.
         optimizer: the user's optimizer.
         steps: steps taken by this worker.
         config: the settings in force.
@@ -345,6 +373,7 @@ class DistributedOptimizer:
             self.algorithm.request_stop()
             while self.algorithm.keep_going(self.steps, self.total_steps or UNBOUNDED_STEPS):
                 pass
+        self.algorithm.end()  # parameter servers stop serving once every worker has ended
         self._final = self.algorithm.eval_model()
         control = self.algorithm.control_transport() or self.transport
         self.close()
@@ -366,7 +395,14 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """The user optimizer's state and every algorithm state (error-feedback residuals, gossip
-        state, bucket order), with the step count: what resuming needs besides the model."""
+        state, bucket order), with the step count: what resuming needs besides the model.
+
+        Not for ``algorithm="ps"``: the servers' shards and optimizer state stay on the servers
+        (``distrain train --algorithm ps`` checkpoints them); this raises rather than save a
+        state that would resume without them."""
+        if self.config.algo.algorithm == "ps":
+            raise NotImplementedError("state_dict() under algorithm='ps' would leave out the servers' shards and "
+                                      "optimizer state; use 'distrain train --algorithm ps' for checkpointed runs")
         return {"steps": self.steps, "optimizer": self.optimizer.state_dict(),
                 "algorithm": self.algorithm.state_dict()}
 

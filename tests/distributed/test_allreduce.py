@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from distrain.data import load_dataset, partition_indices
+from distrain.data.batches import batches_of
 from distrain.data.sampler import ShardSampler
 from distrain.launch import launch_local
 from distrain.models import build_model
 from distrain.optim.schedule import scaled_lr
 from distrain.runtime.checkpoint import CheckpointStore
-from distrain.train.metrics import batches_of
 from tests.conftest import small_config
 
 

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrain.data import load_dataset
+from distrain.data.batches import batches_of
 from distrain.ddp_hooks import GroupTopKState, group_topk_hook
 from distrain.launch.common import free_port
 from distrain.models import build_model
-from distrain.train.metrics import batches_of
 from tests.harness import run_group
 
 

@@ -13,13 +13,14 @@ from distrain.algorithms.dpsgd import consensus_distance
 from distrain.comm.transport import Transport
 from distrain.config import TrainConfig
 from distrain.data import load_dataset, partition_indices
+from distrain.data.batches import batches_of
 from distrain.data.sampler import ShardSampler
 from distrain.launch import launch_local
 from distrain.models import build_model
 from distrain.optim.schedule import scaled_lr
 from distrain.runtime.checkpoint import CheckpointStore
 from distrain.topology import build_topology, eigenvalues, mixing_matrix, spectral_gap
-from distrain.train.metrics import batches_of, read_metrics
+from distrain.train.metrics import read_metrics
 from tests.conftest import small_config
 from tests.harness import run_group
 

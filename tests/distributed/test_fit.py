@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import distrain
+import distrain.train.metrics
 from distrain.data import load_dataset, write_shard_dir
 from distrain.launch import launch_local
 from distrain.launch.common import free_port
@@ -53,6 +54,58 @@ def test_fit_in_process_with_one_worker(tmp_path):
                            progress=False, run_dir=str(tmp_path / "one"))
     assert summary["workers"] == 1 and summary["bytes_sent_per_worker"] == [0]
     assert summary["final_test_accuracy"] > 0.85
+
+
+def make_regressor() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def huber(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.huber_loss(output.squeeze(-1), target, reduction="none", delta=0.5)
+
+
+def _regression_data() -> tuple[TensorDataset, TensorDataset]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1200, 4, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 0.0]) + 0.1 * torch.randn(1200, generator=g)
+    return TensorDataset(x[:1000], y[:1000]), TensorDataset(x[1000:], y[1000:])
+
+
+@pytest.mark.timeout(180)
+def test_fit_regression_reaches_a_loss_target_and_returns_the_trained_model(tmp_path):
+    train, test = _regression_data()
+    spread = test.tensors[1].var().item()  # the mean squared error of always predicting the mean
+    config = distrain.TrainConfig()
+    before = config.to_dict()
+    result = distrain.fit(make_regressor, train, test, config, task="regression", target_loss=0.1 * spread,
+                          workers=2, epochs=4, batch_size=20, lr=0.05, warmup_epochs=0, progress=False,
+                          run_dir=str(tmp_path / "reg"), timeout=60)
+    assert config.to_dict() == before  # the caller's config is copied, never changed
+    assert result["task"] == "regression" and result["final_test_accuracy"] is None
+    assert result["final_test_loss"] < 0.1 * spread and result["time_to_target_s"] is not None
+    model = make_regressor()
+    model.load_state_dict(result.state_dict)
+    with torch.no_grad():
+        mse = ((model(test.tensors[0]).squeeze(-1) - test.tensors[1]) ** 2).mean().item()
+    assert mse == pytest.approx(result["final_test_loss"], rel=1e-5)
+    evals = [m for m in distrain.train.metrics.read_metrics(tmp_path / "reg") if "test_loss" in m]
+    assert evals and all("test_accuracy" not in m for m in evals)
+
+
+@pytest.mark.timeout(180)
+def test_fit_with_the_users_own_loss(tmp_path):
+    train, test = _regression_data()
+    result = distrain.fit(make_regressor, train, test, task="regression", loss_fn=huber, workers=2, epochs=2,
+                          batch_size=20, lr=0.05, warmup_epochs=0, progress=False, run_dir=str(tmp_path / "huber"),
+                          timeout=60)
+    model = make_regressor()
+    untrained = huber(model(test.tensors[0]), test.tensors[1]).mean().item()
+    model.load_state_dict(result.state_dict)
+    with torch.no_grad():
+        trained = huber(model(test.tensors[0]), test.tensors[1]).mean().item()
+    assert result["final_test_loss"] == pytest.approx(trained, rel=1e-5)  # the test loss is the user's loss
+    assert trained < 0.3 * untrained
 
 
 @pytest.mark.timeout(180)

@@ -62,21 +62,28 @@ def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, *INPUT, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
 
 
+def optimizer(cfg, params) -> torch.optim.Optimizer:
+    """The workers' optimizer (the servers step its kind at the rate each push carries)."""
+    lr = scaled_lr(cfg.optim.lr, WORKERS * BATCH, cfg.optim.reference_batch)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
+
+
 def _body(rank: int, world: int, run_dir: str) -> dict:
     cfg = config(run_dir)
     transport = Transport()
     if rank >= WORKERS:
-        ShardServer(cfg, transport, run_dir).run()
+        ShardServer(cfg, transport, run_dir, optimizer(cfg, [torch.zeros(1, requires_grad=True)])).run()
         return {}
     net = model()
     algorithm = VaryingRatio(cfg)
-    algorithm.setup(net, torch.optim.SGD(net.parameters(), lr=0.0), transport)
+    algorithm.setup(net, optimizer(cfg, net.parameters()), transport)
     algorithm.start(STEPS, STEPS_PER_EPOCH)
     for step in range(STEPS):
         net.zero_grad()
         x, y = batch(rank, step)
         F.cross_entropy(net(x), y).backward()
         algorithm.after_backward(StepContext(step=step, epoch=(step + 1) / STEPS_PER_EPOCH, batch_size=BATCH))
+    algorithm.end()
     return {"model": net.state_dict(), "sent": torch.tensor(transport.stats.sent)}
 
 
@@ -105,7 +112,7 @@ def reference(cfg) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
             for w in range(WORKERS):
                 info = CompressInfo(step=step, key=s, ratio=ratio_of(w, step), worker=w)
                 message = pushes[w].encode(grads[w][lo:hi], info, dense=step < STEPS_PER_EPOCH)
-                sent[w][s] += 8 + message.nbytes  # the int64 clock, then the push
+                sent[w][s] += 16 + message.nbytes  # the int64 clock and learning rate, then the push
                 decoded.append(decoders[s].decode(message))
             update[lo:hi] = torch.stack(decoded).sum(0).div_(WORKERS)
         with torch.no_grad():
@@ -125,6 +132,7 @@ def test_compressed_pushes_with_a_ratio_per_worker_and_step_match_a_replay(tmp_p
             torch.testing.assert_close(results[w]["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=f"worker {w} {name}")
         for s, (lo, hi) in enumerate(shard_bounds(sum(t.numel() for t in want.values()), SERVERS)):
             got = int(results[w]["sent"][WORKERS + s])
+            got -= 16  # the end of training: [STOP, 0]
             if w == 0:  # worker 0 also sent each server the start header (3 int64) and its shard
                 got -= 3 * 8 + 4 * (hi - lo)
             assert got == sent[w][s], (w, s)

@@ -24,15 +24,19 @@ WORKERS = 4
 
 
 def run(launcher: str, algorithm: str, mode: str, out: Path, settings: dict | None = None,
-        launch_flags: tuple[str, ...] = (), timeout: float = 150) -> subprocess.CompletedProcess:
-    """Run the user script as WORKERS processes; check it succeeded and left nothing running."""
-    script_args = [str(SCRIPT), algorithm, mode, str(out), json.dumps(settings or {})]
+        launch_flags: tuple[str, ...] = (), timeout: float = 150, servers: int = 0) -> subprocess.CompletedProcess:
+    """Run the user script as WORKERS processes (and ``servers`` parameter servers); check it
+    succeeded and left nothing running."""
+    settings = dict(settings or {})
+    if servers and launcher == "torchrun":
+        settings["servers"] = servers  # the last ranks; distrain launch says it with --servers
+    script_args = [str(SCRIPT), algorithm, mode, str(out), json.dumps(settings)]
     if launcher == "launch":
         command = [sys.executable, "-m", "distrain", "launch", "--workers", str(WORKERS), "--timeout", "60",
-                   *launch_flags, *script_args]
+                   *(("--servers", str(servers)) if servers else ()), *launch_flags, *script_args]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORKERS),
-                   *script_args]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(WORKERS + servers), *script_args]
     tag = uuid.uuid4().hex
     try:
         done = subprocess.run(command, env=cli_env(tag, OMP_NUM_THREADS="1"), capture_output=True, text=True,
@@ -74,6 +78,40 @@ def test_synchronous_equals_one_process_on_the_concatenated_batches(tmp_path: Pa
     for rank, state in enumerate(saved(tmp_path)):
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
+
+
+#: Parameter servers (2 of them): sync, and async at staleness 0 (a round of pushes is a sync step).
+PS = {"ps-sync": {}, "ps-async": {"ps_mode": "async", "max_staleness": 0}}
+
+
+@pytest.mark.parametrize("launcher", ["launch", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", list(PS))
+def test_parameter_servers_equal_one_process_on_the_concatenated_batches(tmp_path: Path, launcher: str, name: str):
+    # The workers' StepLR halves the rate every step: the servers step at the rate each push carries.
+    done = run(launcher, "ps", "sync", tmp_path, PS[name], servers=2)
+    expected = reference_sync()
+    for rank, state in enumerate(saved(tmp_path)):
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
+    assert not (tmp_path / f"rank{WORKERS}.pt").exists()  # the servers left inside wrap()
+    assert "Traceback" not in done.stderr
+
+
+def test_parameter_servers_refuse_an_optimizer_they_cannot_step(tmp_path: Path):
+    script = tmp_path / "lbfgs.py"
+    script.write_text("import torch, distrain\n"
+                      "model = torch.nn.Linear(2, 1)\n"
+                      "distrain.wrap(model, torch.optim.Rprop(model.parameters()), algorithm='ps', ps_mode='async')\n")
+    tag = uuid.uuid4().hex
+    try:
+        done = subprocess.run([sys.executable, "-m", "distrain", "launch", "--workers", "2", "--servers", "1",
+                               "--timeout", "30", str(script)], env=cli_env(tag), capture_output=True, text=True,
+                              timeout=120)
+        assert tagged(tag) == []
+    finally:
+        kill_tagged(tag)
+    assert done.returncode == 1
+    assert "ps_mode: async servers step SGD, Adam or AdamW, not Rprop; use ps_mode sync" in done.stderr
 
 
 def test_synchronous_under_torchrun(tmp_path: Path):

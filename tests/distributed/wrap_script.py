@@ -4,6 +4,7 @@ python wrap_script.py ALGORITHM MODE OUT_DIR [SETTINGS_JSON]
 
 MODE sync: 3 steps of SGD (lr 0.1, a StepLR scheduler, zero_grad(set_to_none=True)), worker r
 taking rows (s * W + r) * B .. + B at step s; saves the model to OUT_DIR/rank<r>.pt.
+MODE lm: as sync, on a small GPT and random token windows (per-token cross-entropy).
 MODE mean: models made different per worker after wrapping (+ rank), 3 steps at lr 0; saves them.
 MODE async: trains its shard until keep_going() says stop; saves steps and the consensus accuracy.
 MODE full / first / second: 6 steps of momentum SGD; all of them, the first 3 then a checkpoint
@@ -29,6 +30,18 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, CLASSES))
 
 
+def make_gpt() -> torch.nn.Module:
+    from distrain.models.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT((16,), 256, width=32, depth=2)
+
+
+def make_tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(256, (n, 17), generator=torch.Generator().manual_seed(3))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, FEATURES, generator=g)
@@ -38,7 +51,7 @@ def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     algorithm, mode, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     settings = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
-    model = make_model()
+    model = make_gpt() if mode == "lm" else make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.0 if mode == "mean" else 0.1)
     opt = distrain.wrap(model, inner, algorithm=algorithm, **settings)
     rank, workers = opt.rank, opt.workers
@@ -50,6 +63,16 @@ def main() -> None:
             torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
             opt.step()
             scheduler.step()
+            opt.zero_grad()
+        torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        opt.finish()
+    elif mode == "lm":
+        x, y = make_tokens(3 * workers * BATCH)
+        for step in range(3):
+            rows = slice((step * workers + rank) * BATCH, (step * workers + rank + 1) * BATCH)
+            logits = model(x[rows])
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y[rows].reshape(-1)).backward()
+            opt.step()
             opt.zero_grad()
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
         opt.finish()

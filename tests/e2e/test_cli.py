@@ -37,13 +37,14 @@ def test_train_two_workers_writes_run_directory(tmp_path):
     from distrain.data import load_dataset
     from distrain.models import build_model
     from distrain.runtime.checkpoint import load_checkpoint
-    from distrain.train.metrics import evaluate
+    from distrain.tasks import Classification
 
     _, test_set = load_dataset("synthetic", num_samples=1200, seed=0)
     model = build_model("mlp", test_set.input_shape, test_set.num_classes, width=32)
     state = load_checkpoint(run / "checkpoints" / f"step-{summary['steps']:08d}" / "rank-0000.pt")
     model.load_state_dict(state["model"])
-    accuracy, loss = evaluate(model, test_set, torch.device("cpu"))
+    measured = Classification().evaluate(model, test_set, torch.device("cpu"))
+    accuracy, loss = measured["test_accuracy"], measured["test_loss"]
     assert summary["final_test_accuracy"] == pytest.approx(accuracy, abs=1e-9)
     assert summary["final_test_loss"] == pytest.approx(loss, rel=1e-5)
     assert accuracy > 0.5  # ten classes: a model that learned nothing scores about 0.1

@@ -32,6 +32,7 @@ def launch(args: list[str], cwd: Path, timeout: float = 120) -> tuple[subprocess
     (["--bandwidth", "10parsecs", "x.py"], "--bandwidth"),
     (["--workers", "0", "x.py"], "--workers"),
     (["--emulation", "netns", "x.py"], "--emulation"),
+    (["--servers", "-1", "x.py"], "--servers"),
     (["missing.py"], "SCRIPT"),
     ([], "SCRIPT"),
 ])
@@ -108,7 +109,7 @@ def test_wrap_in_one_process_is_the_plain_optimizer():
 
 @pytest.mark.parametrize("settings, name", [
     ({"algorithm": "nope"}, "algorithm"), ({"compress": "topk:7"}, "compress"), ({"lr_typo": 1}, "lr_typo"),
-    ({"algorithm": "dpsgd"}, "workers"), ({"algorithm": "ps"}, "algorithm"),
+    ({"algorithm": "dpsgd"}, "workers"), ({"algorithm": "ps"}, "servers"), ({"servers": 2}, "servers"),
 ])
 def test_bad_settings_raise_one_line_naming_them(settings: dict, name: str):
     model = torch.nn.Linear(2, 2)

@@ -51,6 +51,9 @@ def bad(capsys, *args: str) -> str:  # noqa: ANN001
     (["--timeout", "0"], "--timeout", "> 0"),
     (["--peer-timeout", "nan"], "--peer-timeout", "> 0"),
     (["--algorithm", "adpsgd", "--workers", "3", "--topology", "ring"], "--topology", "bipartite"),
+    (["--task", "regression"], "--task", "your own data set"),
+    (["--task", "ranking"], "--task", "classification, regression"),
+    (["--target-loss", "-0.5"], "--target-loss", "> 0"),
 ])
 def test_settings_refused_before_any_worker(capsys, args, setting, allowed):
     line = bad(capsys, *args)

@@ -68,12 +68,12 @@ def test_array_dataset_rejects_bad_input(x, y, kwargs, match) -> None:
 
 
 def test_unknown_dataset_lists_valid_names() -> None:
-    assert DATASETS == ("digits", "idx", "mnist1d", "npz", "shards", "synthetic")
+    assert DATASETS == ("digits", "idx", "mnist1d", "npz", "shards", "synthetic", "text")
     with pytest.raises(ConfigError) as info:
         load_dataset("foo")
     assert info.value.setting == "--dataset"
     assert str(info.value) == (
-        "--dataset: unknown dataset 'foo'; choose one of: digits, idx, mnist1d, npz, shards, synthetic"
+        "--dataset: unknown dataset 'foo'; choose one of: digits, idx, mnist1d, npz, shards, synthetic, text"
     )
 
 

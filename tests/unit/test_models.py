@@ -26,7 +26,7 @@ MNIST1D, DIGITS, MNIST = (40,), (1, 8, 8), (1, 28, 28)
 
 
 def test_builtin_names():
-    assert MODELS == ("cnn1d", "cnn2d", "mlp")
+    assert MODELS == ("cnn1d", "cnn2d", "gpt", "mlp")
 
 
 @pytest.mark.parametrize(
@@ -255,7 +255,7 @@ def test_unknown_model_lists_choices():
     with pytest.raises(ConfigError) as info:
         build_model("foo", (40,), 10)
     assert str(info.value) == (
-        "--model: unknown model 'foo'; choose one of: cnn1d, cnn2d, mlp, or package.module:factory"
+        "--model: unknown model 'foo'; choose one of: cnn1d, cnn2d, gpt, mlp, or package.module:factory"
     )
 
 

@@ -114,6 +114,10 @@ class Algorithm:
     def after_update(self, ctx: StepContext) -> None:
         """Average models (gossip); default: nothing."""
 
+    def end(self) -> None:
+        """This worker's training is over (its last step is done, asynchronous workers have
+        drained): parameter-server workers tell the servers; default: nothing."""
+
     def eval_model(self) -> torch.nn.Module:
         assert self.model is not None
         return self.model

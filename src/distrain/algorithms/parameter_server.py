@@ -51,9 +51,16 @@ Wire format (tensors only): at start, worker 0 sends each server an int64 header
 ``[shard_numel, total_steps, steps_per_epoch]`` (checked before the server allocates: at most
 ``MAX_SHARD_BYTES`` of parameters, and what the server keeps of the shard must fit in its
 machine's memory) and the initial shard; each push is an int64
-``[clock]`` then the float gradient shard, or with ``--compress`` one message of
-:mod:`distrain.compress.pushes` (a header announcing the payload's size, checked by the server
-before it allocates); each pull is the float parameter shard.
+``[clock, lr]`` (the worker's learning rate, a float64's bits) then the float gradient shard, or
+with ``--compress`` one message of :mod:`distrain.compress.pushes` (a header announcing the
+payload's size, checked by the server before it allocates); each pull is the float parameter
+shard. When a worker's training ends it sends ``[-1, 0]`` (:data:`STOP`) to every server, which
+serves until every worker has.
+
+The servers step the workers' optimizer on their shards: the same class and hyperparameters
+(:func:`server_optimizer`; one parameter group, or groups that differ only in their
+parameters), at the learning rate each push carries, so a scheduler attached to the workers'
+optimizer drives the servers too.
 
 Example::
 
@@ -64,6 +71,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -78,13 +86,13 @@ from distrain.algorithms.base import Algorithm, StepContext
 from distrain.algorithms.hierarchical import NodeGroups, node_process_groups
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo
+from distrain.compress.gradients import sgd_momentum, take_momentum
 from distrain.compress.momentum_correction import MomentumCorrection
 from distrain.compress.pushes import PushDecoder, ShardPush, send_message
 from distrain.compress.registry import build_compressor
 from distrain.compress.warmup import DensityWarmup
 from distrain.errors import ConfigError, WorkerFailure
-from distrain.optim.optimizers import build_optimizer
-from distrain.optim.schedule import LRSchedule, scaled_lr
+from distrain.optim.optimizers import LARS, build_optimizer
 from distrain.runtime.faults import FaultWatch, maybe_injected_kill
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
@@ -95,6 +103,8 @@ if TYPE_CHECKING:  # the settings' type only: config imports the algorithms to c
 log = logging.getLogger(__name__)
 
 HEADER = 3  # shard_numel, total_steps, steps_per_epoch
+#: The clock a worker pushes when its training has ended (no gradient follows).
+STOP = -1
 #: The largest shard a server accepts, and worker 0 sends (float32 parameters): 8 GiB.
 MAX_SHARD_BYTES = 2**33
 #: Shard-sized buffers a server keeps besides one gradient per pusher: the shard, its gradient,
@@ -135,18 +145,63 @@ def check_start_header(values: list[int], pushers: int, memory: int | None) -> t
     return numel, total_steps, steps_per_epoch
 
 
-def worker_momentum(cfg: TrainConfig) -> float:
-    """The momentum workers apply before compressing their pushes (momentum correction), or 0.
+def momentum_corrected(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether workers apply momentum and weight decay before compressing their pushes
+    (momentum correction), so that the servers step plain SGD.
 
-    Non-zero for a sparsifying ``--compress`` with error feedback, ``--momentum-correction on``
-    and SGD with momentum; the servers then run SGD without momentum or weight decay.
+    True for a sparsifying ``--compress`` with error feedback, ``--momentum-correction on`` and
+    an SGD optimizer with momentum (see :func:`~distrain.compress.gradients.sgd_momentum`).
     """
-    c, o = cfg.compress, cfg.optim
+    c = cfg.compress
     if c.compress.strip() == "none" or c.momentum_correction != "on" or c.error_feedback != "on":
-        return 0.0
-    if o.optimizer != "sgd" or o.momentum <= 0:
-        return 0.0
-    return o.momentum if build_compressor(c.compress, error_feedback=False).ratio is not None else 0.0
+        return False
+    if sgd_momentum(optimizer) is None:
+        return False
+    return build_compressor(c.compress, error_feedback=False).ratio is not None
+
+
+def server_optimizer(like: torch.optim.Optimizer, shard: torch.nn.Parameter, *, asynchronous: bool, pushers: int,
+                     max_staleness: int, corrected: bool) -> tuple[torch.optim.Optimizer | RoundMomentumSGD, float]:
+    """The optimizer a server steps its shard with, and the factor on each push's learning rate.
+
+    ``like`` is the workers' optimizer: its class and the hyperparameters of its parameter groups
+    (which must agree: a shard spans tensors of every group). Synchronous servers step the same
+    optimizer; asynchronous ones step SGD's momentum once per round of ``pushers`` pushes
+    (:class:`RoundMomentumSGD`, the momentum lowered by :func:`async_momentum`), and Adam / AdamW
+    once per push at ``lr / pushers`` with ``beta1 ** (1 / pushers)``. ``corrected``: the workers
+    applied momentum and weight decay before compressing; the servers step plain SGD.
+    """
+    hyper = optimizer_settings(like)
+    if corrected:
+        return torch.optim.SGD([shard], lr=hyper["lr"]), 1.0
+    if isinstance(like, LARS):
+        raise ConfigError("optimizer", "lars adapts per layer; the parameter servers update flat shards: use sgd or adam")
+    if not asynchronous:
+        return type(like)([shard], **hyper), 1.0
+    if isinstance(like, torch.optim.SGD):
+        if hyper.get("nesterov") or hyper.get("dampening"):
+            raise ConfigError("ps_mode", "async servers step heavy-ball SGD: use nesterov=False, dampening=0, or "
+                                         "ps_mode sync")
+        momentum = float(hyper.get("momentum", 0.0))
+        return RoundMomentumSGD(shard.data, async_momentum(momentum, pushers, max_staleness),
+                                float(hyper.get("weight_decay", 0.0)), pushers), 1.0
+    if isinstance(like, torch.optim.Adam | torch.optim.AdamW):
+        beta1, beta2 = hyper["betas"]
+        return type(like)([shard], **{**hyper, "betas": (beta1 ** (1 / pushers), beta2)}), 1 / pushers
+    raise ConfigError("ps_mode", f"async servers step SGD, Adam or AdamW, not {type(like).__name__}; use ps_mode sync")
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The hyperparameters ``optimizer`` was made with that its constructor takes again (its
+    first group's current values: a scheduler may have moved the learning rate); ConfigError
+    when its parameter groups differ in any of them."""
+    accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
+    groups = [{k: v for k, v in g.items() if k in accepted} for g in optimizer.param_groups]
+    differing = sorted({k for g in groups[1:] for k in g if g[k] != groups[0].get(k)})
+    if differing:
+        raise ConfigError("optimizer", f"the parameter servers step flat shards with one set of hyperparameters; "
+                                       f"this optimizer's {len(groups)} parameter groups differ in {', '.join(differing)}")
+    return groups[0]
 
 
 def async_momentum(momentum: float, pushers: int, max_staleness: int) -> float:
@@ -250,14 +305,15 @@ class ParameterServer(Algorithm):
                                            f"parameters, more than the {MAX_SHARD_BYTES / GIB:g} GiB a server accepts; "
                                            f"use at least {-(-self.flat.numel() * 4 // MAX_SHARD_BYTES)}")
         self.clock = 0
-        self._clock_header = torch.zeros(1, dtype=torch.int64)
+        self._clock_header = torch.zeros(2, dtype=torch.int64)  # [clock, learning rate's float64 bits]
+        self._ended = False
         c = self.config.compress
         self.push: ShardPush | None = None
-        self.ratio, self.momentum = 1.0, 0.0
+        self.ratio, self.momentum, self.weight_decay = 1.0, 0.0, 0.0
         if c.compress.strip() != "none":
             compressor = build_compressor(c.compress, error_feedback=c.error_feedback == "on", seed=self.config.run.seed)
-            self.momentum = worker_momentum(self.config)
-            if self.momentum:
+            if momentum_corrected(self.config, optimizer):  # the servers step plain SGD
+                self.momentum, self.weight_decay = take_momentum(optimizer)
                 compressor = MomentumCorrection(compressor.inner, self.momentum)
             self.push = ShardPush(compressor)
             self.density = DensityWarmup(compressor.ratio, c.density_warmup_epochs, c.density_decay_epochs)
@@ -292,8 +348,8 @@ class ParameterServer(Algorithm):
     def after_backward(self, ctx: StepContext) -> None:
         torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self.params], out=self.grad)
         info, dense = self._push_info(ctx) if self.push is not None else (None, True)
-        if self.push is not None and self.momentum and self.config.optim.weight_decay:  # the servers' SGD has none
-            self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]), alpha=self.config.optim.weight_decay)
+        if self.push is not None and self.momentum and self.weight_decay:  # the servers' SGD has none
+            self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]), alpha=self.weight_decay)
         self.clock += 1
         intra = self.nodes.intra if self.nodes is not None and self.nodes.intra.world_size > 1 else None
         if intra is not None:
@@ -311,8 +367,11 @@ class ParameterServer(Algorithm):
                 offset += p.numel()
 
     def _push_pull(self, info: CompressInfo | None, dense: bool) -> None:
-        """Send every server its gradient shard (with this step's clock); receive its parameters."""
+        """Send every server its gradient shard (with this step's clock and learning rate);
+        receive its parameters."""
+        assert self.optimizer is not None
         self._clock_header[0] = self.clock
+        self._clock_header[1:] = torch.tensor([float(self.optimizer.param_groups[0]["lr"])], dtype=torch.float64).view(torch.int64)
         handles: list[Handle] = []
         for shard, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
             handles.append(self.transport.send(self._clock_header, server))
@@ -327,6 +386,15 @@ class ParameterServer(Algorithm):
 
     def apply_update(self, ctx: StepContext) -> None:
         """The servers took the optimizer step."""
+
+    def end(self) -> None:
+        """Tell every server this worker's training is over (they serve until every worker has)."""
+        if self._ended or not self.pushes:
+            return
+        self._ended = True
+        stop = torch.tensor([STOP, 0], dtype=torch.int64)
+        for h in [self.transport.send(stop, server) for server in self.servers]:
+            h.wait()
 
     def metrics(self) -> dict[str, float]:
         if self.push is None:
@@ -351,12 +419,22 @@ class ParameterServer(Algorithm):
 
 
 class ShardServer:
-    """One server process: owns a shard of the parameters and its optimizer state."""
+    """One server process: owns a shard of the parameters and its optimizer state.
 
-    def __init__(self, cfg: TrainConfig, transport: Transport, run_dir: str | Path) -> None:
+    Args:
+        cfg: the run's settings (workers, servers, mode, compression).
+        transport: this server's transport over the world.
+        run_dir: where it saves its checkpoints; None: it saves none (``wrap()``, whose user
+            saves the workers' state).
+        like: the workers' optimizer, whose class and hyperparameters the server steps its shard
+            with (:func:`server_optimizer`).
+    """
+
+    def __init__(self, cfg: TrainConfig, transport: Transport, run_dir: str | Path | None,
+                 like: torch.optim.Optimizer) -> None:
         self.cfg = cfg
         self.transport = transport
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
         self.num_workers = cfg.cluster.workers
         self.index = transport.rank - self.num_workers
         k = cfg.algo.workers_per_node  # hierarchical: only node leaders push, each its node's sum
@@ -370,29 +448,16 @@ class ShardServer:
             raise WorkerFailure(f"server {self.index}: {exc} (from worker 0)") from None
         self.shard = torch.nn.Parameter(torch.empty(numel))
         transport.recv(self.shard.data, 0).wait()
-        o = cfg.optim
-        peak = scaled_lr(o.lr, self.num_workers * cfg.data.batch_size, o.reference_batch, enabled=o.lr_scaling)
-        self.schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=round(o.warmup_epochs * self.steps_per_epoch),
-                                   total_steps=self.total_steps, decay=o.lr_decay)
-        momentum, weight_decay = o.momentum, o.weight_decay
-        if worker_momentum(cfg):  # the workers applied both before compressing
-            momentum, weight_decay = 0.0, 0.0
-        pushes = len(self.pushers)
-        self.optimizer: torch.optim.Optimizer | RoundMomentumSGD
-        if cfg.ps.ps_mode == "async" and o.optimizer == "sgd":
-            explicit = async_momentum(momentum, pushes, cfg.ps.max_staleness)
-            if explicit != momentum:
-                log.info("server %d: momentum %g lowered to %.3g for %d pushers out of step (--max-staleness %d)",
-                         self.index, momentum, explicit, pushes, cfg.ps.max_staleness)
-            self.optimizer = RoundMomentumSGD(self.shard.data, explicit, weight_decay, pushes)
-        elif cfg.ps.ps_mode == "async":  # adam: one step per push, a P-th of the rate, the momentum per round
-            self.optimizer = build_optimizer(o.optimizer, [self.shard], lr=peak, momentum=momentum ** (1 / pushes),
-                                             weight_decay=weight_decay)
-        else:
-            self.optimizer = build_optimizer(o.optimizer, [self.shard], lr=peak, momentum=momentum, weight_decay=weight_decay)
-        self.lr_factor = 1 / pushes if cfg.ps.ps_mode == "async" and o.optimizer != "sgd" else 1.0
+        pushes, asynchronous = len(self.pushers), cfg.ps.ps_mode == "async"
+        self.optimizer, self.lr_factor = server_optimizer(
+            like, self.shard, asynchronous=asynchronous, pushers=pushes, max_staleness=cfg.ps.max_staleness,
+            corrected=momentum_corrected(cfg, like))
+        if isinstance(self.optimizer, RoundMomentumSGD) and self.optimizer.momentum != like.param_groups[0]["momentum"]:
+            log.info("server %d: momentum %g lowered to %.3g for %d pushers out of step (--max-staleness %d)",
+                     self.index, like.param_groups[0]["momentum"], self.optimizer.momentum, pushes, cfg.ps.max_staleness)
         self.shard.grad = torch.zeros(numel)
         self.updates = 0
+        self.steps = 0  # the workers' steps served (sync: rounds; async: the most any worker pushed)
         c = cfg.compress
         self.decoder = (None if c.compress.strip() == "none"
                         else PushDecoder(build_compressor(c.compress, error_feedback=False, seed=cfg.run.seed), numel))
@@ -407,9 +472,9 @@ class ShardServer:
         out.copy_(self.decoder.recv(self.transport, worker))
         return None
 
-    def _step(self, grad: torch.Tensor, schedule_step: int, weight: float = 1.0) -> None:
-        """One optimizer step on ``grad`` (the averaged or pushed gradient), counted ``weight``."""
-        lr = self.schedule.lr_at(schedule_step)
+    def _step(self, grad: torch.Tensor, lr: float, weight: float = 1.0) -> None:
+        """One optimizer step on ``grad`` (the averaged or pushed gradient) at the workers'
+        learning rate ``lr``, counted ``weight``."""
         if isinstance(self.optimizer, RoundMomentumSGD):
             self.optimizer.step(grad.mul_(weight), lr)
         else:
@@ -420,73 +485,92 @@ class ShardServer:
         self.updates += 1
 
     def run(self, start_step: int = 0, watch: Any = None) -> None:
+        """Serve until every pushing worker has sent :data:`STOP`."""
         self.watch = watch
+        self.steps = start_step
         if self.cfg.ps.ps_mode == "sync":
             self._run_sync(start_step)
         else:
             self._run_async()
 
+    def _stop_requested(self, step: int) -> None:
+        """SIGTERM / Ctrl-C here: propose the step every worker stops at (they then send STOP)."""
+        if self.watch is not None and self.watch.stop.requested.is_set() and not getattr(self, "_proposed", False):
+            self._proposed = True
+            self.watch.agreed_step(step, synchronous=True)
+
     def _run_sync(self, start_step: int) -> None:
         pushers = self.pushers
-        clocks = torch.zeros(len(pushers), 1, dtype=torch.int64)
+        headers = torch.zeros(len(pushers), 2, dtype=torch.int64)
         grads = torch.zeros(len(pushers), self.shard.numel())
         every = self.cfg.run.checkpoint_every
-        for step in range(start_step, self.total_steps):
+        step = start_step
+        while True:
             maybe_injected_kill(self.transport.rank, step)  # fault injection for tests
             if self.watch is not None:
                 self.watch.step = step
-            handles = [self.transport.recv(clocks[i], w) for i, w in enumerate(pushers)]
-            handles += [h for i, w in enumerate(pushers) if (h := self._recv_push(grads[i], w)) is not None]
-            for h in handles:
-                h.wait()
+            for i, w in enumerate(pushers):
+                self.transport.recv(headers[i], w).wait()
+            clocks = headers[:, 0]
+            if bool((clocks == STOP).all()):
+                break
             if not bool((clocks == step + 1).all()):
                 raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers {pushers} sent clocks "
-                                    f"{clocks.view(-1).tolist()}")
-            self._step(grads.sum(0).div_(self.num_workers), step)
+                                    f"{clocks.tolist()} (-1: training ended)")
+            for h in [h for i, w in enumerate(pushers) if (h := self._recv_push(grads[i], w)) is not None]:
+                h.wait()
+            lr = float(headers[:, 1].clone().view(torch.float64).mean())
+            self._step(grads.sum(0).div_(self.num_workers), lr)
             for h in [self.transport.send(self.shard.data, w) for w in pushers]:
                 h.wait()
-            if every and (step + 1) % every == 0:
-                self.save(step + 1)
-            if self.watch is not None and self.watch.stop.requested.is_set():  # SIGTERM: the workers' agreed step
-                stop_at = self.watch.agreed_step(step, synchronous=True)
-                if step + 1 >= stop_at:
-                    if not (every and (step + 1) % every == 0):
-                        self.save(step + 1)
-                    return
-        if not (every and self.total_steps % every == 0):
-            self.save(self.total_steps)
+            step = self.steps = step + 1
+            if every and step % every == 0:
+                self.save(step)
+            self._stop_requested(step - 1)
+        if step > start_step and not (every and step % every == 0):
+            self.save(step)
 
     def _run_async(self) -> None:
         """Apply pushes in arrival order; hold back answers to workers too far ahead."""
         n, limit = len(self.pushers), self.cfg.ps.max_staleness
         index = {w: i for i, w in enumerate(self.pushers)}
         clocks = [0] * n
+        ended = [False] * n
         pulled = [0] * n  # self.updates when each pusher last got the parameters
         waiting: deque[int] = deque()
-        header = torch.zeros(1, dtype=torch.int64)
+        header = torch.zeros(2, dtype=torch.int64)
         grad = torch.zeros(self.shard.numel())
-        for _ in range(n * self.total_steps):
+        while not all(ended):
             worker = self.transport.recv_any(header)
             clock = int(header[0])
-            if worker not in index or clock != clocks[index[worker]] + 1:
+            if worker in index and clock == STOP and not ended[index[worker]] and worker not in waiting:
+                ended[index[worker]] = True
+            elif worker not in index or clock != clocks[index[worker]] + 1 or ended[index[worker]]:
                 raise WorkerFailure(f"server {self.index}: unexpected push (worker {worker}, clock {clock})")
-            handle = self._recv_push(grad, worker)
-            if handle is not None:
-                handle.wait()
-            clocks[index[worker]] = clock
-            stale_rounds = (self.updates - pulled[index[worker]]) // n
-            self._step(grad.div_(self.num_workers), self.updates // n, 1 / (1 + stale_rounds))
-            waiting.append(worker)
-            slowest = min(clocks)
-            for w in [w for w in waiting if clocks[index[w]] - slowest <= limit]:
+            else:
+                handle = self._recv_push(grad, worker)
+                if handle is not None:
+                    handle.wait()
+                clocks[index[worker]] = clock
+                self.steps = max(self.steps, clock)
+                stale_rounds = (self.updates - pulled[index[worker]]) // n
+                lr = float(header[1:].clone().view(torch.float64))
+                self._step(grad.div_(self.num_workers), lr, 1 / (1 + stale_rounds))
+                waiting.append(worker)
+                self._stop_requested(clock)
+            # a worker that has ended holds nobody back
+            slowest = min((c for c, done in zip(clocks, ended, strict=True) if not done), default=None)
+            for w in [w for w in waiting if slowest is None or clocks[index[w]] - slowest <= limit]:
                 waiting.remove(w)
                 pulled[index[w]] = self.updates
                 self.transport.send(self.shard.data, w).wait()
         if waiting:
             raise WorkerFailure(f"server {self.index}: workers {list(waiting)} still waiting at the end")
-        self.save(self.total_steps)
+        self.save(self.steps)
 
     def save(self, step: int) -> None:
+        if self.run_dir is None:
+            return
         from distrain.runtime.checkpoint import CheckpointStore
 
         store = CheckpointStore(self.run_dir, self.transport.rank, self.transport.world_size)
@@ -508,29 +592,43 @@ class ShardServer:
         return self.earlier.plus(row, 0.0, None)
 
 
-def serve(cfg: TrainConfig, run_dir: str | Path, control_group: Any = None) -> None:
-    """Run one parameter server until the workers' budget is used; then join the final gather."""
+def serve(cfg: TrainConfig, run_dir: str | Path | None, like: torch.optim.Optimizer | None = None, *,
+          gather_totals: bool = True) -> None:
+    """Run one parameter server until every worker's training has ended; then join the final
+    gather of counters (``gather_totals``: distrain's own loop) and the closing barrier.
+
+    ``like``: the workers' optimizer (default: the one ``cfg`` describes); ``run_dir`` None saves
+    no checkpoint and resumes from none.
+    """
 
     watch = FaultWatch(dist.get_rank(), role="server")
-    watch.run(_serve, cfg, run_dir, watch)
+    watch.run(_serve, cfg, run_dir, like, gather_totals, watch)
 
 
-def _serve(cfg: TrainConfig, run_dir: str | Path, watch: FaultWatch) -> None:
+def _serve(cfg: TrainConfig, run_dir: str | Path | None, like: torch.optim.Optimizer | None, gather_totals: bool,
+           watch: FaultWatch) -> None:
     from distrain.emulation import Emulation
     from distrain.runtime.checkpoint import CheckpointStore, finished_for
 
+    if like is None:
+        o = cfg.optim
+        like = build_optimizer(o.optimizer, [torch.zeros(1, requires_grad=True)], lr=o.lr, momentum=o.momentum,
+                               weight_decay=o.weight_decay)
     emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers,
                                       workers_per_node=cfg.algo.workers_per_node)
     transport = Transport(link_model=emulation.link_model)  # servers' links are emulated too
-    resume = CheckpointStore(run_dir, transport.rank, transport.world_size).resolve(cfg.run.resume)
-    state = CheckpointStore(run_dir, transport.rank, transport.world_size).load(resume) if resume is not None else None
+    state = None
+    if run_dir is not None:
+        store = CheckpointStore(run_dir, transport.rank, transport.world_size)
+        resume = store.resolve(cfg.run.resume)
+        state = store.load(resume) if resume is not None else None
     if state is not None and finished_for(state, cfg.run.epochs):
         return  # the workers found the run finished too, and leave before anything collective
     if cfg.algo.workers_per_node:  # the workers create their node groups: collective over the world
         node_process_groups(cfg.cluster.workers, cfg.algo.workers_per_node, cfg.cluster.timeout)
     emulation.start()
     start, cpu_start = time.perf_counter(), time.process_time()
-    server = ShardServer(cfg, transport, run_dir)
+    server = ShardServer(cfg, transport, run_dir, like)
     server.started, server.cpu_started = start, cpu_start  # waiting for the workers' start counts too
     start_step = 0
     if state is not None:
@@ -538,6 +636,6 @@ def _serve(cfg: TrainConfig, run_dir: str | Path, watch: FaultWatch) -> None:
         server.earlier = RunTotals.from_state(state.get("totals"))
         start_step = int(state["step"])
     server.run(start_step, watch)
-    # Join the workers' final gather of counters (train.loop), as a row that trained no samples.
-    transport.control_all_gather(torch.tensor(server.totals().row, dtype=torch.float64))
+    if gather_totals:  # the workers' final gather of counters (train.loop), as a row that trained no samples
+        transport.control_all_gather(torch.tensor(server.totals().row, dtype=torch.float64))
     transport.control_barrier()

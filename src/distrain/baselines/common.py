@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrain.baselines.wire import WireMeter
 from distrain.comm.group import check_device, close_group, init_group
 from distrain.config import TrainConfig
+from distrain.data.batches import batches_of
 from distrain.emulation import Emulation, NetworkSettings
 from distrain.errors import ConfigError, DataError, DistrainError
 from distrain.launch.common import (
@@ -51,8 +51,9 @@ from distrain.launch.common import (
 from distrain.models import build_model
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
+from distrain.tasks import build_task
 from distrain.train.loop import plan_worker_data, summarize
-from distrain.train.metrics import MetricsWriter, batches_of, evaluate, write_json_atomic
+from distrain.train.metrics import MetricsWriter, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +139,13 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
 
     # --- data and model exactly as in distrain.train.loop -----------------------------------
+    task = build_task(cfg.data.task_name())
     train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler = plan_worker_data(
-        cfg, rank, world, None, None)
+        cfg, rank, world, None, None, task=task)
     torch.manual_seed(cfg.run.seed)
-    sample_shape = tuple(batches_of(train_set, torch.tensor([0]))[0].shape[1:])
+    sample_shape = tuple(batches_of(train_set, torch.tensor([0]), classes=task.classes)[0].shape[1:])
     module = build_model(cfg.model.model, sample_shape, num_classes, width=cfg.model.model_width,
-                         depth=cfg.model.model_depth).to(device)
+                         depth=cfg.model.model_depth, size=cfg.model.model_size).to(device)
     torch.manual_seed(cfg.run.seed + rank)
     model = DDP(module, **ddp_buckets(cfg))
     peer.register(model, meter, cfg, steps_per_epoch, total_steps)
@@ -167,7 +169,8 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     metrics = MetricsWriter(run_dir, rank)
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
     time_to_target: float | None = None
-    accuracy = test_loss = float("nan")
+    accuracy: float | None = float("nan") if task.labels else None
+    test_loss = float("nan")
     eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
     model.train()
     dist.barrier()
@@ -175,10 +178,10 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     start, cpu_start = time.perf_counter(), time.process_time()
     for step in range(total_steps):
         t0 = time.perf_counter()
-        x, y = batches_of(train_set, sampler.batch(step))
+        x, y = batches_of(train_set, sampler.batch(step), classes=task.classes)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=False)
-        loss = F.cross_entropy(model(x), y)
+        loss = task.losses(model(x), y).mean()
         meter.backward_done = 0.0
         loss.backward()  # DDP all-reduces gradient buckets through the hook, overlapping backward
         t_backward = time.perf_counter()
@@ -205,9 +208,10 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
             t_eval = time.perf_counter()
             eval_model = peer.eval_model(model)
             if rank == 0:
-                accuracy, test_loss = evaluate(eval_model, test_set, device)
-                record.update(test_accuracy=accuracy, test_loss=test_loss)
-                if time_to_target is None and accuracy >= cfg.run.target_accuracy:
+                measured = task.evaluate(eval_model, test_set, device)
+                record.update(measured)
+                accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
+                if time_to_target is None and task.reached(measured, cfg.run.target_accuracy, cfg.run.target_loss):
                     time_to_target = record["time"]
             eval_seconds += time.perf_counter() - t_eval
         record.update(peer.metrics())

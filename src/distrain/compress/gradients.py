@@ -44,23 +44,32 @@ log = logging.getLogger(__name__)
 WEIGHTS, ONE_DIM = 0, 1  # memory keys of the two parts of the flat vector
 
 
-def take_momentum(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
-    """Move momentum and weight decay out of a plain SGD optimizer: returns (momentum, weight decay).
-
-    Returns (0, 0) and leaves the optimizer alone unless it is ``torch.optim.SGD`` with one
-    momentum > 0, no Nesterov, no dampening, and one weight decay across its parameter groups.
-    """
+def sgd_momentum(optimizer: torch.optim.Optimizer) -> tuple[float, float] | None:
+    """(momentum, weight decay) of a plain heavy-ball SGD optimizer, which momentum correction can
+    take over: ``torch.optim.SGD`` with one momentum in (0, 1), no Nesterov, no dampening and one
+    weight decay across its parameter groups; None for any other optimizer."""
     groups = optimizer.param_groups
     if not isinstance(optimizer, torch.optim.SGD) or not groups:
-        return 0.0, 0.0
+        return None
     momentum = {g["momentum"] for g in groups}
     decay = {g["weight_decay"] for g in groups}
     plain = all(not g.get("nesterov") and not g.get("dampening") for g in groups)
     if len(momentum) != 1 or len(decay) != 1 or not plain or not 0 < next(iter(momentum)) < 1:
-        return 0.0, 0.0
-    for g in groups:
-        g["momentum"], g["weight_decay"] = 0.0, 0.0
+        return None
     return float(next(iter(momentum))), float(next(iter(decay)))
+
+
+def take_momentum(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
+    """Move momentum and weight decay out of a plain SGD optimizer: returns (momentum, weight decay).
+
+    Returns (0, 0) and leaves the optimizer alone unless :func:`sgd_momentum` accepts it.
+    """
+    taken = sgd_momentum(optimizer)
+    if taken is None:
+        return 0.0, 0.0
+    for g in optimizer.param_groups:
+        g["momentum"], g["weight_decay"] = 0.0, 0.0
+    return taken
 
 
 class GradientCompression:

@@ -1,5 +1,6 @@
 """Data for distrain: load data sets as in-memory tensors and split them among workers."""
 
+from distrain.data.batches import batches_of
 from distrain.data.datasets import (
     DATASETS,
     ArrayDataset,
@@ -16,6 +17,7 @@ __all__ = [
     "DATASETS",
     "PARTITION_SCHEMES",
     "ArrayDataset",
+    "batches_of",
     "labels_of",
     "load_dataset",
     "load_shard_dir_test",

@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from distrain.runtime.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
-DATASETS: tuple[str, ...] = ("digits", "idx", "mnist1d", "npz", "shards", "synthetic")
+DATASETS: tuple[str, ...] = ("digits", "idx", "mnist1d", "npz", "shards", "synthetic", "text")
 """Names :func:`load_dataset` accepts."""
 
 TEST_FRACTION = 0.2
@@ -136,7 +137,8 @@ def load_dataset(
     num_samples: int = 20000,
     seed: int = 0,
     cache_dir: str | os.PathLike[str] | None = None,
-) -> tuple[ArrayDataset, ArrayDataset]:
+    context: int = 128,
+) -> tuple[Any, Any]:
     """Load a data set by name and return its ``(train, test)`` halves.
 
     Args:
@@ -144,8 +146,10 @@ def load_dataset(
         path: the ``.npz`` file (``npz``) or directory (``idx``, ``shards``) to read.
         num_samples: samples to generate for ``mnist1d`` and ``synthetic``; ignored otherwise.
         seed: seed of the generators and of the train/test split where one is made here.
-        cache_dir: where ``mnist1d`` keeps generated arrays; defaults to ``$DISTRAIN_CACHE``
-            or ``~/.cache/distrain``.
+        cache_dir: where ``mnist1d`` and ``text`` keep generated arrays; defaults to
+            ``$DISTRAIN_CACHE`` or ``~/.cache/distrain``.
+        context: tokens per window of ``text`` (:mod:`distrain.data.text`: byte-level, the
+            Python standard library's sources unless ``path`` names a file or directory).
 
     Example::
 
@@ -165,6 +169,10 @@ def load_dataset(
         return _load_synthetic(num_samples, seed)
     if name == "digits":
         return _load_digits(seed)
+    if name == "text":
+        from distrain.data.text import load_text
+
+        return load_text(path, context=context, cache_dir=cache_dir)
     if path is None:
         kind = "an .npz file" if name == "npz" else "a directory"
         raise ConfigError("--data-path", f"dataset {name!r} needs a path to {kind}")

@@ -9,17 +9,20 @@ from typing import Any
 
 from distrain.config import TrainConfig
 from distrain.errors import ConfigError, DataError
+from distrain.tasks import check_task_data
 
 
 def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
     """Check what can be checked before any worker starts; warms the data cache on the way."""
     from distrain.data import labels_of, load_dataset, partition_indices
 
+    check_task_data(cfg.data.task_name(), train_set)
     if train_set is None and cfg.data.dataset == "shards":
         return  # workers read their own shard files; they check them
     if train_set is None:
         d = cfg.data
-        train_set, _ = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed)
+        train_set, _ = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed,
+                                    context=d.context)
     n, world = len(train_set), cfg.cluster.workers
     if n == 0:
         raise DataError("the training set is empty")

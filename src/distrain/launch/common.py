@@ -35,7 +35,7 @@ def default_run_dir(cfg: TrainConfig, stamp: float) -> Path:
 
 
 #: What a run writes into its directory; --overwrite removes these and nothing else.
-RUN_FILES = ("config.json", "summary.json", "metrics", "checkpoints", "failures", "report", "logs", "netns")
+RUN_FILES = ("config.json", "summary.json", "model.pt", "metrics", "checkpoints", "failures", "report", "logs", "netns")
 
 
 def holds_a_run(run_dir: Path) -> bool:

@@ -204,20 +204,21 @@ def _stop(procs: list[mp.Process], wait: float = 5.0) -> None:
             p.join()
 
 
-def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = None, test_set: Any = None) -> dict[str, Any]:
+def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = None, test_set: Any = None,
+                 loss_fn: Any = None) -> dict[str, Any]:
     """Train with ``cfg.cluster.workers`` local processes; returns the run summary.
 
-    Workers are started with the ``spawn`` method, so ``model_fn`` and the data sets must be
-    picklable (module-level functions, not lambdas) when there is more than one worker.
+    Workers are started with the ``spawn`` method, so ``model_fn``, ``loss_fn`` and the data sets
+    must be picklable (module-level functions, not lambdas) when there is more than one worker.
     """
     if cfg.network.emulation == "netns":  # emulation: each worker in its own shaped network namespace
         from distrain.launch.netns import launch_netns
 
-        return launch_netns(cfg, model_fn=model_fn, train_set=train_set, test_set=test_set)
+        return launch_netns(cfg, model_fn=model_fn, train_set=train_set, test_set=test_set, loss_fn=loss_fn)
     check_device(cfg)
     run_dir = default_run_dir(cfg, time.time())
     claim_run_dir(cfg, run_dir)
-    user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set}
+    user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set, "loss_fn": loss_fn}
     nprocs = cfg.cluster.workers + server_count(cfg)
     if nprocs == 1:
         return run_in_process(cfg, run_dir, **user)

@@ -347,13 +347,14 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = None, test_set: Any = None) -> dict[str, Any]:
+def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = None, test_set: Any = None,
+                 loss_fn: Any = None) -> dict[str, Any]:
     """Train with ``cfg.cluster.workers`` workers, each in its own shaped network namespace."""
     from distrain.comm.group import check_device
     from distrain.launch.checks import finished_before_start, preflight
     from distrain.launch.common import claim_run_dir, default_run_dir, server_count
 
-    if model_fn is not None or train_set is not None or test_set is not None:
+    if model_fn is not None or train_set is not None or test_set is not None or loss_fn is not None:
         raise ConfigError("--emulation", "netns starts each worker as its own program, so it takes built-in or "
                           "importable models and data sets (flags), not Python objects passed to fit()")
     require_netns()

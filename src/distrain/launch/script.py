@@ -60,13 +60,17 @@ class Target:
             raise ConfigError("SCRIPT", f"{self.script!r} is not a file")
 
 
-def check_settings(settings: dict[str, Any], workers: int) -> None:
+def check_settings(settings: dict[str, Any], workers: int, servers: int = 0) -> None:
     """The emulated network's settings as ``wrap()`` will read them, checked before any process
     starts (ConfigError naming the flag)."""
+    if not isinstance(servers, int) or isinstance(servers, bool) or servers < 0:
+        raise ConfigError("--servers", f"must be an integer >= 0, got {servers!r}")
     cfg = TrainConfig(**settings)
     cfg.set("workers", workers)
     cfg.network.validate()
     cfg.cluster.validate()
+    if servers:
+        cfg.ps.validate()
     if cfg.network.emulation == "netns":
         raise ConfigError("--emulation", "distrain launch emulates the network with the in-process link model "
                           "(--emulation model); shaped namespaces are available with 'distrain train'")
@@ -120,19 +124,21 @@ class _Process:
 
 
 def launch_script(target: Target, workers: int, settings: dict[str, Any], *, master_port: int = 0,
-                  timeout: float = 120.0) -> int:
-    """Run ``target`` as ``workers`` processes; the exit status of the job (0: all succeeded).
+                  timeout: float = 120.0, servers: int = 0) -> int:
+    """Run ``target`` as ``workers`` processes, and ``servers`` more (the last ranks) that
+    ``wrap()`` makes parameter servers; the exit status of the job (0: all succeeded).
 
     Bad settings raise ConfigError before anything starts.
     """
     target.check()
-    check_settings(settings, workers)
+    check_settings(settings, workers, servers)
+    world = workers + servers
     addr = "127.0.0.1"
     port = master_port or free_port(addr)
     store = store_of(addr, port, timeout, host=True)  # outlives every rank: the rendezvous is the launcher's
     base = dict(os.environ)
     base.setdefault("OMP_NUM_THREADS", "1")
-    base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(workers), LOCAL_WORLD_SIZE=str(workers),
+    base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                 GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1",
                 **{SETTINGS_ENV: json.dumps(settings)})
     lock = threading.Lock()
@@ -141,7 +147,7 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
     previous = {s: signal.signal(s, lambda signum, _frame: interrupted.append(signum))
                 for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for rank in range(workers):
+        for rank in range(world):
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
             procs.append(_Process(rank, target, env, lock))
         return _supervise(procs, interrupted)

@@ -13,11 +13,12 @@ from typing import Any
 from torch import nn
 
 from distrain.errors import ConfigError, DistrainError
+from distrain.models.gpt import GPT
 from distrain.models.zoo import MLP, CNN1d, CNN2d
 
 __all__ = ["MODELS", "ModelFactoryError", "build_model"]
 
-_BUILTINS: dict[str, Callable[..., nn.Module]] = {"cnn1d": CNN1d, "cnn2d": CNN2d, "mlp": MLP}
+_BUILTINS: dict[str, Callable[..., nn.Module]] = {"cnn1d": CNN1d, "cnn2d": CNN2d, "gpt": GPT, "mlp": MLP}
 
 MODELS: tuple[str, ...] = tuple(sorted(_BUILTINS))
 """Names of the built-in models."""
@@ -34,6 +35,7 @@ def build_model(
     *,
     width: int | None = None,
     depth: int | None = None,
+    size: str | None = None,
 ) -> nn.Module:
     """Build a freshly initialised model; the weights depend only on the torch seed.
 
@@ -49,6 +51,8 @@ def build_model(
         num_classes: number of outputs.
         width: hidden units (mlp) or channels (CNNs); ``None`` keeps the model's default.
         depth: hidden layers (mlp) or convolutions (CNNs); ``None`` keeps the model's default.
+        size: ``gpt``'s size preset (:data:`~distrain.models.gpt.GPT_SIZES`); other models
+            ignore it. ``input_shape`` is then ``(context,)`` and ``num_classes`` the vocabulary.
 
     Example::
 
@@ -58,6 +62,8 @@ def build_model(
         >>> mine = build_model("my_pkg.nets:make_net", (1, 28, 28), 10)
     """
     sizes = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
+    if name == "gpt" and size is not None:
+        return GPT(tuple(input_shape), num_classes, size=size, **sizes)
     if name in _BUILTINS:
         return _BUILTINS[name](tuple(input_shape), num_classes, **sizes)
     if ":" in name:

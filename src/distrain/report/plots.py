@@ -260,7 +260,7 @@ def loss_curves(run: RunData) -> tuple[list[tuple[float, float]], list[tuple[flo
     """(time, training loss) per step, the mean over workers, and (time, test loss) at rank 0's
     evaluations: what ``loss_vs_time.png`` draws for one run."""
     train = run.series("loss")
-    test = sorted((float(m["time"]), float(m["test_loss"])) for m in run.evals() if m.get("test_loss") is not None)
+    test = sorted((float(m["time"]), float(m["test_loss"])) for m in run.evals("test_loss"))
     return train, test
 
 

@@ -57,13 +57,14 @@ class RunData:
     def algorithm(self) -> str:
         return str(self.summary.get("algorithm") or self.setting("algorithm", "?"))
 
-    def evals(self) -> list[dict[str, Any]]:
-        """Rank 0's metrics lines that carry a test accuracy, in time order.
+    def evals(self, metric: str = "test_accuracy") -> list[dict[str, Any]]:
+        """Rank 0's metrics lines that carry ``metric`` (an evaluation's test accuracy or test
+        loss; regression runs have no accuracy), in time order.
 
         Asynchronous algorithms (AD-PSGD, Prague) add ``snapshot`` lines (no ``step``): the
         consensus model evaluated during training, at a global ``epoch``.
         """
-        lines = [m for m in self.metrics.get(0, []) if m.get("test_accuracy") is not None and "time" in m]
+        lines = [m for m in self.metrics.get(0, []) if m.get(metric) is not None and "time" in m]
         return sorted(lines, key=lambda m: float(m["time"]))
 
     def epoch_of(self, line: dict[str, Any]) -> float:

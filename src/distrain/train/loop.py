@@ -26,12 +26,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data import (
+    batches_of,
     labels_of,
     load_dataset,
     load_shard_dir_test,
@@ -54,11 +54,11 @@ from distrain.runtime.faults import (
     maybe_injected_kill,
     nonfinite_error,
 )
+from distrain.runtime.files import atomic_write
 from distrain.runtime.totals import RunTotals
+from distrain.tasks import LossFn, Task, build_task, check_task_data
 from distrain.train.metrics import (
     MetricsWriter,
-    batches_of,
-    evaluate,
     write_json_atomic,
     write_summary,
 )
@@ -79,12 +79,14 @@ def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | No
                 test_set: Dataset | None) -> tuple[Dataset, np.ndarray, Dataset]:
     """This worker's view of the data: the training set, its shard's indices, the test set."""
     d = cfg.data
+    check_task_data(d.task_name(), train_set)
     if train_set is None and d.dataset == "shards":
         # Shard files on shared storage: each worker reads only the files it owns.
         own = load_worker_shards(d.data_path, rank, world)
         return own, np.arange(len(own)), load_shard_dir_test(d.data_path)
     if train_set is None:
-        train_set, test_set = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed)
+        train_set, test_set = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed,
+                                           context=d.context)
     if test_set is None:
         raise DataError("a test set is required to evaluate the model")
     n = len(train_set)  # type: ignore[arg-type]
@@ -115,12 +117,19 @@ class WorkerData(NamedTuple):
 
 
 def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | None, test_set: Dataset | None,
-                     group: Any = None) -> WorkerData:
+                     group: Any = None, task: Task | None = None) -> WorkerData:
     """This worker's shard and the run's length (collective over ``group``): ConfigError naming
     ``--batch-size`` if some worker's shard is smaller than one batch."""
     train_set, shard, test_set = worker_data(cfg, rank, world, train_set, test_set)
-    num_classes = int(max(labels_of(test_set).max(), labels_of(train_set).max())) + 1
-    shards = shard_report(train_set, shard, num_classes, group)
+    labelled = task is None or task.labels
+    if getattr(train_set, "num_classes", None) is not None and not labelled:  # a vocabulary (text)
+        num_classes = int(train_set.num_classes)  # type: ignore[attr-defined]
+    elif labelled:
+        num_classes = int(max(labels_of(test_set).max(), labels_of(train_set).max())) + 1
+    else:  # regression: the model's outputs are the target's values
+        target = batches_of(train_set, torch.tensor([0]), classes=False)[1]
+        num_classes = int(target[0].numel())
+    shards = shard_report(train_set, shard, num_classes if labelled else 0, group)
     if min(s["size"] for s in shards) < cfg.data.batch_size:
         small = min(shards, key=lambda s: s["size"])
         raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
@@ -132,15 +141,16 @@ def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset
 
 
 def shard_report(dataset: Dataset, shard: np.ndarray, num_classes: int, group: Any = None) -> list[dict[str, Any]]:
-    """Every worker's shard size and label histogram (gathered; each worker knows only its own)."""
-    labels = labels_of(dataset)[shard] if len(shard) else np.zeros(0, dtype=np.int64)
+    """Every worker's shard size and label histogram (gathered; each worker knows only its own;
+    ``num_classes`` 0: no labels, an empty histogram)."""
+    labels = labels_of(dataset)[shard] if len(shard) and num_classes else np.zeros(0, dtype=np.int64)
     mine = torch.tensor([len(shard), *np.bincount(labels, minlength=num_classes)[:num_classes]], dtype=torch.int64)
     rows = control_all_gather(mine, group)
     return [{"rank": r, "size": int(row[0]), "label_histogram": [int(v) for v in row[1:]]} for r, row in enumerate(rows)]
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | None = None,
-          train_set: Dataset | None = None, test_set: Dataset | None = None,
+          train_set: Dataset | None = None, test_set: Dataset | None = None, loss_fn: LossFn | None = None,
           workers_group: Any = None) -> dict[str, Any] | None:
     """Run the training loop on this worker; returns the summary on rank 0, None elsewhere.
 
@@ -152,18 +162,19 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     the step and the cause when a peer is lost or a value is not finite.
     """
     watch = FaultWatch(dist.get_rank())
-    return watch.run(_train, cfg, Path(run_dir), watch, model_fn, train_set, test_set, workers_group)
+    task = build_task(cfg.data.task_name(), loss_fn)
+    return watch.run(_train, cfg, Path(run_dir), watch, model_fn, train_set, test_set, task, workers_group)
 
 
 def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFactory | None,
-           train_set: Dataset | None, test_set: Dataset | None, workers_group: Any) -> dict[str, Any] | None:
+           train_set: Dataset | None, test_set: Dataset | None, task: Task, workers_group: Any) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.run.threads)
     rank, world = dist.get_rank(), dist.get_world_size(workers_group)  # world: training workers only
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
 
     # --- data: each worker trains on its own shard ----------------------------------------------
     train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler = plan_worker_data(
-        cfg, rank, world, train_set, test_set, workers_group)
+        cfg, rank, world, train_set, test_set, workers_group, task)
 
     # --- resume: the checkpoint this worker continues from, if any ------------------------------
     store = CheckpointStore(run_dir, rank, dist.get_world_size())  # servers save their shards too
@@ -177,12 +188,12 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
 
     # --- model: identical initial parameters on every worker ------------------------------------
     torch.manual_seed(cfg.run.seed)
-    sample_shape = tuple(batches_of(train_set, torch.tensor([0]))[0].shape[1:])
+    sample_shape = tuple(batches_of(train_set, torch.tensor([0]), classes=task.classes)[0].shape[1:])
     if model_fn is not None:
         model = model_fn()
     else:
-        model = build_model(cfg.model.model, sample_shape, num_classes,
-                            width=cfg.model.model_width, depth=cfg.model.model_depth)
+        model = build_model(cfg.model.model, sample_shape, num_classes, width=cfg.model.model_width,
+                            depth=cfg.model.model_depth, size=cfg.model.model_size)
     model.to(device)
     torch.manual_seed(cfg.run.seed + rank)
 
@@ -246,7 +257,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
     progress = _progress_bar(cfg, rank, total_steps, start_step)
     time_to_target: float | None = None
-    accuracy = test_loss = float("nan")
+    accuracy: float | None = float("nan") if task.labels else None
+    test_loss = float("nan")
     eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
     params = [p for p in model.parameters() if p.requires_grad]
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
@@ -262,9 +274,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         watch.step = step
         maybe_injected_kill(rank, step)  # fault injection for tests (environment variables)
         t0, blocked_at_start = time.perf_counter(), blocked_seconds()
-        x, y = batches_of(train_set, sampler.batch(step))
+        x, y = batches_of(train_set, sampler.batch(step), classes=task.classes)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        losses = F.cross_entropy(model(x), y, reduction="none")
+        losses = task.losses(model(x), y)
         if injected_nan(rank, step):
             losses = losses * float("nan")
         loss = losses.mean()
@@ -315,12 +327,16 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             t_eval = time.perf_counter()
             eval_model = opt.eval_model()  # collective for decentralized algorithms
             if leads(algorithm, transport):
-                accuracy, test_loss = evaluate(eval_model, test_set, device)
-                record.update(test_accuracy=accuracy, test_loss=test_loss)
-                if time_to_target is None and accuracy >= cfg.run.target_accuracy:
+                measured = task.evaluate(eval_model, test_set, device)
+                record.update(measured)
+                if not running:  # the trained (consensus) model, for distrain.fit and the user
+                    save_model(run_dir / MODEL_FILE, eval_model)
+                accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
+                if time_to_target is None and task.reached(measured, cfg.run.target_accuracy, cfg.run.target_loss):
                     time_to_target = record["time"]
                 if progress is not None:
-                    progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{accuracy:.3f}")
+                    shown = {"acc": f"{accuracy:.3f}"} if accuracy is not None else {"test_loss": f"{test_loss:.4g}"}
+                    progress.set_postfix(loss=f"{record['loss']:.3f}", **shown)
             eval_seconds += time.perf_counter() - t_eval
         if not finite:
             record["skipped"] = True
@@ -331,6 +347,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
             save(step + 1)
         step += 1
+    algorithm.end()  # parameter servers: this worker's training is over
     wall = time.perf_counter() - start - eval_seconds
     cpu = time.process_time() - cpu_start  # every thread of this process: the gossip's and the backend's too
     if progress is not None:
@@ -339,9 +356,10 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # took then), evaluated only now, so that nobody paused for it.
     for point, eval_model in algorithm.consensus_history():  # collective
         if leads(algorithm, transport):
-            point_accuracy, point_loss = evaluate(eval_model, test_set, device)
-            metrics.write({**point, "test_accuracy": point_accuracy, "test_loss": point_loss, "snapshot": True})
-            if point_accuracy >= cfg.run.target_accuracy and (time_to_target is None or point["time"] < time_to_target):
+            measured = task.evaluate(eval_model, test_set, device)
+            metrics.write({**point, **measured, "snapshot": True})
+            if (task.reached(measured, cfg.run.target_accuracy, cfg.run.target_loss)
+                    and (time_to_target is None or point["time"] < time_to_target)):
                 time_to_target = point["time"]
     metrics.close()
     if step > start_step and not (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
@@ -357,7 +375,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         rows[i if control is transport else dist.get_global_rank(control.group, i)] = row.tolist()
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
-                        algorithm.lost_workers, run.segment_wall_s) if leads(algorithm, transport) else None
+                        algorithm.lost_workers, run.segment_wall_s,
+                        lm_figures(task, train_set, test_set, test_loss)) if leads(algorithm, transport) else None
     control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
     if stop_at is not None:
         raise Interrupted(step)
@@ -400,10 +419,36 @@ def traffic(transports: list[Transport]) -> tuple[list[int], list[int], float]:
     return sent, received, sum(t.stats.comm_seconds for t in transports)
 
 
+#: The trained model's parameters and buffers in the run directory (the consensus model for
+#: decentralized algorithms): a plain state dict, ``torch.load(path, weights_only=True)``.
+MODEL_FILE = "model.pt"
+
+
+def save_model(path: Path, model: torch.nn.Module) -> None:
+    """Write ``model``'s state dict to ``path`` atomically (readers never see half a file)."""
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def lm_figures(task: Task, train_set: Dataset, test_set: Dataset, test_loss: float) -> dict[str, Any]:
+    """A language model's summary figures: validation loss (nats per token) and bits per token,
+    and, for text windows, the bits per byte of a bigram model of the training text on the
+    validation text (the floor to beat)."""
+    if task.name != "lm":
+        return {}
+    figures: dict[str, Any] = {"final_val_loss": test_loss, "final_val_bpb": test_loss / math.log(2)}
+    if hasattr(train_set, "tokens") and hasattr(test_set, "tokens"):
+        from distrain.data.text import bigram_bpb
+
+        figures["bigram_val_bpb"] = bigram_bpb(train_set.tokens, test_set.tokens)  # type: ignore[attr-defined]
+    return figures
+
+
 def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: int, total_steps: int,
-              global_batch: int, accuracy: float, test_loss: float, time_to_target: float | None,
+              global_batch: int, accuracy: float | None, test_loss: float, time_to_target: float | None,
               eval_seconds: float, resume_step: int | None, interrupted: bool = False,
-              lost_workers: dict[int, float] | None = None, segment_wall_s: list[float] | None = None) -> dict[str, Any]:
+              lost_workers: dict[int, float] | None = None, segment_wall_s: list[float] | None = None,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers,
     each ``[steps, samples, wall, compute, exposed comm, *sent per peer, *received per peer, cpu]``
     (see :mod:`distrain.train.metrics` for the meaning of each field).
@@ -420,7 +465,8 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         "dataset": cfg.data.dataset, "model": cfg.model.model, "global_batch": global_batch,
         "steps_per_worker": [int(r[0]) for r in workers],
         "final_test_accuracy": accuracy, "final_test_loss": test_loss,
-        "target_accuracy": cfg.run.target_accuracy, "time_to_target_s": time_to_target,
+        "task": cfg.data.task_name(), "target_accuracy": cfg.run.target_accuracy, "target_loss": cfg.run.target_loss,
+        "time_to_target_s": time_to_target,
         "wall_time_s": wall, "eval_time_s": eval_seconds, "samples_per_s": samples / wall if wall > 0 else None,
         "samples_per_s_per_worker": [r[1] / r[2] if r[2] > 0 else None for r in workers],
         "bytes_sent_per_worker": [int(sum(r[5 : 5 + n])) for r in workers],
@@ -441,6 +487,7 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         # workers lost during an asynchronous run (the others finished without them): when each
         # was declared dead (Unix time)
         "lost_workers": {str(r): t for r, t in sorted((lost_workers or {}).items())},
+        **(extra or {}),
     }
     write_summary(run_dir / "summary.json", summary)
     return summary

@@ -43,11 +43,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch.utils.data import Dataset, TensorDataset
-
-from distrain.data import ArrayDataset
 from distrain.runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -96,34 +91,6 @@ def read_metrics(run_dir: str | Path, rank: int = 0) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def batches_of(dataset: Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fetch the samples at ``indices`` as (inputs, labels) tensors."""
-    if isinstance(dataset, ArrayDataset):
-        return dataset.x[indices], dataset.y[indices]
-    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
-        return dataset.tensors[0][indices], dataset.tensors[1][indices].long()
-    items = [dataset[int(i)] for i in indices]
-    xs = torch.stack([torch.as_tensor(x) for x, _ in items])
-    ys = torch.as_tensor([int(y) for _, y in items], dtype=torch.long)
-    return xs, ys
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 1024) -> tuple[float, float]:
-    """Test accuracy (0..1) and mean cross-entropy of ``model`` on ``dataset``."""
-    was_training = model.training
-    model.eval()
-    correct, loss_sum, n = 0, 0.0, len(dataset)  # type: ignore[arg-type]
-    for start in range(0, n, batch_size):
-        x, y = batches_of(dataset, torch.arange(start, min(start + batch_size, n)))
-        x, y = x.to(device), y.to(device)
-        out = model(x)
-        loss_sum += F.cross_entropy(out, y, reduction="sum").item()
-        correct += (out.argmax(1) == y).sum().item()
-    model.train(was_training)
-    return correct / n, loss_sum / n
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:

@@ -1,0 +1,25 @@
+"""Batches as tensors, from any data set of ``(input, target)`` pairs."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from distrain.data.datasets import ArrayDataset
+
+
+def batches_of(dataset: Dataset, indices: torch.Tensor, *, classes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples at ``indices`` as ``(inputs, targets)`` tensors; targets as class indices
+    (int64) when ``classes``, else as they are (regression targets). A data set with a
+    ``batch(indices)`` method gathers its own."""
+    if isinstance(dataset, ArrayDataset):
+        x, y = dataset.x[indices], dataset.y[indices]
+    elif callable(getattr(dataset, "batch", None)):  # a data set that gathers its own batches (text windows)
+        x, y = dataset.batch(indices)
+    elif isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        x, y = dataset.tensors[0][indices], dataset.tensors[1][indices]
+    else:
+        items = [dataset[int(i)] for i in indices]
+        x = torch.stack([torch.as_tensor(sample) for sample, _ in items])
+        y = torch.stack([torch.as_tensor(target) for _, target in items])
+    return x, (y.long() if classes else y)
