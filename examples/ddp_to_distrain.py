@@ -21,7 +21,7 @@ def make_data() -> TensorDataset:
 def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 3))
-    # any of allreduce, dpsgd, d2, adpsgd, prague; compress="group_topk:0.01" for allreduce
+    # any of allreduce, dpsgd, d2, adpsgd, prague, diloco; compress="group_topk:0.01" for allreduce
     opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), algorithm="dpsgd")
     rank = opt.rank
     data = make_data()

@@ -406,6 +406,38 @@ class GossipConfig:
         check_positive("snapshot_every", self.snapshot_every)
 
 
+@dataclass
+class OuterConfig:
+    """Local steps with an outer optimizer (--algorithm diloco): how often workers sync and how
+    the averaged pseudo-gradient moves the shared parameters (see ``algorithms/diloco.py``)."""
+
+    sync_every: int = _opt(64, "diloco: inner steps each worker takes with its own optimizer between syncs (H)")
+    outer_optimizer: str = _opt("nesterov", "diloco: the optimizer of the shared parameters, stepping on the averaged "
+                                "pseudo-gradient (start - local): nesterov, or sgd (with --outer-lr 1 and "
+                                "--outer-momentum 0: model averaging, i.e. local SGD)", ("nesterov", "sgd"))
+    outer_lr: float = _opt(0.7, "diloco: the outer optimizer's learning rate")
+    outer_momentum: float = _opt(0.9, "diloco: the outer optimizer's momentum")
+    fragments: int = _opt(1, "diloco: sync the model in this many fragments of consecutive tensors, each at its own "
+                          "step of the period (streaming DiLoCo: peak bandwidth falls by about this factor)")
+    overlap_steps: int = _opt(0, "diloco: inner steps a fragment's exchange overlaps before its outer step is applied "
+                              "and merged (0: applied at once)")
+    merge_weight: float = _opt(0.5, "diloco with --overlap-steps: weight of the synced fragment when merged into the "
+                               "worker's own, which moved meanwhile")
+
+    def validate(self) -> None:
+        check_choices(self)
+        check_positive("sync_every", self.sync_every, integer=True)
+        check_positive("fragments", self.fragments, integer=True)
+        check_positive("overlap_steps", self.overlap_steps, integer=True, allow_zero=True)
+        check_positive("merge_weight", self.merge_weight)
+        if self.merge_weight > 1:
+            raise ConfigError("--merge-weight", f"must be in (0, 1], got {self.merge_weight!r}")
+        check_positive("outer_lr", self.outer_lr)
+        check_positive("outer_momentum", self.outer_momentum, allow_zero=True)
+        if self.outer_momentum >= 1:
+            raise ConfigError("--outer-momentum", f"must be in [0, 1), got {self.outer_momentum!r}")
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -417,6 +449,7 @@ SECTIONS: dict[str, type] = {
     "network": NetworkConfig,
     "compress": CompressConfig,
     "gossip": GossipConfig,
+    "outer": OuterConfig,
 }
 
 
@@ -440,6 +473,7 @@ class TrainConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
     gossip: GossipConfig = field(default_factory=GossipConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
 
     def __init__(self, **values: Any) -> None:
         for section, klass in SECTIONS.items():

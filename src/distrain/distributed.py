@@ -23,7 +23,7 @@ train.py``; on two machines with ``torchrun --nnodes 2 --nproc-per-node 4 --node
 --master-addr HOST --master-port 29500 train.py``. Without either, the script trains as one
 process.
 
-Every algorithm runs this way: allreduce, dpsgd, d2, adpsgd, prague, and ps, whose
+Every algorithm runs this way: allreduce, dpsgd, d2, adpsgd, prague, diloco, and ps, whose
 servers are the last ``servers`` ranks (``distrain launch --workers 4 --servers 2 train.py``, or
 ``torchrun --nproc-per-node 6 train.py`` with ``servers=2``): on those ranks ``wrap()`` serves
 until every worker has called ``finish()`` and then exits the process with status 0.

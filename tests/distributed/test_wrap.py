@@ -114,6 +114,32 @@ def test_parameter_servers_refuse_an_optimizer_they_cannot_step(tmp_path: Path):
     assert "ps_mode: async servers step SGD, Adam or AdamW, not Rprop; use ps_mode sync" in done.stderr
 
 
+def test_diloco_with_one_inner_step_and_plain_outer_sgd_is_allreduce_sgd(tmp_path: Path):
+    # H = 1, outer SGD at lr 1 without momentum: the shared parameters move by the mean of the
+    # workers' single SGD steps, which is all-reduce SGD (the StepLR acts on the inner optimizer).
+    run("launch", "diloco", "sync", tmp_path, {"sync_every": 1, "outer_optimizer": "sgd", "outer_lr": 1.0,
+                                              "outer_momentum": 0.0})
+    expected = reference_sync()
+    for rank, state in enumerate(saved(tmp_path)):
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
+
+
+def test_a_gpt_under_allreduce_equals_one_process_on_the_concatenated_batches(tmp_path: Path):
+    run("launch", "allreduce", "lm", tmp_path)
+    model = user.make_gpt()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = user.make_tokens(3 * WORKERS * user.BATCH)
+    for step in range(3):
+        rows = slice(step * WORKERS * user.BATCH, (step + 1) * WORKERS * user.BATCH)
+        torch.nn.functional.cross_entropy(model(x[rows]).reshape(-1, 256), y[rows].reshape(-1)).backward()
+        inner.step()
+        inner.zero_grad()
+    for rank, state in enumerate(saved(tmp_path)):
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
+
+
 def test_synchronous_under_torchrun(tmp_path: Path):
     run("torchrun", "allreduce", "sync", tmp_path)
     expected = reference_sync()

@@ -6,6 +6,7 @@ from distrain.algorithms.adpsgd import ADPSGD
 from distrain.algorithms.allreduce import AllReduce
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.algorithms.d2 import D2
+from distrain.algorithms.diloco import DiLoCo
 from distrain.algorithms.dpsgd import DPSGD
 from distrain.algorithms.parameter_server import ParameterServer
 from distrain.algorithms.prague import Prague
@@ -18,6 +19,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     ParameterServer.name: ParameterServer,
     ADPSGD.name: ADPSGD,
     Prague.name: Prague,
+    DiLoCo.name: DiLoCo,
 }
 
 
@@ -30,4 +32,4 @@ def build_algorithm(name: str, config: object) -> Algorithm:
     return klass(config)
 
 
-__all__ = ["ADPSGD", "ALGORITHMS", "Algorithm", "AllReduce", "D2", "DPSGD", "ParameterServer", "Prague", "StepContext", "build_algorithm"]
+__all__ = ["ADPSGD", "ALGORITHMS", "Algorithm", "AllReduce", "D2", "DPSGD", "DiLoCo", "ParameterServer", "Prague", "StepContext", "build_algorithm"]

@@ -1,7 +1,7 @@
 """Compressor names and the ``--compress`` spec syntax: ``NAME[:ARG][:KEY=VALUE...]``.
 
 Examples: ``none``, ``fp16``, ``bf16``, ``topk:0.01``, ``randomk:0.01``,
-``group_topk:0.01:group=1024``, ``qsgd:8bit``, ``qsgd:4bit``,
+``group_topk:0.01:group=1024``, ``qsgd:8bit``, ``qsgd:4bit``, ``int8``, ``int4:block=32``,
 ``adaptive:base=0.01:min=0.001:max=0.1`` (group top-k with a ratio per worker and step, see
 :mod:`distrain.compress.adaptive`).
 """
@@ -21,6 +21,7 @@ from distrain.compress.fp16 import FP16Compressor
 from distrain.compress.group_topk import DEFAULT_GROUP, GroupTopK
 from distrain.compress.none import NoneCompressor
 from distrain.compress.qsgd import QSGD
+from distrain.compress.quantize import DEFAULT_BLOCK, BlockQuantizer
 from distrain.compress.randomk import RandomK
 from distrain.compress.topk import TopK
 from distrain.errors import ConfigError
@@ -106,6 +107,21 @@ def _qsgd(spec: Spec, seed: int) -> Compressor:
     return QSGD(int(bits[0]), seed=seed)
 
 
+def _blocks(bits: int) -> Callable[[Spec, int], Compressor]:
+    def build(spec: Spec, seed: int) -> Compressor:
+        _no_options(spec, ("block",))
+        if spec.args:
+            raise ValueError("takes no argument but block=N")
+        text = spec.options.get("block", str(DEFAULT_BLOCK))
+        try:
+            block = int(text)
+        except ValueError:
+            raise ValueError(f"block must be an even integer >= 2, got {text!r}") from None
+        return BlockQuantizer(bits, block)
+
+    return build
+
+
 COMPRESSORS: dict[str, Entry] = {
     "none": Entry("none", _plain(NoneCompressor)),
     "fp16": Entry("fp16", _plain(lambda: FP16Compressor(torch.float16))),
@@ -114,6 +130,8 @@ COMPRESSORS: dict[str, Entry] = {
     "randomk": Entry("randomk:RATIO", _randomk),
     "group_topk": Entry("group_topk:RATIO[:group=N]", _group_topk),
     "qsgd": Entry("qsgd:8bit|4bit", _qsgd),
+    "int8": Entry("int8[:block=N]", _blocks(8)),
+    "int4": Entry("int4[:block=N]", _blocks(4)),
     "adaptive": Entry("adaptive:base=R:min=R:max=R[:alpha=A:beta=B:ema=E:fast=F:window=N:group=N]", _adaptive),
 }
 """Registered names -> how to build them; RATIO is the kept fraction in (0, 1]."""

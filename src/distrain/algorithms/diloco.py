@@ -1,0 +1,292 @@
+"""DiLoCo: local steps with an outer optimizer (Douillard et al. 2023), and its streaming form.
+
+Each worker takes ``--sync-every H`` steps with its own (inner) optimizer on its own shard, then
+the workers average their pseudo-gradients, ``delta = start - local`` (how far each moved from
+the parameters the period started from), through the Transport (so emulation and byte counts
+apply), and an outer optimizer steps the shared parameters with the averaged delta as its
+gradient. Every worker then starts the next period from the new shared parameters; the inner
+optimizer keeps its state across periods. Communication is one all-reduce of the model every H
+steps instead of every step.
+
+Outer optimizers (``--outer-optimizer``, ``--outer-lr``, ``--outer-momentum``):
+    nesterov: SGD with Nesterov momentum, ``buf = mu * buf + delta``, ``start -= lr * (delta +
+        mu * buf)``; the paper's choice (lr 0.7, momentum 0.9).
+    sgd: heavy-ball SGD, ``buf = mu * buf + delta``, ``start -= lr * buf``; with lr 1 and
+        momentum 0 the shared parameters become the workers' average (local SGD, model
+        averaging), and with H = 1 and plain inner SGD that is all-reduce SGD.
+
+Streaming (Douillard et al. 2025, ``--fragments F``, ``--overlap-steps T``): the parameters are
+cut into F fragments of consecutive tensors of similar size; fragment i syncs when the inner step
+count is ``(i + 1) * H // F`` modulo H, so every parameter syncs once per period while the
+network carries one fragment at a time (peak bandwidth about F times lower). With T > 0 a
+fragment's exchange overlaps the next T inner steps; its outer step is applied T steps after the
+sync, and the result is merged into the fragment as the worker has it then:
+``local = w * shared + (1 - w) * local`` (``--merge-weight w``, 0.5). With T = 0 the fragment
+takes the shared parameters (w = 1).
+
+With ``--compress`` the pseudo-gradient is compressed before it is exchanged (``int8`` and
+``int4`` block quantization, ``fp16``/``bf16``, ``topk``/``group_topk``/``randomk``, ``qsgd``),
+with error feedback (``--error-feedback on``, the default): what a worker's pseudo-gradient
+lost to compression is added to its next one. Summable payloads are all-reduced, sparse ones go
+through the sparse ring (``--sparse-collective``), the others are gathered and summed after
+decoding. A compressed exchange completes at the sync step (only a dense one overlaps the inner
+steps); its outer step is still applied T steps later.
+
+The shared parameters and the outer momentum are kept in CPU memory (float32), whatever the
+model's device. The evaluated model (:meth:`DiLoCo.eval_model`) holds the shared parameters. The
+last step of a run, and :meth:`DiLoCo.end` after a stop between syncs, sync whatever has moved
+since its last sync and apply every pending exchange, so the final model includes every step.
+
+Example::
+
+    distrain train --algorithm diloco --sync-every 32 --outer-lr 0.7 --outer-momentum 0.9
+    distrain train --algorithm diloco --sync-every 64 --fragments 4 --overlap-steps 2 --compress int4
+    opt = distrain.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-4), algorithm="diloco",
+                        sync_every=64)
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distrain.algorithms.base import Algorithm, StepContext
+from distrain.comm.transport import Handle, Transport
+from distrain.compress.base import CompressInfo
+from distrain.compress.collective import allreduce_compressed
+from distrain.compress.registry import build_compressor
+from distrain.errors import ConfigError
+
+
+def fragment_bounds(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
+    """Cut consecutive tensors of ``sizes`` into at most ``fragments`` groups of similar total
+    size; returns each group's ``[lo, hi)`` range in the flat vector (every element in one)."""
+    total = sum(sizes)
+    bounds, lo, offset, index = [], 0, 0, 1
+    for size in sizes:
+        offset += size
+        if index < fragments and offset >= total * index / fragments and offset > lo:
+            bounds.append((lo, offset))
+            lo, index = offset, index + 1
+    if offset > lo or not bounds:
+        bounds.append((lo, offset))
+    return bounds
+
+
+@dataclass
+class _Pending:
+    """A fragment's exchange in flight: applied at inner step ``due``."""
+
+    fragment: int
+    due: int
+    delta: torch.Tensor  # the summed pseudo-gradient (complete once ``handle`` is waited for)
+    handle: Handle | None
+
+
+class DiLoCo(Algorithm):
+    """H inner steps per worker, then an outer step on the averaged pseudo-gradient."""
+
+    name = "diloco"
+    replicated = False  # the workers' models part between syncs
+    compresses = True  # the pseudo-gradient
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        super().check_config(config)
+        if config.compress.compress.strip().split(":")[0] == "adaptive":
+            raise ConfigError("--compress", "adaptive picks a ratio per step from per-sample losses; diloco compresses "
+                                            "one pseudo-gradient per period: use group_topk, int8, int4, fp16, ...")
+        o = config.outer
+        if o.fragments > o.sync_every:
+            raise ConfigError("--fragments", f"must be at most --sync-every ({o.sync_every}): each fragment syncs at "
+                                             f"its own step of the period, got {o.fragments}")
+        if o.overlap_steps >= o.sync_every // o.fragments:
+            raise ConfigError("--overlap-steps", f"must be less than --sync-every / --fragments "
+                                                 f"({o.sync_every // o.fragments}), the steps between two syncs, "
+                                                 f"got {o.overlap_steps}")
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        outer = config.outer
+        self.sync_every = int(outer.sync_every)
+        self.nesterov = outer.outer_optimizer == "nesterov"
+        self.outer_lr, self.outer_momentum = float(outer.outer_lr), float(outer.outer_momentum)
+        self.fragments_wanted, self.overlap = int(outer.fragments), int(outer.overlap_steps)
+        self.merge_weight = float(outer.merge_weight) if self.overlap else 1.0
+        self.inner_steps = 0  # inner steps taken since the run started
+        self.outer_steps = 0  # fragment syncs applied
+        self.total_steps: int | None = None
+        self._eval: torch.nn.Module | None = None
+        self._last_delta_norm = 0.0
+        self._pending: list[_Pending] = []
+        self._resumed = False  # load_state_dict restored the periods' starts
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
+        super().setup(model, optimizer, transport)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.bounds = fragment_bounds([p.numel() for p in self.params], self.fragments_wanted)
+        count = len(self.bounds)
+        #: when fragment i syncs: the inner step count modulo H
+        self.offsets = [((i + 1) * self.sync_every // count) % self.sync_every for i in range(count)]
+        #: the inner step count at each fragment's last sync
+        self.synced_at = [0] * count
+        #: the shared parameters each fragment's period started from (CPU, float32)
+        self.shared = self._flat().to("cpu", torch.float32, copy=True)
+        #: the outer optimizer's momentum (CPU); a fragment's part is set at its first outer step
+        self.buffer = torch.zeros_like(self.shared)
+        self.has_buffer = [False] * count
+        c = self.config.compress
+        spec = c.compress.strip()
+        #: the pseudo-gradient's compressor (with error feedback when lossy and asked for), or None
+        self.compressor = (None if spec == "none" else
+                           build_compressor(spec, error_feedback=c.error_feedback == "on", seed=self.config.run.seed))
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def _fragment_views(self, fragment: int) -> list[tuple[torch.nn.Parameter, int, int]]:
+        """(parameter, lo, hi) in the flat vector for the parameters inside ``fragment``."""
+        lo, hi = self.bounds[fragment]
+        out, offset = [], 0
+        for p in self.params:
+            if lo <= offset < hi:
+                out.append((p, offset, offset + p.numel()))
+            offset += p.numel()
+        return out
+
+    def _local(self, fragment: int) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p, _, _ in self._fragment_views(fragment)])
+
+    def start(self, total_steps: int, steps_per_epoch: int) -> None:
+        self.total_steps = total_steps
+        if not self._resumed:  # parameters loaded after setup (a pretrained model, say) start the first period
+            self.shared.copy_(self._flat())
+
+    def after_update(self, ctx: StepContext) -> None:
+        self.inner_steps += 1
+        last = self.inner_steps == self.total_steps
+        for i, offset in enumerate(self.offsets):
+            if self.inner_steps % self.sync_every == offset or (last and self.inner_steps > self.synced_at[i]):
+                self._start_sync(i)
+        self._apply_due(flush=last)
+
+    def _start_sync(self, fragment: int) -> None:
+        """Start averaging ``fragment``'s pseudo-gradient; its outer step is applied when due."""
+        assert self.transport is not None
+        lo, hi = self.bounds[fragment]
+        local = self._local(fragment)
+        delta = self.shared[lo:hi].to(local.device, local.dtype) - local
+        handle = None
+        if self.compressor is None:
+            handle = self.transport.all_reduce(delta)
+        else:
+            info = CompressInfo(step=self.inner_steps, key=fragment, worker=self.transport.rank)
+            delta = allreduce_compressed(self.transport, self.compressor, delta, info,
+                                         sparse_collective=self.config.compress.sparse_collective)
+        self._pending.append(_Pending(fragment, self.inner_steps + self.overlap, delta, handle))
+        self.synced_at[fragment] = self.inner_steps
+
+    def _apply_due(self, flush: bool = False) -> None:
+        """Apply the exchanges due by now (all of them with ``flush``), in the order they began."""
+        while self._pending and (flush or self._pending[0].due <= self.inner_steps):
+            self._apply(self._pending.pop(0))
+
+    def _apply(self, pending: _Pending) -> None:
+        """The outer step of one fragment, and its merge into this worker's parameters."""
+        assert self.transport is not None
+        if pending.handle is not None:
+            pending.handle.wait()
+        i = pending.fragment
+        lo, hi = self.bounds[i]
+        delta = pending.delta.div(self.transport.world_size).to("cpu", torch.float32)
+        self._last_delta_norm = float(delta.norm())
+        mu, buffer = self.outer_momentum, self.buffer[lo:hi]
+        if mu > 0:
+            if self.has_buffer[i]:
+                buffer.mul_(mu).add_(delta)
+            else:
+                buffer.copy_(delta)
+                self.has_buffer[i] = True
+            step = delta.add(buffer, alpha=mu) if self.nesterov else buffer
+        else:
+            step = delta
+        self.shared[lo:hi].add_(step, alpha=-self.outer_lr)
+        w = self.merge_weight
+        with torch.no_grad():
+            for p, a, b in self._fragment_views(i):
+                shared = self.shared[a:b].view_as(p).to(p.device, p.dtype)
+                if w >= 1.0:
+                    p.copy_(shared)
+                else:
+                    p.mul_(1.0 - w).add_(shared, alpha=w)
+        self.outer_steps += 1
+
+    def end(self) -> None:
+        """A stop between syncs (SIGTERM, or a user loop that ends mid-period): sync what moved
+        since its last sync and apply every pending exchange, so the final model holds every step
+        (collective: every worker ends at the same step)."""
+        for i in range(len(self.bounds)):
+            if self.inner_steps > self.synced_at[i]:
+                self._start_sync(i)
+        self._apply_due(flush=True)
+
+    def eval_model(self) -> torch.nn.Module:
+        """A copy of the model holding the shared parameters (buffers from this worker's model)."""
+        assert self.model is not None
+        if self._eval is None:
+            self._eval = copy.deepcopy(self.model)
+        else:
+            self._eval.load_state_dict(self.model.state_dict())  # buffers (e.g. batch-norm statistics)
+        offset = 0
+        with torch.no_grad():
+            for p in (q for q in self._eval.parameters() if q.requires_grad):
+                p.copy_(self.shared[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        return self._eval
+
+    def metrics(self) -> dict[str, float]:
+        return {"outer_steps": self.outer_steps, "pseudo_gradient_norm": self._last_delta_norm}
+
+    def info(self) -> dict[str, Any]:
+        return {"sync_every": self.sync_every, "outer_optimizer": "nesterov" if self.nesterov else "sgd",
+                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                "fragments": [hi - lo for lo, hi in self.bounds], "fragment_sync_offsets": self.offsets,
+                "overlap_steps": self.overlap, "merge_weight": self.merge_weight,
+                "compress": self.compressor.spec() if self.compressor is not None else "none"}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The periods' starts, the outer momentum, the sync bookkeeping and any exchange still
+        to be applied (waited for here: its sum is saved, applied at its step after a resume)."""
+        for pending in self._pending:
+            if pending.handle is not None:
+                pending.handle.wait()
+                pending.handle = None
+        state: dict[str, Any] = {
+            "shared": self.shared.clone(), "buffer": self.buffer.clone(),
+            "has_buffer": torch.tensor(self.has_buffer, dtype=torch.bool), "inner_steps": self.inner_steps,
+            "synced_at": torch.tensor(self.synced_at, dtype=torch.int64), "outer_steps": self.outer_steps,
+            "pending": [{"fragment": p.fragment, "due": p.due, "delta": p.delta.detach().cpu().clone()}
+                        for p in self._pending],
+        }
+        if self.compressor is not None:
+            state["compressor"] = self.compressor.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shared.copy_(state["shared"])
+        self.buffer.copy_(state["buffer"])
+        self.has_buffer = [bool(v) for v in state["has_buffer"].tolist()]
+        self.synced_at = [int(v) for v in state["synced_at"].tolist()]
+        self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self._pending = [_Pending(int(p["fragment"]), int(p["due"]), p["delta"].to(device), None)
+                         for p in state.get("pending", [])]
+        if self.compressor is not None and "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"])
+        self._resumed = True
+
+    def close(self) -> None:
+        self._eval = None

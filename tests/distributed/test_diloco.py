@@ -1,0 +1,249 @@
+"""DiLoCo: H local steps, then an outer optimizer step on the averaged pseudo-gradient, against
+references computed here (real gloo processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from distrain.algorithms import StepContext, build_algorithm
+from distrain.comm.transport import Transport
+from distrain.config import TrainConfig
+from tests.harness import run_group
+
+WORKERS, H, PERIODS, INNER_LR = 2, 2, 3, 0.1
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)  # 4 parameters
+
+
+def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * worker + step)
+    return torch.randn(5, 3, generator=g), torch.randn(5, 1, generator=g)
+
+
+def loss_of(net: torch.nn.Module, worker: int, step: int) -> torch.Tensor:
+    x, y = batch(worker, step)
+    return ((net(x) - y) ** 2).mean()
+
+
+def config(optimizer: str, momentum: float, compress: str = "none") -> TrainConfig:
+    return TrainConfig.from_dict({"algorithm": "diloco", "workers": WORKERS, "sync_every": H, "compress": compress,
+                                  "outer_optimizer": optimizer, "outer_lr": OUTER_LR, "outer_momentum": momentum})
+
+
+def _body(rank: int, world: int, optimizer: str, momentum: float, compress: str = "none") -> dict:
+    net = model()
+    inner = torch.optim.SGD(net.parameters(), lr=INNER_LR)
+    algorithm = build_algorithm("diloco", config(optimizer, momentum, compress))
+    transport = Transport()
+    algorithm.setup(net, inner, transport)
+    algorithm.start(H * PERIODS, H)
+    for step in range(H * PERIODS):
+        inner.zero_grad()
+        loss_of(net, rank, step).backward()
+        ctx = StepContext(step=step, epoch=(step + 1) / H, batch_size=5)
+        algorithm.after_backward(ctx)
+        algorithm.apply_update(ctx)
+        algorithm.after_update(ctx)
+    return {"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+            "eval": torch.cat([p.detach().reshape(-1) for p in algorithm.eval_model().parameters()]),
+            "sent": sum(transport.stats.sent), "outer_steps": algorithm.outer_steps}
+
+
+def reference(optimizer: str, momentum: float, quantize: Any = None) -> torch.Tensor:
+    """The outer optimizer written out by hand: per period each worker takes H SGD steps from the
+    shared parameters; the mean of (shared - local) is the outer gradient. ``quantize``: what a
+    worker's pseudo-gradient becomes on the wire (with error feedback: the residual it left is
+    added to the next one)."""
+    shared = torch.cat([p.detach().reshape(-1) for p in model().parameters()])
+    buffer = None
+    residual = [torch.zeros(4) for _ in range(WORKERS)]
+    for period in range(PERIODS):
+        deltas = []
+        for w in range(WORKERS):
+            net = model()
+            with torch.no_grad():
+                net.weight.copy_(shared[:3].view(1, 3))
+                net.bias.copy_(shared[3:])
+            for step in range(period * H, (period + 1) * H):
+                net.zero_grad()
+                loss_of(net, w, step).backward()
+                with torch.no_grad():
+                    for p in net.parameters():
+                        p -= INNER_LR * p.grad
+            delta = shared - torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+            if quantize is not None:
+                meant = delta + residual[w]
+                delta = quantize(meant)
+                residual[w] = meant - delta
+            deltas.append(delta)
+        g = sum(deltas) / WORKERS
+        buffer = g.clone() if buffer is None else momentum * buffer + g
+        update = g + momentum * buffer if optimizer == "nesterov" else buffer
+        shared = shared - OUTER_LR * update
+    return shared
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer, momentum", [("nesterov", OUTER_MOMENTUM), ("sgd", 0.5)])
+def test_outer_step_matches_the_hand_computed_reference(optimizer: str, momentum: float):
+    results = run_group(_body, WORKERS, args=(optimizer, momentum), timeout=90)
+    want = reference(optimizer, momentum)
+    for r in results:
+        torch.testing.assert_close(r["params"], want, rtol=0, atol=1e-6)  # every worker starts from the shared
+        torch.testing.assert_close(r["eval"], want, rtol=0, atol=1e-6)
+        assert r["outer_steps"] == PERIODS
+        # one all-reduce of the 4 float32 parameters per period: 2 (n - 1) / n of 16 bytes, PERIODS times
+        assert r["sent"] == PERIODS * 16 * 2 * (WORKERS - 1) // WORKERS
+
+
+def int8_by_hand(x: torch.Tensor) -> torch.Tensor:
+    """One block of 64 (the 4 values, zero-padded): scale max|x| / 127, codes rounded."""
+    scale = x.abs().max() / 127
+    return torch.round(x / scale).clamp(-127, 127) * scale
+
+
+@pytest.mark.timeout(120)
+def test_int8_pseudo_gradients_with_error_feedback_match_the_reference():
+    results = run_group(_body, WORKERS, args=("nesterov", OUTER_MOMENTUM, "int8"), timeout=90)
+    want = reference("nesterov", OUTER_MOMENTUM, int8_by_hand)
+    dense = reference("nesterov", OUTER_MOMENTUM)
+    for r in results:
+        torch.testing.assert_close(r["params"], want, rtol=0, atol=1e-6)
+        # gathered: each worker sends its payload (64 int8 codes + one float32 scale) once per period
+        assert r["sent"] == PERIODS * (64 + 4) * (WORKERS - 1)
+    assert not torch.allclose(want, dense, rtol=0, atol=1e-7)  # the quantization did change something
+
+
+def test_settings_are_checked():
+    from distrain.errors import ConfigError
+
+    for settings, flag in [({"sync_every": 0}, "--sync-every"), ({"outer_lr": 0}, "--outer-lr"),
+                           ({"outer_momentum": 1.0}, "--outer-momentum"), ({"outer_optimizer": "adam"}, "--outer-optimizer")]:
+        with pytest.raises(ConfigError, match=flag):
+            TrainConfig.from_dict({"algorithm": "diloco", **settings}).validate()
+    with pytest.raises(ConfigError, match="--compress: adaptive"):
+        TrainConfig.from_dict({"algorithm": "diloco", "compress": "adaptive:base=0.01:min=0.001:max=0.1"}).validate()
+
+
+@pytest.mark.timeout(180)
+def test_distrain_train_diloco_syncs_every_h_steps(tmp_path):
+    from distrain.launch import launch_local
+    from distrain.models import build_model, count_parameters
+    from distrain.train.metrics import read_metrics
+    from tests.conftest import small_config
+
+    cfg = small_config(str(tmp_path / "run"), workers=2, algorithm="diloco", sync_every=4, epochs=2)
+    summary = launch_local(cfg)
+    steps = summary["steps"]
+    lines = [m for m in read_metrics(tmp_path / "run", 0) if "step" in m]
+    assert [m["outer_steps"] for m in lines] == [(s + 1) // 4 if s + 1 < steps else -(-steps // 4) for s in range(steps)]
+    params = count_parameters(build_model("mlp", (32,), 10, width=32, depth=2))
+    per_sync = params * 4 * 2 * (2 - 1) // 2  # one all-reduce of the float32 parameters, 2 workers
+    assert summary["bytes_sent_per_worker"][0] == -(-steps // 4) * per_sync
+    assert summary["final_test_accuracy"] > 0.5
+
+
+def test_fragments_cover_the_model_once_and_each_syncs_once_per_period():
+    from distrain.algorithms.diloco import fragment_bounds
+
+    sizes = [100, 3, 40, 40, 7, 60, 1, 50]
+    for fragments in (1, 2, 3, 4, 8):
+        bounds = fragment_bounds(sizes, fragments)
+        assert bounds[0][0] == 0 and bounds[-1][1] == sum(sizes) and len(bounds) <= fragments
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))  # consecutive: no gap, no overlap
+        edges = {0}
+        for s in sizes:
+            edges.add(max(edges) + s)
+        assert {lo for lo, _ in bounds} <= edges  # cut between tensors only
+    assert len(fragment_bounds(sizes, 4)) == 4
+    cfg = TrainConfig.from_dict({"algorithm": "diloco", "workers": 1, "sync_every": 8, "fragments": 4})
+    algorithm = build_algorithm("diloco", cfg)
+    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    algorithm.setup(net, torch.optim.SGD(net.parameters(), lr=0.0), None)  # the schedule needs no network
+    syncs = {i: [] for i in range(len(algorithm.bounds))}
+    for step in range(1, 3 * 8 + 1):
+        for i, offset in enumerate(algorithm.offsets):
+            if step % 8 == offset:
+                syncs[i].append(step)
+    assert len(algorithm.bounds) == 4 and all(len(s) == 3 for s in syncs.values())
+    assert sorted(algorithm.offsets) == [0, 2, 4, 6]  # staggered through the period
+
+
+def _streaming_body(rank: int, world: int) -> dict:
+    net = model()
+    inner = torch.optim.SGD(net.parameters(), lr=INNER_LR)
+    cfg = TrainConfig.from_dict({"algorithm": "diloco", "workers": WORKERS, "sync_every": 4, "fragments": 2,
+                                 "overlap_steps": 1, "merge_weight": 0.5, "outer_lr": OUTER_LR,
+                                 "outer_momentum": OUTER_MOMENTUM})
+    algorithm = build_algorithm("diloco", cfg)
+    algorithm.setup(net, inner, Transport())
+    steps = 10  # ends mid-period: the last step syncs what moved and applies what is pending
+    algorithm.start(steps, 4)
+    for step in range(steps):
+        inner.zero_grad()
+        loss_of(net, rank, step).backward()
+        ctx = StepContext(step=step, epoch=(step + 1) / 4, batch_size=5)
+        algorithm.after_backward(ctx)
+        algorithm.apply_update(ctx)
+        algorithm.after_update(ctx)
+    return {"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+            "shared": algorithm.shared.clone(), "bounds": algorithm.bounds}
+
+
+def streaming_reference(steps: int = 10, h: int = 4, overlap: int = 1, w: float = 0.5) -> tuple[torch.Tensor, list]:
+    """Two fragments (the weight, then the bias): fragment 0 syncs at steps = 2 mod 4, fragment 1
+    at 0 mod 4; an exchange is applied ``overlap`` steps later and merged half and half."""
+    frags = [(0, 3), (3, 4)]
+    offsets = [2, 0]
+    start = torch.cat([p.detach().reshape(-1) for p in model().parameters()])
+    shared, local = start.clone(), [start.clone() for _ in range(WORKERS)]
+    buffer, has = torch.zeros(4), [False, False]
+    synced, pending = [0, 0], []
+
+    def grad_at(params: torch.Tensor, worker: int, step: int) -> torch.Tensor:
+        net = model()
+        with torch.no_grad():
+            net.weight.copy_(params[:3].view(1, 3))
+            net.bias.copy_(params[3:])
+        loss_of(net, worker, step).backward()
+        return torch.cat([net.weight.grad.reshape(-1), net.bias.grad.reshape(-1)])
+
+    def apply(fragment: int, delta: torch.Tensor) -> None:
+        lo, hi = frags[fragment]
+        if has[fragment]:
+            buffer[lo:hi] = OUTER_MOMENTUM * buffer[lo:hi] + delta
+        else:
+            buffer[lo:hi], has[fragment] = delta, True
+        shared[lo:hi] -= OUTER_LR * (delta + OUTER_MOMENTUM * buffer[lo:hi])
+        for wk in range(WORKERS):
+            local[wk][lo:hi] = w * shared[lo:hi] + (1 - w) * local[wk][lo:hi]
+
+    for step in range(steps):
+        for wk in range(WORKERS):
+            local[wk] = local[wk] - INNER_LR * grad_at(local[wk], wk, step)
+        t = step + 1
+        for i, (lo, hi) in enumerate(frags):
+            if t % h == offsets[i] or (t == steps and t > synced[i]):
+                pending.append((t + overlap, i, sum(shared[lo:hi] - local[wk][lo:hi] for wk in range(WORKERS)) / WORKERS))
+                synced[i] = t
+        while pending and (pending[0][0] <= t or t == steps):
+            _, i, delta = pending.pop(0)
+            apply(i, delta)
+    return shared, local
+
+
+@pytest.mark.timeout(120)
+def test_streaming_fragments_with_overlap_match_the_reference():
+    results = run_group(_streaming_body, WORKERS, timeout=90)
+    shared, local = streaming_reference()
+    for rank, r in enumerate(results):
+        assert r["bounds"] == [(0, 3), (3, 4)]
+        torch.testing.assert_close(r["shared"], shared, rtol=0, atol=1e-6)
+        torch.testing.assert_close(r["params"], local[rank], rtol=0, atol=1e-6)
