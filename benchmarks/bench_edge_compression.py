@@ -123,6 +123,7 @@ def main() -> None:
                "sweep": sweep(load(args.out / "comparison.json"), args.out,
                               [float(t) for t in args.sweep.split(",") if t])}
     write_result(args.summary, summary)
+    write_result(args.out / "comparison.json", load(args.out / "comparison.json"))  # compare's own file: provenance too
     print(f"\nedge, ~1M-parameter MLP, 4 workers, {args.epochs:g} epochs, target {args.target:.0%}; "
           f"load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"  {'configuration':<34}{'accuracy':>9}{'to target':>11}{'bytes/step':>13}{'vs DDP':>8}  (median [min-max])")

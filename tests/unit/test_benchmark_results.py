@@ -22,8 +22,8 @@ FILES = sorted([*RESULTS.glob("*.json"), *RESULTS.glob("*/comparison.json")])
 #: Results written before the scripts recorded their provenance, whose torch version, cores or
 #: command line cannot be recovered from the repository: each is expected to fail the check
 #: until it is regenerated (then the strict xfail turns into a failure: drop it from this set).
-UNRECORDED = {"adaptive.json", "busiest_link.json", "compression.json", "link-model.json", "link-netns.json",
-              "straggler.json", "straggler_devices.json", "sync_accuracy.json"}
+UNRECORDED = {"adaptive.json",
+              "straggler.json", "straggler_devices.json"}
 
 
 def _provenance_cases() -> list:
