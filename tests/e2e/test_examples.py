@@ -68,3 +68,17 @@ def test_custom_loop_on_an_emulated_network_reports_its_traffic():
         assert int(steps) == round(0.5 * (16384 * 7 // 8) // (2 * 64))  # half an epoch of the shard
         assert abs(float(sent) * 1e3 - params * 4) / (params * 4) < 0.05, (sent, params)
         assert float(accuracy) > 0.5
+
+
+def test_custom_loop_on_edge_waits_what_the_link_model_predicts_for_its_bytes():
+    # edge: 20 Mbit/s, 10 ms. An all-reduce of n workers sends 2 (n - 1) / n of the gradients in
+    # 2 (n - 1) messages: the wait per step is the bytes sent at the link's rate plus 2 (n - 1)
+    # latencies (this model computes in a few ms against ~0.4 s on the wire: nothing hides it).
+    out = launch(["--workers", "4", "--network", "edge", "examples/custom_loop.py", "--epochs", "0.25"])
+    lines = re.findall(r"worker (\d): (\d+) steps, ([0-9.]+) ms/step \(compute ([0-9.]+), network wait ([0-9.]+)\), "
+                       r"sent ([0-9.]+) kB/step", out)
+    assert sorted(int(w) for w, *_ in lines) == [0, 1, 2, 3], out
+    for _, _, step_ms, _, wait_ms, sent_kb in lines:
+        predicted = float(sent_kb) * 1e3 / (20e6 / 8) + 2 * 3 * 0.010
+        assert abs(float(wait_ms) / 1e3 - predicted) / predicted < 0.20, (wait_ms, predicted)
+        assert float(step_ms) >= float(wait_ms)
