@@ -13,6 +13,7 @@ same launcher, the same environment), it writes rank 0's per-step times to OUT.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -54,14 +55,19 @@ def main() -> None:
         step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - started)
-    if mode == "ddp":
-        dist.destroy_process_group()
-    else:
-        opt.finish()
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"mode": mode, "model": model_name, "step_times": times, "loss": loss.item(),
                        "median_step_s": statistics.median(times[5:])}, f)
+    if mode == "ddp":
+        dist.barrier()  # nobody tears the group down while a peer is still in its last all-reduce
+        dist.destroy_process_group()
+    else:
+        opt.finish()
+    # The interpreter's own teardown can hang on gloo's threads after DDP (seen here: two ranks
+    # of four never exited); the measurement is written, so leave without it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
