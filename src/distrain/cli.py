@@ -235,7 +235,8 @@ def build_parser() -> Parser:
                         help="also start S parameter servers (the last S ranks; the script's wrap() uses algorithm ps)")
     launch.add_argument("--master-port", type=int, default=0, metavar="PORT", help="port of the rendezvous on 127.0.0.1 (0 = a free one)")
     launch.add_argument("--timeout", type=float, default=TrainConfig().cluster.timeout, metavar="S",
-                        help="seconds any rendezvous or collective may take (default: %(default)s)")
+                        help="seconds any rendezvous or collective may take, and that the other ranks have to "
+                        "finish once one has (default: %(default)s)")
     launch.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module, as python -m does")
     add_config_flags(launch, sections=("network",))
     launch.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]", help="the script and its arguments")

@@ -65,6 +65,21 @@ def test_a_failing_rank_stops_all_and_is_named(tmp_path: Path):
     assert orphans == []
 
 
+def test_a_rank_that_never_finishes_after_its_peers_is_stopped_and_named(tmp_path: Path):
+    # rank 1 blocks for ever once rank 0 has finished: the job must not stay up
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import os, threading
+        print("done", flush=True)
+        if os.environ["RANK"] == "1":
+            threading.Event().wait()
+    """))
+    done, orphans = launch(["--workers", "2", "--timeout", "3", "job.py"], tmp_path, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "distrain: rank 1 did not finish within 3 s of rank 0 (ranks still running: [1]); stopped them")
+    assert orphans == []
+
+
 def test_environment_is_torchruns_and_the_settings_reach_wrap(tmp_path: Path):
     (tmp_path / "job.py").write_text(textwrap.dedent("""
         import os, sys, torch, distrain

@@ -22,8 +22,7 @@ FILES = sorted([*RESULTS.glob("*.json"), *RESULTS.glob("*/comparison.json")])
 #: Results written before the scripts recorded their provenance, whose torch version, cores or
 #: command line cannot be recovered from the repository: each is expected to fail the check
 #: until it is regenerated (then the strict xfail turns into a failure: drop it from this set).
-UNRECORDED = {"adaptive.json",
-              "straggler.json", "straggler_devices.json"}
+UNRECORDED = {"adaptive.json"}
 
 
 def _provenance_cases() -> list:

@@ -150,7 +150,7 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         for rank in range(world):
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
             procs.append(_Process(rank, target, env, lock))
-        return _supervise(procs, interrupted)
+        return _supervise(procs, interrupted, exit_window=timeout)
     finally:
         for p in procs:
             p.stop(signal.SIGKILL)
@@ -162,8 +162,11 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         del store
 
 
-def _supervise(procs: list[_Process], interrupted: list[int]) -> int:
-    """Wait for every process; on the first failure or a signal, stop the others."""
+def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float) -> int:
+    """Wait for every process; on the first failure or a signal, stop the others. Once one has
+    finished, the others have ``exit_window`` seconds to finish too (a rank stuck at exit, or in
+    a wait its finished peers will never answer, would otherwise keep the job up for ever)."""
+    first_done: tuple[float, int] | None = None
     while True:
         if interrupted:
             _stop_all(procs)
@@ -181,6 +184,15 @@ def _supervise(procs: list[_Process], interrupted: list[int]) -> int:
             return 1
         if all(c == 0 for c in codes):
             return 0
+        if first_done is None and 0 in codes:
+            first_done = (time.monotonic(), procs[codes.index(0)].rank)
+        if first_done is not None and time.monotonic() - first_done[0] > exit_window:
+            stuck = [p.rank for p, c in zip(procs, codes, strict=True) if c is None]
+            _stop_all(procs)
+            print(f"distrain: rank {stuck[0]} did not finish within {exit_window:g} s of rank {first_done[1]} "
+                  f"(ranks still running: {stuck}); stopped them (raise --timeout if a rank needs longer)",
+                  file=sys.stderr)
+            return 1
         time.sleep(0.05)
 
 
