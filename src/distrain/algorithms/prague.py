@@ -313,7 +313,8 @@ class GroupGenerator:
     def watch(self) -> None:
         """The generator's second thread: once a second, drop workers declared dead by others,
         and workers silent past the timeout (neither waiting for a group nor stopped) whose
-        heartbeat stopped too (killed between groups: nobody else would notice)."""
+        heartbeat stopped too (killed between groups: nobody else would notice), and group the
+        ready workers that have become eligible since the last message."""
         assert self.liveness is not None
         live = Liveness(self.liveness.host, self.liveness.port, self.liveness.world_size)  # its own store client
         while not self.served.wait(1.0):
@@ -328,6 +329,13 @@ class GroupGenerator:
             gone |= set(live.dead_ranks()) - self.lost - {GENERATOR}
             for w in sorted(gone):
                 self.deliver(self.drop(w))
+            # A ready worker whose ring costs more than the median waits that much before it is
+            # eligible: a time, not an event. Without this, ready workers that were not yet
+            # eligible when the last READY came would wait for an event that may never come
+            # (every other worker waiting too, or lost), until their timeout.
+            with self.lock:
+                answers = self._form(time.monotonic())
+            self.deliver(answers)
 
 
 class GroupGossip(GossipEngine):
