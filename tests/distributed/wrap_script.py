@@ -55,36 +55,20 @@ def main() -> None:
     inner = torch.optim.SGD(model.parameters(), lr=0.0 if mode == "mean" else 0.1)
     opt = distrain.wrap(model, inner, algorithm=algorithm, **settings)
     rank, workers = opt.rank, opt.workers
-    if mode == "sync":
-        scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
-        x, y = make_data(3 * workers * BATCH)
+    if mode in ("sync", "lm", "mean"):
+        scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5) if mode == "sync" else None
+        if mode == "mean":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(float(rank))
+        x, y = (make_tokens if mode == "lm" else make_data)(3 * workers * BATCH)
         for step in range(3):
             rows = slice((step * workers + rank) * BATCH, (step * workers + rank + 1) * BATCH)
-            torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+            out_rows = model(x[rows])
+            torch.nn.functional.cross_entropy(out_rows.reshape(-1, out_rows.shape[-1]), y[rows].reshape(-1)).backward()
             opt.step()
-            scheduler.step()
-            opt.zero_grad()
-        torch.save(model.state_dict(), out / f"rank{rank}.pt")
-        opt.finish()
-    elif mode == "lm":
-        x, y = make_tokens(3 * workers * BATCH)
-        for step in range(3):
-            rows = slice((step * workers + rank) * BATCH, (step * workers + rank + 1) * BATCH)
-            logits = model(x[rows])
-            torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y[rows].reshape(-1)).backward()
-            opt.step()
-            opt.zero_grad()
-        torch.save(model.state_dict(), out / f"rank{rank}.pt")
-        opt.finish()
-    elif mode == "mean":
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(float(rank))
-        x, y = make_data(3 * workers * BATCH)
-        for step in range(3):
-            rows = slice((step * workers + rank) * BATCH, (step * workers + rank + 1) * BATCH)
-            torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
-            opt.step()
+            if scheduler is not None:
+                scheduler.step()
             opt.zero_grad()
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
         opt.finish()

@@ -458,6 +458,7 @@ class ShardServer:
         self.shard.grad = torch.zeros(numel)
         self.updates = 0
         self.steps = 0  # the workers' steps served (sync: rounds; async: the most any worker pushed)
+        self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
         c = cfg.compress
         self.decoder = (None if c.compress.strip() == "none"
                         else PushDecoder(build_compressor(c.compress, error_feedback=False, seed=cfg.run.seed), numel))
@@ -495,7 +496,7 @@ class ShardServer:
 
     def _stop_requested(self, step: int) -> None:
         """SIGTERM / Ctrl-C here: propose the step every worker stops at (they then send STOP)."""
-        if self.watch is not None and self.watch.stop.requested.is_set() and not getattr(self, "_proposed", False):
+        if self.watch is not None and self.watch.stop.requested.is_set() and not self._proposed:
             self._proposed = True
             self.watch.agreed_step(step, synchronous=True)
 
