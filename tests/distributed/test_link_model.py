@@ -149,7 +149,8 @@ def test_training_on_an_emulated_edge_network_with_a_straggler(tmp_path):
     compute = summary["compute_s_per_worker"]
     assert compute[1] >= 2.5 * compute[0], compute  # 4x its own compute; the other worker's is similar
     cpu = summary["cpu_s_per_worker"]
-    assert min(cpu) > 0 and cpu[1] < compute[1], (cpu, compute)  # the emulated 3x extra is sleep, not CPU
+    # the emulated 3x extra is sleep, not CPU: the straggler burns about the CPU the other worker does
+    assert min(cpu) > 0 and cpu[1] - cpu[0] < 0.5 * (compute[1] - compute[0]), (cpu, compute)
     for rank in range(2):
         last = json.loads((tmp_path / "run" / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()[-1])
         assert last["bytes_sent"] == summary["bytes_sent_per_worker"][rank] > 0
