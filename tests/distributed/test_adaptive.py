@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import pytest
@@ -15,42 +16,43 @@ SPEC = "adaptive:base=0.25:min=0.05:max=1:group=64"
 
 
 @pytest.mark.timeout(300)
-def test_workers_on_slower_links_choose_smaller_ratios_and_train_like_dense(tmp_path):
-    # Worker 2's link is slow, so the ring's links 1 -> 2 and 2 -> 3 are: workers 1 and 2 send
-    # over a slow link, workers 3 and 0 over fast ones.
-    network = {"bandwidth": "100mbit", "slow_link": "2:2mbit", "latency": "1ms", "sparse_collective": "ring"}
-    settings = {"workers": WORLD, "epochs": 5, **network}
-    adaptive = launch_local(small_config(str(tmp_path / "adaptive"), compress=SPEC, density_warmup_epochs=1, **settings))
+def test_a_constant_link_keeps_base_and_a_dropping_one_sends_less_until_it_recovers(tmp_path):
+    # Worker 1's link alternates each second between 20 and 2 Mbit/s; the others stay at 20
+    # Mbit/s. Worker 0 sends to worker 1 and worker 1 sends from it: both ring links see the
+    # drop, those of workers 2 and 3 never do. spare=0: an uncongested link sends exactly base.
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,*,20mbit\n1,1,2mbit\n2,*,repeat\n")
+    spec = "adaptive:base=0.25:min=0.02:max=1:group=64:spare=0"
+    settings = {"workers": WORLD, "epochs": 5, "latency": "1ms", "bandwidth_trace": str(trace), "sparse_collective": "ring"}
+    adaptive = launch_local(small_config(str(tmp_path / "adaptive"), compress=spec, density_warmup_epochs=1, **settings))
     # Dense all-reduce is synchronous: its final accuracy does not depend on the network, so the
     # reference runs without the emulated links (half the time).
     dense = launch_local(small_config(str(tmp_path / "dense"), compress="none", workers=WORLD, epochs=5))
 
-    ratios, congestion = {}, {}
-    for rank in range(WORLD):
-        lines = read_metrics(tmp_path / "adaptive", rank)
-        late = lines[len(lines) // 2 :]  # past the dense first epoch
-        ratios[rank] = statistics.mean(m["compress_ratio"] for m in late)
-        congestion[rank] = statistics.mean(m["congestion"] for m in late)
-        assert all(0.05 <= m["compress_ratio"] <= 1 for m in lines)
-        assert all(m["step_bytes_sent"] > 0 and len(m["loss_quantiles"]) == 7 for m in lines)
-    slow, fast = (1, 2), (0, 3)
-    assert max(ratios[r] for r in slow) < 0.5 * min(ratios[r] for r in fast), ratios
-    # no budget (the default): a congested link sends less and nobody sends more for it, so the
-    # mean falls below base; the fast workers stay near base times their batches' importance
-    assert statistics.mean(ratios.values()) < 0.25 and min(ratios[r] for r in fast) > 0.5 * 0.25, ratios
-    assert min(congestion[r] for r in slow) > 5 * max(congestion[r] for r in fast), congestion
-    # 240 test samples: 0.05 is 12 of them. The adaptive run's ratios follow measured delays, so
-    # its accuracy moves from run to run (0.858 against dense 0.892 once on a quiet machine).
+    lines = {rank: [m for m in read_metrics(tmp_path / "adaptive", rank) if m["epoch"] > 1] for rank in range(WORLD)}
+    for rank in (2, 3):  # a link that never changes is never congested: base at every step
+        assert all(m["congestion"] == 1.0 and m["compress_ratio"] == pytest.approx(0.25) for m in lines[rank]), rank
+    for rank in (0, 1):
+        ratios = [m["compress_ratio"] for m in lines[rank]]
+        congested = [m for m in lines[rank] if m["congestion"] > 1]
+        assert len(congested) >= 3 and min(m["congestion"] for m in congested) > 1.25, (rank, len(congested))
+        # a tenth of the bandwidth: C ~ 10, so about base / 10
+        assert statistics.median(m["compress_ratio"] for m in congested) < 0.25 / 4, (rank, congested)
+        # and back to base after a slow second
+        recoveries = sum(a < 0.25 / 4 and b == pytest.approx(0.25) for a, b in itertools.pairwise(ratios))
+        assert recoveries >= 1 and all(0.02 <= r <= 1 for r in ratios), (rank, ratios)
+    # It trains: 240 test samples, so 0.1 is 24 of them; two workers at a tenth of base half of
+    # the time ended 0.83 against dense 0.89 here.
     gap = dense["final_test_accuracy"] - adaptive["final_test_accuracy"]
-    assert gap <= 0.05, (adaptive["final_test_accuracy"], dense["final_test_accuracy"])
+    assert gap <= 0.1, (adaptive["final_test_accuracy"], dense["final_test_accuracy"])
 
 
 @pytest.mark.slow  # `make test-all`
 @pytest.mark.timeout(300)
 def test_parameter_server_workers_push_smaller_ratios_while_their_link_is_slow(tmp_path):
     # Worker 1's link alternates each second between 100 and 2 Mbit/s; the others stay at
-    # 100 Mbit/s. Without a shared baseline (workers never talk to one another) each worker
-    # compares its delay with its own best: only worker 1 sees congestion, half of the time.
+    # 100 Mbit/s. Each worker measures its own link against its idle speed: only worker 1 sees
+    # congestion, half of the time.
     trace = tmp_path / "trace.csv"
     trace.write_text("0,*,100mbit\n1,1,2mbit\n2,*,repeat\n")
     settings = {"algorithm": "ps", "servers": 2, "workers": 3, "epochs": 5, "latency": "1ms",

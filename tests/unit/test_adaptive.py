@@ -1,8 +1,10 @@
-"""Adaptive compression: spec parsing, the policy's f and g, and its two signals."""
+"""Adaptive compression: spec parsing, the policy's ratio, its link calibration and its importance."""
 
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 
 import pytest
 import torch
@@ -13,20 +15,22 @@ from distrain.compress.adaptive import (
     AdaptiveGroupTopK,
     AdaptivePolicy,
     AdaptiveSettings,
+    detrended_rank,
     parse_adaptive,
     policy_ratio,
 )
 from distrain.compress.error_feedback import ErrorFeedback
 from distrain.errors import ConfigError
 
-SETTINGS = AdaptiveSettings(base=0.01, min=0.001, max=0.1, beta=1.0, budget=1)  # the budget
-ABSOLUTE = AdaptiveSettings(base=0.01, min=0.001, max=0.1, beta=1.0, budget=0)  # congestion only takes bytes away
+SETTINGS = AdaptiveSettings(base=0.01, min=0.001, max=0.1)  # the defaults otherwise
 LATENCY = 0.005
+COMPUTE = 0.05  # seconds of compute per step
 
 
 def step_messages(bits_per_s: float, body: int, latency: float = LATENCY) -> list[Exchange]:
-    """One step of a sparse ring on one worker: per round a 24-byte header and a body, sent back
-    to back on the uplink (the body queues behind the header), and the matching receives."""
+    """One step of a sparse ring on one worker as the link model times it: per round a 24-byte
+    header and a body, sent back to back on the uplink (the body queues behind the header), and
+    the matching receives."""
     rate = bits_per_s / 8
     out = []
     for _ in range(6):
@@ -37,12 +41,29 @@ def step_messages(bits_per_s: float, body: int, latency: float = LATENCY) -> lis
     return out
 
 
+class Worker:
+    """A policy fed as the training loop feeds it, over a link the test sets per step: the body
+    it sends is proportional to the ratio it chose (``bytes_per_ratio``)."""
+
+    def __init__(self, settings: AdaptiveSettings = SETTINGS, bytes_per_ratio: float = 3e6) -> None:
+        self.policy, self.bytes_per_ratio = AdaptivePolicy(settings), bytes_per_ratio
+        self.ratio = settings.base
+
+    def step(self, bits_per_s: float, losses: torch.Tensor | None = None, compute: float = COMPUTE) -> float:
+        self.policy.observe_exchanges(step_messages(bits_per_s, int(self.ratio * self.bytes_per_ratio)))
+        self.policy._compute.append(compute)
+        self.policy.observe_losses(losses)
+        self.ratio = self.policy.ratio()
+        self.policy._ratio = self.ratio
+        return self.ratio
+
+
 def test_spec_builds_group_topk_with_error_feedback_and_round_trips():
     compressor = build_compressor("adaptive:base=0.02:min=0.002:max=0.2:alpha=2:group=512")
     assert isinstance(compressor, ErrorFeedback) and isinstance(compressor.inner, AdaptiveGroupTopK)
     settings = compressor.inner.settings
     assert (settings.base, settings.min, settings.max, settings.alpha, settings.beta, settings.group) == (
-        0.02, 0.002, 0.2, 2.0, 0.5, 512)
+        0.02, 0.002, 0.2, 2.0, 1.0, 512)
     assert compressor.ratio == 0.02 and compressor.inner.group == 512
     assert parse_adaptive([], dict(p.split("=") for p in settings.spec().split(":")[1:])) == settings
     assert parse_adaptive(["0.05"]).base == 0.05
@@ -52,11 +73,12 @@ def test_spec_builds_group_topk_with_error_feedback_and_round_trips():
     ("adaptive:base=0.01:min=0.02:max=0.1", "min <= base"),
     ("adaptive:base=0.01:min=0.001:max=2", "max <= 1"),
     ("adaptive:base=x", "base must be a number"),
-    ("adaptive:alpha=-1", "alpha and beta"),
-    ("adaptive:ema=1", "ema and fast"),
+    ("adaptive:alpha=-1", "alpha must be >= 0"),
+    ("adaptive:spare=-0.1", "spare must be >= 0"),
     ("adaptive:window=2.5", "window must be an integer"),
-    ("adaptive:group=0", "window and group"),
-    ("adaptive:budget=2", "budget must be 0 or 1"),
+    ("adaptive:group=0", "group must be an integer >= 1"),
+    ("adaptive:history=4", "history must be an integer >= 8"),
+    ("adaptive:budget=1", "unknown option 'budget'"),
     ("adaptive:speed=3", "unknown option 'speed'"),
     ("adaptive:0.01:base=0.01", "once"),
 ])
@@ -67,154 +89,124 @@ def test_bad_specs_are_one_line_config_errors(spec, needle):
     assert "--compress" in message and needle in message and "\n" not in message
 
 
-def test_constant_signals_give_base():
-    assert policy_ratio(SETTINGS, 1.0, 1.0) == pytest.approx(0.01)
-    policy = AdaptivePolicy(SETTINGS)
-    losses = torch.full((32,), 1.7)
-    for _ in range(50):
-        policy.observe_losses(losses)
-        policy.observe_exchanges(step_messages(50e6, 30_000))
-    assert policy.importance == pytest.approx(1.0)
-    assert policy.congestion == pytest.approx(1.0, rel=1e-6)
-    assert policy.ratio() == pytest.approx(0.01, rel=1e-6)
+def test_default_policy_follows_the_link_and_leaves_importance_off():
+    default = parse_adaptive([], {"base": "0.01", "min": "0.001", "max": "0.1"})
+    assert (default.alpha, default.beta, default.dead, default.spare) == (0.0, 1.0, 0.25, 0.1)
+    assert policy_ratio(default, 1.0, 1.0) == pytest.approx(0.01)
+    assert policy_ratio(default, 1.5, 1.0) == pytest.approx(0.01)  # importance off
+    assert policy_ratio(default, 1.0, 4.0) == pytest.approx(0.0025)  # bytes follow the link's speed
+    assert policy_ratio(default, 1.0, 1e6) == pytest.approx(0.001)  # never below min
+    assert policy_ratio(default, 1.0, 1.0, spare_ratio=0.05) == pytest.approx(0.05)
+    assert policy_ratio(default, 1.0, 1.0, spare_ratio=0.5) == pytest.approx(0.1)  # never above max
+    assert policy_ratio(default, 1.0, 1.0, scale=8) == pytest.approx(0.08)  # a round of 8 steps
+    assert policy_ratio(default, 1.0, 1.0, scale=1000) == 1.0
 
 
-def test_higher_importance_gives_a_larger_ratio_and_higher_congestion_a_smaller_one():
-    importances = [0.5, 0.8, 1.0, 1.3, 2.0, 4.0]
-    congestions = [1.0, 1.5, 3.0, 10.0]
+def test_ratio_is_monotone_in_both_signals_and_within_min_and_max():
+    settings = AdaptiveSettings(base=0.01, min=0.001, max=0.1, alpha=1)
+    importances, congestions = [0.5, 0.8, 1.0, 1.3, 1.5], [1.0, 1.5, 3.0, 10.0]
     for c in congestions:
-        ratios = [policy_ratio(SETTINGS, i, c) for i in importances]
+        ratios = [policy_ratio(settings, i, c) for i in importances]
         assert all(a <= b for a, b in itertools.pairwise(ratios)) and ratios[0] < ratios[-1], (c, ratios)
     for i in importances:
-        ratios = [policy_ratio(SETTINGS, i, c) for c in congestions]
+        ratios = [policy_ratio(settings, i, c) for c in congestions]
         assert all(a >= b for a, b in itertools.pairwise(ratios)) and ratios[0] > ratios[-1], (i, ratios)
+    for i, c, spare in itertools.product([0.0, 0.3, 1.0, 1.5, 1e9], [1.0, 2.0, 1e3, 1e12], [0.0, 0.02, 5.0]):
+        assert settings.min <= policy_ratio(settings, i, c, spare_ratio=spare) <= settings.max
 
 
-def test_ratio_always_within_min_and_max():
-    for i, c in itertools.product([0.0, 1e-6, 0.3, 1.0, 7.0, 1e9], [1.0, 2.0, 1e3, 1e12]):
-        for settings in (SETTINGS, AdaptiveSettings(base=0.01, min=0.001, max=0.1, alpha=3, beta=0.5)):
-            assert settings.min <= policy_ratio(settings, i, c) <= settings.max
+@pytest.mark.parametrize("bits_per_s", [5e6, 50e6, 500e6])
+def test_a_constant_link_keeps_the_base_ratio_for_the_whole_run(bits_per_s):
+    # spare=0: whatever the link's speed, it is never congested, so every step sends base
+    worker = Worker(AdaptiveSettings(base=0.01, min=0.001, max=0.1, spare=0))
+    ratios = [worker.step(bits_per_s) for _ in range(300)]
+    assert all(r == pytest.approx(0.01) for r in ratios), (min(ratios), max(ratios))
+    assert worker.policy.idle_rate == pytest.approx(bits_per_s / 8, rel=0.01)
+    assert worker.policy.latency == pytest.approx(LATENCY, rel=1e-3)  # the delay less what the bytes take
 
 
-def test_alpha_zero_and_beta_zero_switch_a_signal_off():
-    network_only = AdaptiveSettings(base=0.01, min=0.001, max=0.1, alpha=0)
-    importance_only = AdaptiveSettings(base=0.01, min=0.001, max=0.1, beta=0)
-    assert policy_ratio(network_only, 3.0, 1.0) == pytest.approx(0.01)
-    assert policy_ratio(importance_only, 1.0, 5.0) == pytest.approx(0.01)
-    assert policy_ratio(importance_only, 2.0, 5.0) == pytest.approx(0.02)
+def test_a_slow_constant_link_sends_base_and_a_fast_one_spends_its_spare_time():
+    # 6 bodies of 0.5 MB per unit of ratio a step; 50 ms of compute, 10% of it spare: at 5 Mbit/s
+    # base takes 48 ms a step, more than the spare 5 ms, so base; at 500 Mbit/s base takes 0.5 ms
+    # and the spare time holds a ratio of 5 ms x 62.5 MB/s / 3 MB = 0.104 (max 0.1)
+    slow, fast = Worker(bytes_per_ratio=0.5e6), Worker(bytes_per_ratio=0.5e6)
+    slow_ratios = [slow.step(5e6) for _ in range(50)]
+    fast_ratios = [fast.step(500e6) for _ in range(50)]
+    assert all(r == pytest.approx(0.01) for r in slow_ratios)
+    assert fast_ratios[-1] == pytest.approx(0.1) and min(fast_ratios) >= 0.01
+    middle = Worker(bytes_per_ratio=0.5e6)
+    for _ in range(50):
+        middle.step(100e6)  # 12.5 MB/s: 5 ms hold 0.0208
+    assert middle.ratio == pytest.approx(0.1 * 0.05 * 12.5e6 / 3e6, rel=0.03)
 
 
-def test_default_policy_sends_less_on_a_congested_link_and_more_for_a_hard_batch():
-    default = parse_adaptive([], {"base": "0.01", "min": "0.001", "max": "0.1"})
-    assert (default.alpha, default.beta, default.budget) == (1.0, 0.5, 0)
-    assert policy_ratio(default, 1.0, 1.0) == pytest.approx(0.01)
-    assert policy_ratio(default, 1.0, 10.0) == pytest.approx(0.01 / 10**0.5)
-    assert policy_ratio(default, 2.0, 1.0) == pytest.approx(0.02)
-    assert policy_ratio(default, 1.0, 1e6) == pytest.approx(0.001)  # never below min
+def test_a_tenfold_drop_cuts_the_ratio_within_three_steps_and_it_recovers_as_fast():
+    worker = Worker()
+    before = [worker.step(10e6) for _ in range(40)]
+    assert all(r == pytest.approx(0.01) for r in before)
+    during = [worker.step(1e6) for _ in range(20)]
+    # the median of the last 5 steps turns on the third slow step
+    assert all(r == pytest.approx(0.01) for r in during[:2]), during[:4]
+    assert all(r < 0.0015 for r in during[2:]), during
+    assert worker.policy.congestion == pytest.approx(10.0, rel=0.1)
+    after = [worker.step(10e6) for _ in range(20)]
+    assert all(r == pytest.approx(0.01) for r in after[3:]), after[:5]
 
 
-def test_importance_is_batch_loss_over_its_moving_average():
-    policy = AdaptivePolicy(SETTINGS)
-    assert policy.observe_losses(torch.tensor([1.0, 3.0])) == 1.0  # the first batch: no history
-    hard = policy.observe_losses(torch.tensor([4.0, 4.0]))
-    assert hard == pytest.approx(2.0)  # 4 / 2
-    ratio_hard = policy.ratio()
-    easy = policy.observe_losses(torch.tensor([0.5, 0.5]))
-    expected_ema = 0.9 * 2.0 + 0.1 * 4.0
-    assert easy == pytest.approx(0.5 / expected_ema)
-    assert policy.ratio() < SETTINGS.base < ratio_hard
-
-
-def test_a_slower_link_raises_congestion_and_sending_less_does_not():
-    policy = AdaptivePolicy(ABSOLUTE)
-    for body in [30_000, 3_000, 60_000, 10_000] * 5:  # one bandwidth, varying payloads
-        policy.observe_exchanges(step_messages(50e6, body))
-    assert policy.congestion == pytest.approx(1.0, abs=0.05)
-    ratios = []
-    for _ in range(8):  # the link drops to a tenth: C climbs towards 10
-        policy.observe_exchanges(step_messages(5e6, 30_000))
-        ratios.append(policy.ratio())
-    assert all(a >= b for a, b in itertools.pairwise(ratios))
-    assert policy.congestion == pytest.approx(10.0, rel=0.05)
-    assert ratios[-1] == pytest.approx(0.001, rel=0.1)
-    for _ in range(12):  # back to 50 Mbit/s
-        policy.observe_exchanges(step_messages(50e6, 30_000))
-    assert policy.congestion == pytest.approx(1.0, abs=0.01)
-
-
-def test_shared_baseline_makes_a_constantly_slow_worker_congested():
-    fast, slow = AdaptivePolicy(SETTINGS), AdaptivePolicy(SETTINGS)
-    for _ in range(10):
-        fast.observe_exchanges(step_messages(50e6, 30_000))
-        slow.observe_exchanges(step_messages(10e6, 30_000))
-        assert slow.congestion == pytest.approx(1.0)  # alone it only knows its own history
-    shared = [fast.shared_value(), 0.0, slow.shared_value()]  # 0: a worker that knows nothing yet
-    for policy in (fast, slow):
-        policy.observe_cluster(shared)
-    assert fast.congestion == pytest.approx(1.0)
-    assert slow.congestion == pytest.approx(5.0, rel=0.05)
-    # the budget: bytes in proportion to the link's speed, the two together sending 2 * base
-    assert fast.ratio() / slow.ratio() == pytest.approx(5.0, rel=0.05)
-    assert fast.ratio() + slow.ratio() == pytest.approx(2 * SETTINGS.base, rel=1e-6)
-    absolute = [AdaptivePolicy(ABSOLUTE) for _ in range(2)]
-    for policy, bits in zip(absolute, (50e6, 10e6), strict=True):
-        for _ in range(10):
-            policy.observe_exchanges(step_messages(bits, 30_000))
-    for policy in absolute:
-        policy.observe_cluster([p.shared_value() for p in absolute])
-    assert absolute[1].ratio() < absolute[0].ratio() == pytest.approx(0.01)
-
-
-def test_budget_spends_the_base_ratio_on_average_and_moves_it_to_fast_links():
-    # One worker's link alternates 10 steps at 50 Mbit/s and 30 at 5 Mbit/s; no sharing, so
-    # its own recent steps make the budget. Over the run it sends about what fixed ``base``
-    # sends, most of it while the link is fast; without the budget, mostly the minimum.
-    means = {}
-    for settings in (SETTINGS, ABSOLUTE):
-        policy = AdaptivePolicy(settings)
-        fast_ratios, slow_ratios = [], []
-        for step in range(400):
-            bits = 50e6 if step % 40 < 10 else 5e6
-            policy.observe_exchanges(step_messages(bits, 30_000))
-            if step >= 200:  # a full window of history
-                (fast_ratios if bits == 50e6 else slow_ratios).append(policy.ratio())
-                assert settings.min <= policy.ratio() <= settings.max
-        means[settings.budget] = sum(fast_ratios + slow_ratios) / len(fast_ratios + slow_ratios)
-        assert sum(fast_ratios) / len(fast_ratios) > sum(slow_ratios) / len(slow_ratios)
-    assert means[1] == pytest.approx(SETTINGS.base, rel=0.15)
-    assert means[0] < 0.5 * SETTINGS.base
-
-
-def test_budget_gives_hard_batches_more_and_keeps_the_mean_at_base():
+def test_timing_noise_and_small_delays_read_as_no_congestion():
     torch.manual_seed(0)
-    policy = AdaptivePolicy(SETTINGS)
-    ratios, by_loss = [], []
-    for step in range(600):
-        level = 2.0 * 0.997 ** step  # a falling loss, so I < 1 on most batches
-        losses = level * (1 + 0.3 * torch.randn(64).abs())
-        policy.observe_losses(losses)
-        ratios.append(policy.ratio())
-        by_loss.append((policy.importance, ratios[-1]))
-    assert sum(ratios[100:]) / len(ratios[100:]) == pytest.approx(SETTINGS.base, rel=0.02)
-    ordered = [r for _, r in sorted(by_loss[100:])]  # by importance
-    easy, hard = ordered[: len(ordered) // 4], ordered[-len(ordered) // 4 :]
-    assert max(easy) < SETTINGS.base < min(hard)
-    absolute = AdaptivePolicy(ABSOLUTE)
-    for step in range(600):
-        absolute.observe_losses(torch.full((64,), 2.0 * 0.997 ** step))
-    assert absolute.ratio() < 0.999 * SETTINGS.base  # without the budget, a falling loss sends less
+    worker = Worker()
+    for step in range(200):
+        # a loopback: a very fast link whose messages now and then wait for a busy peer
+        messages = step_messages(10e9, 3000)
+        noisy = [Exchange(e.op, e.bytes_sent, e.bytes_received, e.seconds,
+                          e.link_seconds * (1 + 5 * float(torch.rand(()))) if e.link_seconds else None)
+                 for e in messages]
+        worker.policy.observe_exchanges(noisy)
+        worker.policy._compute.append(COMPUTE)
+        assert worker.policy.congestion == 1.0, (step, worker.policy.slowdown)
+        # the slowdown reads 2-6, but it costs ~0.1 ms a step, under 10% of 50 ms
+        assert worker.policy.ratio() >= 0.01
+
+
+def test_importance_stays_centred_while_the_loss_falls():
+    torch.manual_seed(0)
+    policy = AdaptivePolicy(AdaptiveSettings(alpha=1))
+    per_epoch, epochs = 100, 10
+    means = []
+    for epoch in range(epochs):
+        values = []
+        for step in range(per_epoch):
+            level = 2.3 * math.exp(-3 * (epoch * per_epoch + step) / (epochs * per_epoch))  # 2.3 -> 0.11
+            values.append(policy.observe_losses(level * (1 + 0.3 * torch.rand(64))))
+        means.append(statistics.mean(values))
+    assert all(abs(m - 1) <= 0.1 for m in means), means
+    assert min(means[1:]) > 0.95  # the first epoch holds the 7 batches of I = 1 before history
+
+
+def test_importance_ranks_a_hard_batch_high_and_an_easy_one_low():
+    policy = AdaptivePolicy(AdaptiveSettings(alpha=1))
+    for step in range(30):
+        policy.observe_losses(torch.full((8,), 2.0 - 0.01 * step + 0.001 * (step % 3)))
+    assert policy.observe_losses(torch.full((8,), 5.0)) == 1.5
+    assert policy.observe_losses(torch.full((8,), 0.1)) == 0.5
+    assert detrended_rank([1.0, 2.0, 3.0, 4.0]) == pytest.approx(0.5)  # on the trend: the middle
+    assert policy.observe_losses(torch.tensor([float("nan")])) == 1.0
 
 
 def test_metrics_and_state():
     policy = AdaptivePolicy(SETTINGS)
-    policy.choose(torch.tensor([2.0]), None)
+    policy.choose(torch.tensor([2.0]), None, compute_seconds=COMPUTE)
     policy.observe_exchanges(step_messages(50e6, 30_000))
     metrics = policy.metrics()
-    assert set(metrics) == {"importance", "congestion", "delay_s_per_mb", "baseline_s_per_mb"}
-    assert metrics["delay_s_per_mb"] == pytest.approx(8 / 50, rel=1e-3)  # s per MB at 50 Mbit/s
+    assert set(metrics) == {"importance", "congestion", "slowdown", "idle_mbit_s", "latency_ms"}
+    assert metrics["latency_ms"] == pytest.approx(LATENCY * 1e3, rel=1e-3)
+    assert 45 < metrics["idle_mbit_s"] <= 50
+    for step in range(20):
+        policy.observe_losses(torch.tensor([2.0 - 0.01 * step]))
     other = AdaptivePolicy(SETTINGS)
     other.load_state_dict(policy.state_dict())
-    assert other.loss_ema == policy.loss_ema == 2.0
+    assert list(other._losses) == list(policy._losses) and len(other._losses) == 21
 
 
 def test_a_step_without_sends_is_timed_by_its_collectives():
@@ -231,4 +223,3 @@ def test_a_step_without_sends_is_timed_by_its_collectives():
     for _ in range(10):
         policy.observe_exchanges(gather_step(5e6))
     assert policy.congestion == pytest.approx(10.0, rel=0.05)
-

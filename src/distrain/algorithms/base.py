@@ -102,7 +102,7 @@ class Algorithm:
         c = self.config.compress
         epochs_done = ctx.epoch * ctx.step / (ctx.step + 1)  # ctx.epoch counts the step being finished
         base = DensityWarmup(self.adaptive.settings.base, c.density_warmup_epochs, c.density_decay_epochs).ratio(epochs_done)
-        return self.adaptive.choose(ctx.per_sample_losses, self.transport, base=base)
+        return self.adaptive.choose(ctx.per_sample_losses, self.transport, base=base, compute_seconds=ctx.compute_seconds)
 
     def after_backward(self, ctx: StepContext) -> None:
         """Aggregate gradients (all-reduce, parameter server); default: keep local gradients."""

@@ -96,9 +96,6 @@ class DiLoCo(Algorithm):
     @classmethod
     def check_config(cls, config: Any) -> None:
         super().check_config(config)
-        if config.compress.compress.strip().split(":")[0] == "adaptive":
-            raise ConfigError("--compress", "adaptive picks a ratio per step from per-sample losses; diloco compresses "
-                                            "one pseudo-gradient per period: use group_topk, int8, int4, fp16, ...")
         o = config.outer
         if o.fragments > o.sync_every:
             raise ConfigError("--fragments", f"must be at most --sync-every ({o.sync_every}): each fragment syncs at "
@@ -123,6 +120,8 @@ class DiLoCo(Algorithm):
         self._last_delta_norm = 0.0
         self._pending: list[_Pending] = []
         self._resumed = False  # load_state_dict restored the periods' starts
+        self._compute_since_sync = 0.0  # compute seconds since the adaptive policy last chose
+        self._last_ratio = 0.0  # the adaptive policy's last ratio for a round
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
@@ -167,6 +166,9 @@ class DiLoCo(Algorithm):
 
     def after_update(self, ctx: StepContext) -> None:
         self.inner_steps += 1
+        if self.adaptive is not None:
+            self.adaptive.observe_losses(ctx.per_sample_losses)
+            self._compute_since_sync += ctx.compute_seconds
         last = self.inner_steps == self.total_steps
         for i, offset in enumerate(self.offsets):
             if self.inner_steps % self.sync_every == offset or (last and self.inner_steps > self.synced_at[i]):
@@ -183,11 +185,24 @@ class DiLoCo(Algorithm):
         if self.compressor is None:
             handle = self.transport.all_reduce(delta)
         else:
-            info = CompressInfo(step=self.inner_steps, key=fragment, worker=self.transport.rank)
+            info = CompressInfo(step=self.inner_steps, key=fragment, ratio=self._round_ratio(fragment),
+                                worker=self.transport.rank)
             delta = allreduce_compressed(self.transport, self.compressor, delta, info,
                                          sparse_collective=self.config.compress.sparse_collective)
         self._pending.append(_Pending(fragment, self.inner_steps + self.overlap, delta, handle))
         self.synced_at[fragment] = self.inner_steps
+
+    def _round_ratio(self, fragment: int) -> float | None:
+        """With ``--compress adaptive``: the fragment's ratio for this round, the policy's choice
+        with a budget of one per-step ratio for every inner step since the fragment's last sync
+        (so a round sends what per-step group top-k at the same ratio would over those steps);
+        its spare bandwidth is measured against the compute time since the last choice."""
+        if self.adaptive is None:
+            return None
+        steps = max(1, self.inner_steps - self.synced_at[fragment])
+        ratio = self.adaptive.choose(None, self.transport, compute_seconds=self._compute_since_sync, scale=steps)
+        self._compute_since_sync, self._last_ratio = 0.0, ratio
+        return ratio
 
     def _apply_due(self, flush: bool = False) -> None:
         """Apply the exchanges due by now (all of them with ``flush``), in the order they began."""
@@ -248,7 +263,10 @@ class DiLoCo(Algorithm):
         return self._eval
 
     def metrics(self) -> dict[str, float]:
-        return {"outer_steps": self.outer_steps, "pseudo_gradient_norm": self._last_delta_norm}
+        out = {"outer_steps": self.outer_steps, "pseudo_gradient_norm": self._last_delta_norm}
+        if self.adaptive is not None:
+            out.update(self.adaptive.metrics(), compress_ratio=self._last_ratio)
+        return out
 
     def info(self) -> dict[str, Any]:
         return {"sync_every": self.sync_every, "outer_optimizer": "nesterov" if self.nesterov else "sgd",

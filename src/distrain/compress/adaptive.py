@@ -1,75 +1,61 @@
-"""Adaptive compression: each worker picks its kept ratio every step from two signals.
+"""Adaptive compression: each worker picks its kept ratio every step from its link and its batch.
 
 ``--compress adaptive:base=0.01:min=0.001:max=0.1`` sparsifies like ``group_topk`` (same groups,
 same error feedback, a different k on every worker and step), with the ratio::
 
-    ratio = clip(base * F(importance) * N(congestion), min, max)
-    f(I) = I ** alpha        (alpha = 1 by default; 0 switches importance off)
-    g(C) = C ** beta         (beta = 0.5 by default; 0 switches the network off)
+    ratio = clip(max(base, spare ratio) * f(I) / g(C), min, max)
+    f(I) = I ** alpha    (alpha = 0 by default: importance off, see below)
+    g(C) = C ** beta     (beta = 1 by default: the step's bytes follow the link's speed)
 
-By default (``budget=0``) ``F = f(I)`` and ``N = 1 / g(C)``: a batch harder than usual sends more
-of its gradient, a congested link less, so while links are slow the run sends fewer bytes and its
-steps take less time; error feedback keeps what a worker holds back. With ``g(C) = sqrt(C)`` a
-worker on a link ten times slower than the cluster's best sends about a third of ``base``. On
-the ``fluctuating`` benchmark (a ~1M-parameter MLP trained 10 epochs) this policy reached 80%
-test accuracy 1.5x sooner than fixed group top-k at ``base`` and ended at the same accuracy
-(``benchmarks/BENCHMARKS.md``). ``beta=1`` responds harder (bytes in proportion to the link's
-speed): more time saved per step, more accuracy lost per epoch.
+**The link.** Every point-to-point message a worker sends is timed by the Transport (with the
+in-process link model, by the emulated link's delay). Over the messages of its last ``recent``
+steps (5) each worker fits how their delay grows with their size: the Theil-Sen slope, the median
+over pairs of messages of clearly different sizes of delay difference over size difference, in
+seconds per byte. A wait that any message may pay (a busy peer, a thread wake-up) moves delays
+but not their dependence on size, and a slope that does not stand out of the delays' scatter (a
+loopback, where sizes cost nothing measurable) counts as no measurement. The smallest slope of
+the last ``window`` steps (200) is the link's *idle* cost of a byte (its idle throughput).
 
-**Budget** (``budget=1``): the signals decide *where* the base ratio's bytes go, not how many
-there are. ``F = f(I) / mean f`` (the moving average of f over the worker's past batches, weight
-of the past ``ema``) and ``N = g(C)^-1 / mean g^-1``, the mean taken over every worker of the
-step where the workers share their delays (all-reduce), else over the worker's own last
-``window`` steps (a parameter server's workers). Both average 1, so the run sends about what
-fixed group top-k at ``base`` sends: a hard batch gets more than an easy one, a worker on a fast
-link more than one on a slow link. It keeps the accuracy of fixed ``base`` step for step, but a
-synchronous all-reduce must bring every worker's contribution through its slowest link, so
-moving bytes between workers buys no time there (it does where each worker's own link carries
-its own bytes).
+**Congestion** ``C``: seconds per byte now over idle, read as 1 (not congested) inside a dead
+zone: while it is below ``1 + dead`` (0.25), or while the extra time it costs a step (the slope's
+excess times the step's bytes) is below ``spare`` of the step's compute time. Timing noise
+therefore moves nothing; a link at a tenth of its idle speed reads ``C ~ 10`` within ``recent``
+steps and the worker sends ``1 / C ** beta`` of its uncongested ratio, which keeps the step's
+communication time near its idle value with ``beta = 1``. When the link recovers, C falls back
+to 1 as fast. A link that is slow but steady is not congested: it sends ``base``.
 
-**Importance** ``I``: the batch's mean per-sample cross-entropy loss over an exponential moving
-average of the worker's past batch losses (``ema``: the weight of the past, 0.9). A batch the
-model still finds hard (I > 1) earns more of the gradient on the wire; an easy one less. The
-first batch has I = 1.
+**Spare bandwidth.** On an uncongested link the ratio is at least ``base``, and more where the
+link has time to spare: the *spare ratio* is the ratio whose bytes take ``spare`` (0.1) of the
+step's compute time at the idle throughput (bytes per unit of ratio measured on the worker's
+recent steps). On a fast link next to a slow computation it reaches ``max``: bandwidth nobody
+uses is spent on accuracy. ``spare=0`` keeps the ratio at ``base`` there.
 
-**Congestion** ``C``: the worker's current delay per byte over a baseline. Every point-to-point
-message this worker sends is timed by the Transport; with the in-process link model the time is
-the emulated link's (uplink queue, transmission at the link's bandwidth, latency), so a worker on
-a slower link sees a larger delay per byte. (A step without point-to-point messages, e.g. with
-the sparse all-gather, is timed by its collectives instead; those run at the slowest link's pace,
-the same for every worker, so use ``--sparse-collective ring`` to tell workers apart.) Per step::
+**Importance** ``I``: the rank of the batch's mean loss among the last ``history`` batches (50),
+after taking out their trend (a least-squares line through the log losses): ``I = 0.5 + q`` for
+the fraction ``q`` of those batches whose detrended loss was lower. It lies in [0.5, 1.5] and
+averages 1 over any stretch of training, however fast the loss falls, so it moves bytes between
+batches without changing how many are sent. It is off by default (``alpha = 0``):
+``benchmarks/bench_adaptive.py`` measured no gain from it at equal bytes (BENCHMARKS.md).
 
-    delay per byte = sum(delay_i - floor) / sum(bytes_i)     over the step's messages
-
-where ``floor`` is the smallest message delay of the last ``window`` steps (the latency that a
-tiny message pays anyway; without subtracting it, sending less would look like a slower link).
-The current value is a moving average of these (``fast``: the weight of the past, 0.5). The
-baseline is the lowest current value *of any worker* over the last ``window`` steps (200): with
-all-reduce every worker adds its current value to the dense all-reduce it runs anyway (the
-one-dimensional tensors, one float per worker more), so a worker whose link is slower than the
-best link in the cluster sees C > 1 even when its link never changes (e.g. C ~ 10 on 5 Mbit/s
-when others have 50 Mbit/s). Where nothing is shared (a parameter server's workers, one worker),
-the baseline is the worker's own lowest value of the window, so C > 1 while its link is slower
-than it was. Either way C >= 1 for the best link. The ratio of step t uses the messages of the
-steps before t.
-
-Constant signals (I = 1, C = 1) give ``base``; ``min`` and ``max`` bound the ratio whatever the
-signals say. During a density warm-up the scheduled ratio takes the place of ``base`` (and of
-``max`` while it is larger).
+``min`` and ``max`` bound the ratio whatever the signals say. During a density warm-up the
+scheduled ratio takes the place of ``base`` (and of ``max`` while it is larger).
 
 Example::
 
     settings = parse_adaptive(["base=0.01", "min=0.001", "max=0.1"])
     policy = AdaptivePolicy(settings)
-    ratio = policy.choose(per_sample_losses, transport)   # before this step's exchange
+    ratio = policy.choose(per_sample_losses, transport, compute_seconds=0.02)   # before this step's exchange
 
-Every algorithm that compresses (``allreduce``, ``ps``) asks its policy through
-:meth:`~distrain.algorithms.base.Algorithm.compress_ratio` each step.
+Every algorithm that compresses (``allreduce``, ``ps``, ``diloco``) asks its policy through
+:meth:`~distrain.algorithms.base.Algorithm.compress_ratio`; ``diloco`` once per outer round,
+with a budget of ``H`` times the per-step ratios (``scale``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
@@ -79,9 +65,8 @@ import torch
 from distrain.comm.transport import Exchange, Transport
 from distrain.compress.group_topk import GroupTopK
 
-#: Added to both delays per byte before dividing (s/byte; 1e-9 is 8 Gbit/s): on an unshaped
-#: loopback the measured delays are noise, and a zero baseline must not make C infinite.
-EPSILON_S_PER_BYTE = 1e-9
+#: Batches the importance signal needs before it departs from 1.
+MIN_HISTORY = 8
 
 
 @dataclass(frozen=True)
@@ -91,13 +76,14 @@ class AdaptiveSettings:
     base: float = 0.01
     min: float = 0.001
     max: float = 0.1
-    alpha: float = 1.0
-    beta: float = 0.5
-    ema: float = 0.9
-    fast: float = 0.5
+    alpha: float = 0.0
+    beta: float = 1.0
+    dead: float = 0.25
+    spare: float = 0.1
+    recent: int = 5
     window: int = 200
+    history: int = 50
     group: int = 1024
-    budget: int = 0
 
     def spec(self) -> str:
         default = AdaptiveSettings()
@@ -124,13 +110,13 @@ def parse_adaptive(args: Iterable[str], options: dict[str, str] | None = None) -
     """Settings from the parts of an ``adaptive:...`` spec; ValueError (one line) when invalid.
 
     ``args`` may hold the base ratio alone (``adaptive:0.01``); ``options`` the ``key=value``
-    parts: base, min, max, alpha, beta, ema, fast, window, group, budget.
+    parts: base, min, max, alpha, beta, dead, spare, recent, window, history, group.
     """
     args, options = list(args), dict(options or {})
-    allowed = {f.name for f in fields(AdaptiveSettings)}
-    unknown = sorted(set(options) - allowed)
+    allowed = [f.name for f in fields(AdaptiveSettings)]
+    unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown option {unknown[0]!r} (options: {', '.join(f.name for f in fields(AdaptiveSettings))})")
+        raise ValueError(f"unknown option {unknown[0]!r} (options: {', '.join(allowed)})")
     if len(args) > 1 or (args and "base" in options):
         raise ValueError("give the base ratio once, as adaptive:RATIO or base=RATIO")
     if args:
@@ -140,14 +126,14 @@ def parse_adaptive(args: Iterable[str], options: dict[str, str] | None = None) -
                             for f in fields(AdaptiveSettings)})
     if not 0 < s.min <= s.base <= s.max <= 1:
         raise ValueError(f"need 0 < min <= base <= max <= 1, got min={s.min:g} base={s.base:g} max={s.max:g}")
-    if s.alpha < 0 or s.beta < 0:
-        raise ValueError(f"alpha and beta must be >= 0, got alpha={s.alpha:g} beta={s.beta:g}")
-    if not (0 <= s.ema < 1 and 0 <= s.fast < 1):
-        raise ValueError(f"ema and fast must be in [0, 1), got ema={s.ema:g} fast={s.fast:g}")
-    if s.window < 1 or s.group < 1:
-        raise ValueError(f"window and group must be integers >= 1, got window={s.window} group={s.group}")
-    if s.budget not in (0, 1):
-        raise ValueError(f"budget must be 0 or 1, got budget={s.budget}")
+    for name in ("alpha", "beta", "dead", "spare"):
+        if getattr(s, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {name}={getattr(s, name):g}")
+    for name in ("recent", "window", "group"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {name}={getattr(s, name)}")
+    if s.history < MIN_HISTORY:
+        raise ValueError(f"history must be an integer >= {MIN_HISTORY}, got history={s.history}")
     return s
 
 
@@ -157,20 +143,21 @@ def f_importance(importance: float, alpha: float) -> float:
 
 
 def g_congestion(congestion: float, beta: float) -> float:
-    """g(C) = C ** beta: less on the wire while the link is slower than its baseline."""
+    """g(C) = C ** beta: less on the wire while the link is slower than when idle."""
     return max(congestion, 1e-12) ** beta
 
 
 def policy_ratio(settings: AdaptiveSettings, importance: float, congestion: float, base: float | None = None,
-                 *, mean_f: float = 1.0, mean_inv_g: float = 1.0) -> float:
-    """clip(base * F * N, min, max) with F = f(importance) / mean_f and N = (1 / g(congestion)) /
-    mean_inv_g; the means are the budget's denominators (1: none). ``base`` overrides the
-    settings' base (a density warm-up's scheduled ratio, which also lifts ``max`` while it is
-    larger)."""
-    base = settings.base if base is None else base
-    share_f = f_importance(importance, settings.alpha) / mean_f if mean_f > 0 else 1.0
-    share_n = 1.0 / g_congestion(congestion, settings.beta) / mean_inv_g if mean_inv_g > 0 else 1.0
-    return min(max(base * share_f * share_n, settings.min), max(settings.max, base))
+                 *, spare_ratio: float = 0.0, scale: float = 1.0) -> float:
+    """clip(max(base, spare_ratio) * f(importance) / g(congestion), min, max).
+
+    ``base`` overrides the settings' base (a density warm-up's scheduled ratio, which also lifts
+    ``max`` while it is larger); ``scale`` multiplies base, min and max (``diloco`` spends ``H``
+    steps' ratios on one round; at most 1)."""
+    base = (settings.base if base is None else base) * scale
+    low, high = min(1.0, settings.min * scale), min(1.0, max(settings.max * scale, base))
+    wanted = max(base, spare_ratio) * f_importance(importance, settings.alpha) / g_congestion(congestion, settings.beta)
+    return min(max(wanted, low), high)
 
 
 #: Operations whose delay stands for the network when a step has no point-to-point sends: the
@@ -191,14 +178,57 @@ def timed_messages(exchanges: Iterable[Exchange]) -> list[tuple[float, int]]:
     return pick(("send",)) or pick(COLLECTIVES)
 
 
-def step_delay_per_byte(messages: list[tuple[float, int]], floor: float) -> float | None:
-    """Seconds per byte beyond ``floor`` of ``(delay, bytes)`` messages; None when there were none."""
-    nbytes = sum(b for _, b in messages)
-    return sum(max(0.0, d - floor) for d, _ in messages) / nbytes if nbytes else None
+#: The fastest link the policy believes in (s/byte; 1e-12 is 8 Tbit/s): a slope measured at or
+#: below zero (timing noise on a loopback) reads as this.
+MIN_SECONDS_PER_BYTE = 1e-12
+
+#: How far (in median absolute deviations of the delays) what sizes cost must stand out.
+NOISE_MARGIN = 10.0
+
+#: Two messages tell a slope only when one is at least this many times larger than the other.
+SIZE_SPREAD = 2.0
+
+
+def theil_sen_slope(messages: list[tuple[float, int]]) -> float | None:
+    """The median over pairs of messages of clearly different sizes of (delay difference) /
+    (size difference): seconds per byte, robust to waits that any message may pay (a busy peer,
+    a thread wake-up), which move the delays but not their dependence on size. None when no pair
+    qualifies."""
+    slopes = [(d2 - d1) / (b2 - b1) for (d1, b1), (d2, b2) in itertools.combinations(sorted(messages, key=lambda m: m[1]), 2)
+              if b2 >= SIZE_SPREAD * b1]
+    return statistics.median(slopes) if slopes else None
+
+
+def significant_slope(messages: list[tuple[float, int]]) -> float | None:
+    """:func:`theil_sen_slope`, when what it says the sizes cost stands out of the delays'
+    scatter about the fitted line (more than :data:`NOISE_MARGIN` times their median absolute
+    deviation, the size spread of the messages times the slope); else None: on a link where
+    sizes cost nothing measurable (a loopback), waits for busy peers make up the delays."""
+    slope = theil_sen_slope(messages)
+    if slope is None or slope <= 0:
+        return None
+    residuals = [d - slope * b for d, b in messages]
+    centre = statistics.median(residuals)
+    scatter = statistics.median(abs(r - centre) for r in residuals)
+    spread = max(b for _, b in messages) - min(b for _, b in messages)
+    return slope if slope * spread > NOISE_MARGIN * scatter else None
+
+
+def detrended_rank(values: list[float]) -> float:
+    """The fraction of ``values`` (ties counted half) below the last one, once the least-squares
+    line through them is taken out."""
+    n = len(values)
+    mean_t, mean_v = (n - 1) / 2, sum(values) / n
+    var_t = sum((t - mean_t) ** 2 for t in range(n))
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in enumerate(values)) / var_t
+    residuals = [v - mean_v - slope * (t - mean_t) for t, v in enumerate(values)]
+    last = residuals[-1]
+    below = sum(r < last for r in residuals[:-1]) + 0.5 * sum(r == last for r in residuals[:-1])
+    return below / (n - 1)
 
 
 class AdaptivePolicy:
-    """One worker's policy state: the loss average and the delay history.
+    """One worker's policy state: its link's calibration, its recent steps, its recent losses.
 
     Args:
         settings: the constants (from ``parse_adaptive``).
@@ -206,60 +236,48 @@ class AdaptivePolicy:
 
     def __init__(self, settings: AdaptiveSettings) -> None:
         self.settings = settings
-        self.loss_ema: float | None = None
         self.importance = 1.0
-        self.congestion = 1.0
-        self.mean_f = 1.0  # the budget's moving average of f(I) over past batches
-        self._inv_g: deque[float] = deque(maxlen=settings.window)  # past 1 / g(C) of this worker
-        self._cluster_inv_g: float | None = None  # mean 1 / g(C) over the workers at the last share
-        self.delay: float | None = None  # current seconds per byte (moving average)
-        self._history: deque[float] = deque(maxlen=settings.window)  # past values of ``delay``
-        self._cluster: deque[float] = deque(maxlen=settings.window)  # past lowest ``delay`` of any worker
-        self._floors: deque[float] = deque(maxlen=settings.window)  # smallest message delay per step
+        self.congestion = 1.0  # C after the dead zone: what the ratio divides by
+        self._losses: deque[float] = deque(maxlen=settings.history)  # log of past batch losses
+        self._messages: deque[list[tuple[float, int]]] = deque(maxlen=settings.recent)  # (delay, bytes) per step
+        self._step_bytes: deque[int] = deque(maxlen=settings.recent)  # bytes sent per step
+        self._slope: float | None = None  # seconds per byte over the recent steps' messages
+        self._slopes: deque[float] = deque(maxlen=settings.window)  # past values of ``_slope``
+        self._compute: deque[float] = deque(maxlen=settings.recent)  # compute seconds per step
+        self._bytes_per_ratio: deque[float] = deque(maxlen=settings.recent)
+        self._ratio: float | None = None  # the ratio the messages observed next were sent with
         self._seen = 0  # transport.stats.recorded already read
         self._bytes_at_choice: int | None = None  # transport.stats.bytes_sent when the ratio was chosen
 
+    # -- the link ----------------------------------------------------------------------------
+
     @property
-    def baseline(self) -> float | None:
-        """The lowest delay per byte of the window: any worker's when shared, else our own."""
-        history = self._cluster or self._history
-        return min(history) if history else None
+    def seconds_per_byte(self) -> float | None:
+        """The link's cost of a byte now: the Theil-Sen slope of delay against size over the
+        messages of the recent steps (None while it does not stand out of the timing noise,
+        see :func:`significant_slope`)."""
+        return self._slope
 
-    def shared_value(self) -> float:
-        """What this worker tells the others (:meth:`observe_cluster`): its current delay per
-        byte, 0 while unknown."""
-        return self.delay if self.delay is not None else 0.0
+    @property
+    def idle_rate(self) -> float | None:
+        """The link's idle throughput (bytes/s): the fastest the recent-steps slope was over the
+        window."""
+        return 1.0 / max(min(self._slopes), MIN_SECONDS_PER_BYTE) if self._slopes else None
 
-    def observe_cluster(self, values: Iterable[float]) -> None:
-        """Every worker's :meth:`shared_value` of this step (0: unknown); the lowest known one
-        enters the baseline's window, and the mean of 1 / g(C) over the known ones becomes the
-        budget's denominator."""
-        known = [v for v in values if v > 0 and math.isfinite(v)]
-        if known:
-            self._cluster.append(min(known))
-            self._update_congestion()
-            baseline = self.baseline
-            assert baseline is not None
-            self._cluster_inv_g = sum(1.0 / g_congestion(self._congestion_of(v, baseline), self.settings.beta)
-                                      for v in known) / len(known)
+    @property
+    def latency(self) -> float | None:
+        """The link's latency (seconds): the median delay of the recent messages less what
+        their bytes take at the current slope."""
+        if self._slope is None:
+            return None
+        return statistics.median(d - self._slope * b for step in self._messages for d, b in step)
 
-    def observe_losses(self, losses: torch.Tensor | None) -> float:
-        """Update and return the importance of a batch with these per-sample losses."""
-        if losses is None or not losses.numel():
-            return self.importance
-        mean = float(losses.detach().float().mean())
-        if not math.isfinite(mean):
-            self.importance = 1.0
-            return self.importance
-        if self.loss_ema is None or self.loss_ema <= 0:
-            self.importance = 1.0
-            self.loss_ema = mean
-        else:
-            ema = self.settings.ema
-            self.mean_f = ema * self.mean_f + (1 - ema) * f_importance(self.importance, self.settings.alpha)
-            self.importance = mean / self.loss_ema
-            self.loss_ema = ema * self.loss_ema + (1 - ema) * mean
-        return self.importance
+    @property
+    def slowdown(self) -> float:
+        """The current seconds per byte over the idle ones (1 before both are known)."""
+        if self._slope is None or not self._slopes:
+            return 1.0
+        return max(self._slope, MIN_SECONDS_PER_BYTE) / max(min(self._slopes), MIN_SECONDS_PER_BYTE)
 
     def observe_network(self, transport: Transport) -> float:
         """Read the exchanges the Transport recorded since the last call; update and return C."""
@@ -273,73 +291,94 @@ class AdaptivePolicy:
         """Take in one step's exchanges (see :func:`timed_messages`); update and return C."""
         messages = timed_messages(exchanges)
         if messages:
-            self._floors.append(min(d for d, _ in messages))
-        estimate = step_delay_per_byte(messages, min(self._floors)) if self._floors else None
-        if estimate is not None:
-            fast = self.settings.fast
-            self.delay = estimate if self.delay is None else fast * self.delay + (1 - fast) * estimate
-            self._history.append(self.delay)
+            nbytes = sum(b for _, b in messages)
+            self._messages.append(messages)
+            self._step_bytes.append(nbytes)
+            slope = significant_slope([m for step in self._messages for m in step])
+            self._slope = slope
+            if slope is not None:
+                self._slopes.append(slope)
+            if self._ratio:
+                self._bytes_per_ratio.append(nbytes / self._ratio)
         self._update_congestion()
-        if estimate is not None:
-            self._inv_g.append(1.0 / g_congestion(self.congestion, self.settings.beta))
         return self.congestion
 
-    @staticmethod
-    def _congestion_of(delay: float, baseline: float) -> float:
-        return max(1.0, (delay + EPSILON_S_PER_BYTE) / (baseline + EPSILON_S_PER_BYTE))
-
     def _update_congestion(self) -> None:
-        baseline = self.baseline
-        if self.delay is not None and baseline is not None:
-            self.congestion = self._congestion_of(self.delay, baseline)
+        slowdown = self.slowdown
+        extra = 0.0  # the seconds a step's bytes take now beyond their idle time
+        if self._slope is not None and self._slopes and self._step_bytes:
+            extra = (self._slope - max(min(self._slopes), 0.0)) * statistics.median(self._step_bytes)
+        costly = extra > self.settings.spare * self.compute_seconds
+        self.congestion = slowdown if slowdown > 1 + self.settings.dead and costly else 1.0
 
     @property
-    def mean_inv_g(self) -> float:
-        """The budget's network denominator: mean 1 / g(C) over the workers of the last share,
-        else over this worker's recent steps; 1 before anything is known or with ``budget=0``."""
-        if not self.settings.budget:
-            return 1.0
-        if self._cluster_inv_g is not None:
-            return self._cluster_inv_g
-        return sum(self._inv_g) / len(self._inv_g) if self._inv_g else 1.0
+    def compute_seconds(self) -> float:
+        """The median compute time of the recent steps (0 while unknown)."""
+        return statistics.median(self._compute) if self._compute else 0.0
 
-    def ratio(self, base: float | None = None) -> float:
+    @property
+    def spare_ratio(self) -> float:
+        """The ratio whose bytes take ``spare`` of a step's compute time at the idle throughput
+        (0 while any of the three is unknown)."""
+        idle = self.idle_rate
+        if not (idle and self._bytes_per_ratio and self._compute):
+            return 0.0
+        return self.settings.spare * self.compute_seconds * idle / statistics.median(self._bytes_per_ratio)
+
+    # -- the batch ---------------------------------------------------------------------------
+
+    def observe_losses(self, losses: torch.Tensor | None) -> float:
+        """Update and return the importance of a batch with these per-sample losses."""
+        if losses is None or not losses.numel():
+            return self.importance
+        mean = float(losses.detach().float().mean())
+        if not (math.isfinite(mean) and mean > 0):
+            self.importance = 1.0
+            return self.importance
+        self._losses.append(math.log(mean))
+        self.importance = 0.5 + detrended_rank(list(self._losses)) if len(self._losses) >= MIN_HISTORY else 1.0
+        return self.importance
+
+    # -- the choice --------------------------------------------------------------------------
+
+    def ratio(self, base: float | None = None, scale: float = 1.0) -> float:
         """The ratio for the current signals (see :func:`policy_ratio`)."""
-        mean_f = self.mean_f if self.settings.budget else 1.0
         return policy_ratio(self.settings, self.importance, self.congestion, base,
-                            mean_f=mean_f, mean_inv_g=self.mean_inv_g)
+                            spare_ratio=self.spare_ratio, scale=scale)
 
-    def choose(self, losses: torch.Tensor | None, transport: Transport | None, base: float | None = None) -> float:
-        """Take in this step's losses and the exchanges since the last step; the ratio to send with."""
+    def choose(self, losses: torch.Tensor | None, transport: Transport | None, base: float | None = None,
+               *, compute_seconds: float | None = None, scale: float = 1.0) -> float:
+        """Take in this step's losses and compute time and the exchanges since the last step;
+        the ratio to send with."""
         self.observe_losses(losses)
+        if compute_seconds is not None and compute_seconds > 0:
+            self._compute.append(compute_seconds)
         if transport is not None:
             self.observe_network(transport)
             self._bytes_at_choice = transport.stats.bytes_sent
-        return self.ratio(base)
+        self._ratio = self.ratio(base, scale)
+        return self._ratio
 
     def metrics(self, transport: Transport | None = None) -> dict[str, float]:
         """The signals for metrics.jsonl; with ``transport``, also the bytes sent since the last
         :meth:`choose` (``step_bytes_sent``: this step's)."""
-        out = {"importance": self.importance, "congestion": self.congestion}
+        out = {"importance": self.importance, "congestion": self.congestion, "slowdown": self.slowdown}
         if transport is not None and self._bytes_at_choice is not None:
             out["step_bytes_sent"] = transport.stats.bytes_sent - self._bytes_at_choice
-        if self.delay is not None:
-            out["delay_s_per_mb"] = self.delay * 1e6
-        if self.baseline is not None:
-            out["baseline_s_per_mb"] = self.baseline * 1e6
+        if self.idle_rate is not None:
+            out["idle_mbit_s"] = self.idle_rate * 8e-6
+        if self.latency is not None:
+            out["latency_ms"] = self.latency * 1e3
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        if self.loss_ema is None:
-            return {}
-        return {"loss_ema": torch.tensor(self.loss_ema, dtype=torch.float64),
-                "mean_f": torch.tensor(self.mean_f, dtype=torch.float64)}
+        """The loss history (the link is measured again after a resume)."""
+        return {"losses": torch.tensor(list(self._losses), dtype=torch.float64)} if self._losses else {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if "loss_ema" in state:
-            self.loss_ema = float(state["loss_ema"])
-        if "mean_f" in state:
-            self.mean_f = float(state["mean_f"])
+        if "losses" in state:
+            self._losses.clear()
+            self._losses.extend(float(v) for v in state["losses"].tolist())
 
 
 class AdaptiveGroupTopK(GroupTopK):

@@ -16,8 +16,7 @@ Per step, after backward:
 
 With ``--compress adaptive:...`` the algorithm's :class:`~distrain.compress.adaptive.AdaptivePolicy`
 picks the ratio of step 3 on each worker (``average(ratio=...)``; the sparse ring takes a different
-k on every worker), and the dense all-reduce of the one-dimensional part carries every worker's
-delay per byte for the policy's baseline.
+k on every worker) from its own link's timings; the policy's signals go to metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -83,8 +82,8 @@ class GradientCompression:
         sparse_collective: ``"ring"`` or ``"allgather"`` for sparse payloads.
         own_ring: dense all-reduces over our point-to-point ring instead of the backend's.
         weight_decay: folded into the gradient here when the optimizer's was taken out.
-        policy: the adaptive policy whose delay per byte each step's dense all-reduce shares
-            (set by the algorithm, which asks it for the ratio); None without one.
+        policy: the adaptive policy whose signals the metrics show (set by the algorithm, which
+            asks it for the ratio); None without one.
 
     Example::
 
@@ -157,26 +156,22 @@ class GradientCompression:
         else:
             transport.all_reduce(tensor).wait()
 
-    def _sparse_with_dense_tail(self, transport: Transport, info: CompressInfo,
-                                extra: torch.Tensor | None = None, *, same_size: bool = False) -> torch.Tensor:
-        """Sum the compressed weights part, the whole one-dimensional part and ``extra`` (dense
-        values appended after the gradient, e.g. the adaptive policy's shared slots) in one
-        sparse collective; returns the sum of ``extra`` (empty if None). ``same_size``: every
-        worker compresses with the same ratio, so the all-gather needs no exchange of sizes."""
+    def _sparse_with_dense_tail(self, transport: Transport, info: CompressInfo, *, same_size: bool = False) -> None:
+        """Sum the compressed weights part and the whole one-dimensional part in one sparse
+        collective. ``same_size``: every worker compresses with the same ratio, so the all-gather
+        needs no exchange of sizes."""
         if self.sparse_collective not in SPARSE_COLLECTIVES:
             raise ValueError(f"sparse_collective must be one of {sorted(SPARSE_COLLECTIVES)}, got {self.sparse_collective!r}")
-        extra = self.flat.new_zeros(0) if extra is None else extra
-        numel = self.flat.numel() + extra.numel()
+        numel = self.flat.numel()
         (indices, values), _ = self.compressor.compress(self.flat[: self.split], info)
         tail = torch.arange(self.split, numel, dtype=indices.dtype, device=indices.device)
         indices = torch.cat([indices, tail])
-        values = torch.cat([values.to(self.flat.dtype), self.flat[self.split :], extra.to(self.flat.dtype)])
+        values = torch.cat([values.to(self.flat.dtype), self.flat[self.split :]])
         if self.sparse_collective == "allgather":
             total = sparse_allgather_allreduce(transport, indices, values, numel, same_size=same_size)
         else:
             total = SPARSE_COLLECTIVES[self.sparse_collective](transport, indices, values, numel)
-        self.flat.copy_(total[: self.flat.numel()])
-        return total[self.flat.numel() :]
+        self.flat.copy_(total)
 
     def average(self, transport: Transport, *, step: int, epochs_done: float, ratio: float | None = None) -> None:
         """Replace every parameter's gradient with the (compressed) average over all workers.
@@ -205,40 +200,17 @@ class GradientCompression:
                 ratio = self.density.ratio(epochs_done)
             info = CompressInfo(step=step, key=WEIGHTS, ratio=ratio, worker=transport.rank)
             if weights.numel() and one_dim.numel() and self.compressor.sparse:
-                shared = None if self.policy is None else self._shared_slots(transport)
                 # the schedule's ratio is the same on every worker; a per-worker one may not be
-                summed = self._sparse_with_dense_tail(transport, info, shared, same_size=not per_worker)
-                if self.policy is not None:
-                    self.policy.observe_cluster(summed.tolist())
+                self._sparse_with_dense_tail(transport, info, same_size=not per_worker)
             else:
                 if weights.numel():
                     weights.copy_(allreduce_compressed(transport, self.compressor, weights, info,
                                                        sparse_collective=self.sparse_collective, own_ring=self.own_ring))
-                if self.policy is None:
-                    self._dense_all_reduce(transport, one_dim)
-                else:
-                    self._share_and_all_reduce(transport, one_dim)
+                self._dense_all_reduce(transport, one_dim)
             self.ratio = ratio if ratio is not None else self.compressor.wire_bytes(self.split) / max(1, self.flat.element_size() * self.split)
         self.flat.div_(transport.world_size)
         self._scatter()
         self.step_bytes_sent = transport.stats.bytes_sent - sent_before
-
-    def _shared_slots(self, transport: Transport) -> torch.Tensor:
-        """One slot per worker, this worker's holding the policy's shared value: summed over
-        workers, every worker gets every worker's value."""
-        assert self.policy is not None
-        shared = torch.zeros(transport.world_size, dtype=self.flat.dtype, device=self.flat.device)
-        shared[transport.rank] = self.policy.shared_value()
-        return shared
-
-    def _share_and_all_reduce(self, transport: Transport, one_dim: torch.Tensor) -> None:
-        """All-reduce ``one_dim`` with one more slot per worker, where each worker puts its delay
-        per byte (zeros elsewhere): the sum hands every worker the whole cluster's, for the
-        adaptive policy's baseline, in the exchange that happens anyway."""
-        both = torch.cat([one_dim, self._shared_slots(transport)])
-        self._dense_all_reduce(transport, both)
-        one_dim.copy_(both[: one_dim.numel()])
-        self.policy.observe_cluster(both[one_dim.numel():].tolist())
 
     def metrics(self) -> dict[str, float]:
         """For metrics.jsonl: the ratio of the last step, its bytes, and the policy's signals."""

@@ -132,7 +132,7 @@ COMPRESSORS: dict[str, Entry] = {
     "qsgd": Entry("qsgd:8bit|4bit", _qsgd),
     "int8": Entry("int8[:block=N]", _blocks(8)),
     "int4": Entry("int4[:block=N]", _blocks(4)),
-    "adaptive": Entry("adaptive:base=R:min=R:max=R[:alpha=A:beta=B:ema=E:fast=F:window=N:group=N]", _adaptive),
+    "adaptive": Entry("adaptive:base=R:min=R:max=R[:alpha=A:beta=B:dead=D:spare=S:recent=N:window=N:history=N:group=N]", _adaptive),
 }
 """Registered names -> how to build them; RATIO is the kept fraction in (0, 1]."""
 
