@@ -349,6 +349,13 @@ class NetworkConfig:
         NetworkSettings.from_config(self)  # raises ConfigError naming the flag (or the trace file's line)
 
 
+#: The density warm-up a sparsifier gets unless told otherwise: one dense epoch, then the kept
+#: ratio falls from 1 to its target over two (Deep Gradient Compression warms up the same way).
+#: Without it, ``group_topk:0.01`` on the default job ended 0.05 to 1.5 points below dense over
+#: seeds 0-4; see ``benchmarks/bench_sparse_accuracy.py``.
+SPARSIFIER_WARMUP = (1.0, 2.0)
+
+
 @dataclass
 class CompressConfig:
     """Gradient compression: what is sent instead of dense tensors (see ``distrain.compress``).
@@ -366,16 +373,30 @@ class CompressConfig:
                                   "when workers are many and their indices overlap)", ("ring", "allgather"))
     momentum_correction: str = _opt("on", "with a sparsifier and SGD, apply momentum on each worker before compressing "
                                     "(Deep Gradient Compression)", ("on", "off"))
-    density_warmup_epochs: float = _opt(0.0, "epochs of dense all-reduce before compression starts")
-    density_decay_epochs: float = _opt(0.0, "epochs after the warm-up over which the kept ratio falls exponentially from 1 to RATIO")
+    density_warmup_epochs: float | None = _opt(None, "epochs of dense all-reduce before compression starts "
+                                               f"(unset: {SPARSIFIER_WARMUP[0]:g} with a sparsifier, else 0)")
+    density_decay_epochs: float | None = _opt(None, "epochs after the warm-up over which the kept ratio falls "
+                                              "exponentially from 1 to RATIO "
+                                              f"(unset: {SPARSIFIER_WARMUP[1]:g} with a sparsifier, else 0)")
 
     def validate(self) -> None:
         from distrain.compress import validate_spec
 
         validate_spec(self.compress)
         check_choices(self)
-        check_positive("density_warmup_epochs", self.density_warmup_epochs, allow_zero=True)
-        check_positive("density_decay_epochs", self.density_decay_epochs, allow_zero=True)
+        for name in ("density_warmup_epochs", "density_decay_epochs"):
+            if getattr(self, name) is not None:
+                check_positive(name, getattr(self, name), allow_zero=True)
+
+    def density_schedule(self) -> tuple[float, float]:
+        """(warm-up, decay) epochs: as set, else :data:`SPARSIFIER_WARMUP` for a compressor that
+        keeps a ratio of the gradient (topk, group_topk, randomk, adaptive), else no warm-up."""
+        from distrain.compress import build_compressor
+
+        sparsifier = self.compress.strip() != "none" and build_compressor(self.compress).ratio is not None
+        auto = SPARSIFIER_WARMUP if sparsifier else (0.0, 0.0)
+        warmup, decay = self.density_warmup_epochs, self.density_decay_epochs
+        return (auto[0] if warmup is None else float(warmup), auto[1] if decay is None else float(decay))
 
 
 @dataclass

@@ -24,7 +24,7 @@ def test_a_constant_link_keeps_base_and_a_dropping_one_sends_less_until_it_recov
     trace.write_text("0,*,20mbit\n1,1,2mbit\n2,*,repeat\n")
     spec = "adaptive:base=0.25:min=0.02:max=1:group=64:spare=0"
     settings = {"workers": WORLD, "epochs": 5, "latency": "1ms", "bandwidth_trace": str(trace), "sparse_collective": "ring"}
-    adaptive = launch_local(small_config(str(tmp_path / "adaptive"), compress=spec, density_warmup_epochs=1, **settings))
+    adaptive = launch_local(small_config(str(tmp_path / "adaptive"), compress=spec, density_warmup_epochs=1, density_decay_epochs=0, **settings))
     # Dense all-reduce is synchronous: its final accuracy does not depend on the network, so the
     # reference runs without the emulated links (half the time).
     dense = launch_local(small_config(str(tmp_path / "dense"), compress="none", workers=WORLD, epochs=5))
@@ -57,7 +57,7 @@ def test_parameter_server_workers_push_smaller_ratios_while_their_link_is_slow(t
     trace.write_text("0,*,100mbit\n1,1,2mbit\n2,*,repeat\n")
     settings = {"algorithm": "ps", "servers": 2, "workers": 3, "epochs": 5, "latency": "1ms",
                 "bandwidth_trace": str(trace)}
-    adaptive = launch_local(small_config(str(tmp_path / "adaptive"), compress=SPEC, density_warmup_epochs=1, **settings))
+    adaptive = launch_local(small_config(str(tmp_path / "adaptive"), compress=SPEC, density_warmup_epochs=1, density_decay_epochs=0, **settings))
     # Dense all-reduce is synchronous: its final accuracy does not depend on the network, so the
     # reference runs without the emulated links (half the time).
     dense = launch_local(small_config(str(tmp_path / "dense"), compress="none", workers=WORLD, epochs=5))

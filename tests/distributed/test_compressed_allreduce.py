@@ -50,6 +50,8 @@ def test_group_topk_run_follows_the_density_warmup_and_sends_few_bytes(tmp_path)
         epoch = step / spe
         if epoch < 1:
             assert sent == dense_share and record["compress_ratio"] == 1.0, step
+        elif epoch < 2 and ratio ** (epoch - 1) * world >= 1:  # the all-gather would send more than dense
+            assert sent == dense_share and record["compress_ratio"] == 1.0, step
         elif epoch < 2:
             assert record["compress_ratio"] == pytest.approx(ratio ** (epoch - 1)), step
         else:
@@ -65,7 +67,8 @@ def test_group_topk_run_follows_the_density_warmup_and_sends_few_bytes(tmp_path)
 @pytest.mark.timeout(240)
 def test_resume_with_error_feedback_matches_uninterrupted_run(tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
-    settings = {"workers": 2, "epochs": 1, "checkpoint_every": 11, "compress": "group_topk:0.1:group=64"}
+    settings = {"workers": 2, "epochs": 1, "checkpoint_every": 11, "compress": "group_topk:0.1:group=64",
+                "density_warmup_epochs": 0.0, "density_decay_epochs": 0.0}
     summary = launch_local(small_config(str(full), **settings))
     total = summary["steps"]
     shutil.copytree(full, cut)

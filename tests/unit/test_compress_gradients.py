@@ -119,3 +119,49 @@ def test_take_momentum_only_from_plain_sgd():
     assert take_momentum(torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True)) == (0.0, 0.0)
     sgd = torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4)
     assert take_momentum(sgd) == (0.9, 1e-4) and sgd.param_groups[0]["momentum"] == 0.0
+
+
+class FourSameWorkers:
+    """Four workers holding the same tensors: a sum is four times the tensor; records the ops."""
+
+    rank, world_size = 0, 4
+
+    def __init__(self) -> None:
+        self.stats = TransportStats(sent=[0] * 4, received=[0] * 4)
+        self.ops: list[tuple[str, int]] = []
+
+    def all_reduce(self, tensor: torch.Tensor) -> _Done:
+        self.ops.append(("all_reduce", tensor.numel()))
+        tensor.mul_(4)
+        return _Done()
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> _Done:
+        self.ops.append(("all_gather", tensor.numel()))
+        for out in outputs:
+            out.copy_(tensor)
+        return _Done()
+
+
+def test_all_gather_falls_back_to_dense_at_a_ratio_of_one_over_n_and_flushes_the_residual():
+    m = model()
+    numel = sum(p.numel() for p in m.parameters())
+    compression = GradientCompression(build_compressor("group_topk:0.01:group=100"), list(m.parameters()),
+                                      DensityWarmup(0.01, warmup=0, decay=2), sparse_collective="allgather")
+    g = torch.Generator().manual_seed(3)
+    first = [torch.randn(p.shape, generator=g) for p in m.parameters()]
+    for p, grad in zip(m.parameters(), first, strict=True):
+        p.grad = grad.clone()
+    transport = FourSameWorkers()
+    compression.average(transport, step=0, epochs_done=1.5)  # ratio 0.01 ** 0.75 = 0.03: sparse
+    assert {op for op, _ in transport.ops} == {"all_gather"} and compression.ratio < 0.25
+    sent_first = [p.grad.clone() for p in m.parameters()]
+    second = [torch.randn(p.shape, generator=g) for p in m.parameters()]
+    for p, grad in zip(m.parameters(), second, strict=True):
+        p.grad = grad.clone()
+    transport.ops.clear()
+    compression.average(transport, step=1, epochs_done=0.5)  # ratio 0.01 ** 0.25 = 0.32 >= 1 / 4: dense
+    assert transport.ops == [("all_reduce", numel)] and compression.ratio == 1.0
+    for p, a, b, s in zip(m.parameters(), first, second, sent_first, strict=True):
+        want = b + (a - s) if p.dim() > 1 else b  # the held-back part of the first step arrives now
+        torch.testing.assert_close(p.grad, want)
+    assert all(not r.any() for r in compression.compressor.residuals.values())

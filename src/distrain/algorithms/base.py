@@ -79,6 +79,7 @@ class Algorithm:
         #: the adaptive compression policy (``--compress adaptive:...``), else None
         self.adaptive: AdaptivePolicy | None = (policy_from_spec(compress.compress)
                                                 if self.compresses and compress is not None else None)
+        self._density: DensityWarmup | None = None  # the adaptive policy's warm-up schedule
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.transport: Transport | None = None
@@ -99,9 +100,10 @@ class Algorithm:
         """
         if self.adaptive is None:
             return None
-        c = self.config.compress
+        if self._density is None:
+            self._density = DensityWarmup(self.adaptive.settings.base, *self.config.compress.density_schedule())
         epochs_done = ctx.epoch * ctx.step / (ctx.step + 1)  # ctx.epoch counts the step being finished
-        base = DensityWarmup(self.adaptive.settings.base, c.density_warmup_epochs, c.density_decay_epochs).ratio(epochs_done)
+        base = self._density.ratio(epochs_done)
         return self.adaptive.choose(ctx.per_sample_losses, self.transport, base=base, compute_seconds=ctx.compute_seconds)
 
     def after_backward(self, ctx: StepContext) -> None:

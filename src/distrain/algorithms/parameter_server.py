@@ -316,7 +316,7 @@ class ParameterServer(Algorithm):
                 self.momentum, self.weight_decay = take_momentum(optimizer)
                 compressor = MomentumCorrection(compressor.inner, self.momentum)
             self.push = ShardPush(compressor)
-            self.density = DensityWarmup(compressor.ratio, c.density_warmup_epochs, c.density_decay_epochs)
+            self.density = DensityWarmup(compressor.ratio, *c.density_schedule())
         # --workers-per-node: sum inside the node; only its leader talks to the servers
         k = self.config.algo.workers_per_node
         self.nodes = (NodeGroups(transport, k, timeout=self.config.cluster.timeout, workers=self.num_workers)

@@ -58,7 +58,7 @@ class PostLocalSGD(Peer):
 
     def register(self, model: DDP, meter: WireMeter, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> None:
         super().register(model, meter, cfg, steps_per_epoch, total_steps)
-        self.warmup = math.ceil(cfg.compress.density_warmup_epochs * steps_per_epoch)
+        self.warmup = math.ceil(cfg.compress.density_schedule()[0] * steps_per_epoch)
         state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=self.warmup,
                                   post_local_gradient_allreduce=False)
         model.register_comm_hook(MeteredState(meter, state, post_localSGD_hook, localsgd_wire), metered_hook)

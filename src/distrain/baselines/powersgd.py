@@ -61,7 +61,7 @@ class DDPPowerSGD(Peer):
 
     def register(self, model: DDP, meter: WireMeter, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> None:
         super().register(model, meter, cfg, steps_per_epoch, total_steps)
-        warmup = math.ceil(cfg.compress.density_warmup_epochs * steps_per_epoch)
+        warmup = math.ceil(cfg.compress.density_schedule()[0] * steps_per_epoch)
         # PyTorch needs >= 2 dense iterations with error feedback: DDP rebuilds buckets after the first.
         self.state = PowerSGDState(process_group=None, matrix_approximation_rank=self.rank,
                                    start_powerSGD_iter=max(2, warmup), use_error_feedback=True, warm_start=True)

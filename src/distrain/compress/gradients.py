@@ -130,7 +130,7 @@ class GradientCompression:
             warnings.warn("--compress adaptive with --sparse-collective allgather: messages are padded to the "
                           "largest worker's k and timed at the slowest link's pace; --sparse-collective ring "
                           "lets each worker's ratio and link count", stacklevel=2)
-        density = DensityWarmup(compressor.ratio, c.density_warmup_epochs, c.density_decay_epochs)
+        density = DensityWarmup(compressor.ratio, *c.density_schedule())
         return cls(compressor, params, density, sparse_collective=c.sparse_collective, own_ring=own_ring,
                    weight_decay=weight_decay)
 
@@ -199,7 +199,9 @@ class GradientCompression:
             if not per_worker:
                 ratio = self.density.ratio(epochs_done)
             info = CompressInfo(step=step, key=WEIGHTS, ratio=ratio, worker=transport.rank)
-            if weights.numel() and one_dim.numel() and self.compressor.sparse:
+            if not per_worker and self._dense_is_cheaper(ratio, transport.world_size):
+                self._dense_step(transport, weights, mc)
+            elif weights.numel() and one_dim.numel() and self.compressor.sparse:
                 # the schedule's ratio is the same on every worker; a per-worker one may not be
                 self._sparse_with_dense_tail(transport, info, same_size=not per_worker)
             else:
@@ -207,10 +209,32 @@ class GradientCompression:
                     weights.copy_(allreduce_compressed(transport, self.compressor, weights, info,
                                                        sparse_collective=self.sparse_collective, own_ring=self.own_ring))
                 self._dense_all_reduce(transport, one_dim)
-            self.ratio = ratio if ratio is not None else self.compressor.wire_bytes(self.split) / max(1, self.flat.element_size() * self.split)
+            if not per_worker and self._dense_is_cheaper(ratio, transport.world_size):
+                self.ratio = 1.0
+            else:
+                self.ratio = ratio if ratio is not None else self.compressor.wire_bytes(self.split) / max(1, self.flat.element_size() * self.split)
         self.flat.div_(transport.world_size)
         self._scatter()
         self.step_bytes_sent = transport.stats.bytes_sent - sent_before
+
+    def _dense_is_cheaper(self, ratio: float | None, world: int) -> bool:
+        """The dense fallback: with the sparse all-gather every worker receives every other's
+        (index, value) pairs, (n - 1) k of them, while a ring all-reduce moves 2 (n - 1) / n of the
+        dense vector; at a kept ratio of 1 / n or more (a density warm-up's first steps, say) the
+        dense step costs no more bytes and holds nothing back. (The sparse ring switches each
+        chunk to dense by itself once the sum fills in.)"""
+        return (self.compressor.sparse and self.sparse_collective == "allgather" and ratio is not None
+                and world > 1 and ratio * world >= 1)
+
+    def _dense_step(self, transport: Transport, weights: torch.Tensor, mc: MomentumCorrection | None) -> None:
+        """Send everything: the weights' gradient (their velocity, with momentum correction)
+        plus what error feedback held back, which is then empty; nothing is masked."""
+        sent = mc.accumulate(weights, WEIGHTS) if mc is not None else weights
+        if isinstance(self.compressor, ErrorFeedback):
+            sent = self.compressor.compensate(sent, WEIGHTS)
+            self.compressor.residuals.pop(WEIGHTS, None)
+        weights.copy_(sent)
+        self._dense_all_reduce(transport, self.flat)
 
     def metrics(self) -> dict[str, float]:
         """For metrics.jsonl: the ratio of the last step, its bytes, and the policy's signals."""
