@@ -7,7 +7,7 @@ ring (``--sparse-collective ring``, where each worker's k counts) with error fee
 momentum correction, no density warm-up, 10 epochs (620 steps). Configurations, run
 alternately (one repeat of each, then the next):
 
-* ``fixed``: ``group_topk`` at the base ratio (0.01);
+* ``fixed``: ``group_topk`` at the base ratio (0.01), its default groups (as adaptive's);
 * ``adaptive``: the default policy, ``adaptive:base=0.01:min=0.001:max=0.1`` (network signal,
   ``beta=1``, spare bandwidth, importance off);
 * ``importance``: the same with the importance signal on (``alpha=1``): the ablation;
@@ -58,7 +58,7 @@ TRACE = HERE / "traces" / "fluctuating-4.csv"
 
 BASE = "base=0.01:min=0.001:max=0.1"
 CONFIGS: dict[str, str] = {
-    "fixed": "group_topk:0.01:group=1024",
+    "fixed": "group_topk:0.01",
     "adaptive": f"adaptive:{BASE}",
     "importance": f"adaptive:{BASE}:alpha=1",
     # not in the default set

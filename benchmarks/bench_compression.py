@@ -55,7 +55,7 @@ WARMUP = {"density_warmup_epochs": 2.0, "density_decay_epochs": 3.0}
 VARIANTS: dict[str, dict[str, Any]] = {
     "dense": {"compress": "none"},
     "group_topk": {"compress": "group_topk:0.01"},
-    "group_topk+warmup1": {"compress": "group_topk:0.01", "density_warmup_epochs": 1.0},
+    "group_topk+warmup1": {"compress": "group_topk:0.01", "density_warmup_epochs": 1.0, "density_decay_epochs": 0.0},
     "group_topk+warmup": {"compress": "group_topk:0.01", **WARMUP},
     "group_topk+nomc": {"compress": "group_topk:0.01", "momentum_correction": "off"},
     "group_topk+ring": {"compress": "group_topk:0.01", "sparse_collective": "ring"},
@@ -99,7 +99,9 @@ def run_job(job: str, variant: str, args: argparse.Namespace, tmp: Path) -> dict
 
 
 def run_once(job: str, variant: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
-    settings = {**JOBS[job], **VARIANTS[variant], "progress": False, "run_dir": str(run_dir)}
+    # a variant without a warm-up of its own compresses from the first step
+    no_warmup = {"density_warmup_epochs": 0.0, "density_decay_epochs": 0.0}
+    settings = {**JOBS[job], **no_warmup, **VARIANTS[variant], "progress": False, "run_dir": str(run_dir)}
     if args.epochs is not None:
         settings["epochs"] = args.epochs
     if args.network:

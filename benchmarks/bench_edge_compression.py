@@ -103,7 +103,7 @@ def main() -> None:
 
     flags = ["--network", "edge", "--dataset", "mnist1d", "--model", "mlp", "--model-width", "974",
              "--workers", "4", "--batch-size", "64", "--epochs", str(args.epochs), "--eval-every", str(args.eval_every),
-             "--target-accuracy", str(args.target), "--density-warmup-epochs", "0",
+             "--target-accuracy", str(args.target), "--density-warmup-epochs", "0", "--density-decay-epochs", "0",
              "--sparse-collective", args.sparse_collective, "--seed", "0", "--repeats", str(args.repeats)]
     # DDP first: the baseline the speed-ups are measured against (compare runs the grid in order:
     # algorithms, then baselines; --baseline names it).

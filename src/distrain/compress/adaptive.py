@@ -63,7 +63,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from distrain.comm.transport import Exchange, Transport
-from distrain.compress.group_topk import GroupTopK
+from distrain.compress.group_topk import DEFAULT_GROUP, GroupTopK
 
 #: Batches the importance signal needs before it departs from 1.
 MIN_HISTORY = 8
@@ -83,7 +83,7 @@ class AdaptiveSettings:
     recent: int = 5
     window: int = 200
     history: int = 50
-    group: int = 1024
+    group: int = DEFAULT_GROUP
 
     def spec(self) -> str:
         default = AdaptiveSettings()
