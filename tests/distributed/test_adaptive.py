@@ -16,33 +16,41 @@ SPEC = "adaptive:base=0.25:min=0.05:max=1:group=64"
 
 
 @pytest.mark.timeout(300)
-def test_a_constant_link_keeps_base_and_a_dropping_one_sends_less_until_it_recovers(tmp_path):
+def test_every_worker_answers_to_the_slowest_link_and_a_steady_ring_keeps_base(tmp_path):
     # Worker 1's link alternates each second between 20 and 2 Mbit/s; the others stay at 20
-    # Mbit/s. Worker 0 sends to worker 1 and worker 1 sends from it: both ring links see the
-    # drop, those of workers 2 and 3 never do. spare=0: an uncongested link sends exactly base.
+    # Mbit/s. Worker 0 sends to worker 1 and worker 1 sends from it: their ring links see the
+    # drop, those of workers 2 and 3 never do. But every worker's bytes cross the slow links of a
+    # synchronous ring, so all four answer to the largest congestion they share. spare=0: an
+    # uncongested step sends exactly base; beta=1: a tenth of the bandwidth, a tenth of base.
     trace = tmp_path / "trace.csv"
     trace.write_text("0,*,20mbit\n1,1,2mbit\n2,*,repeat\n")
-    spec = "adaptive:base=0.25:min=0.02:max=1:group=64:spare=0"
+    spec = "adaptive:base=0.25:min=0.02:max=1:group=64:spare=0:beta=1"
     settings = {"workers": WORLD, "epochs": 5, "latency": "1ms", "bandwidth_trace": str(trace), "sparse_collective": "ring"}
-    adaptive = launch_local(small_config(str(tmp_path / "adaptive"), compress=spec, density_warmup_epochs=1, density_decay_epochs=0, **settings))
+    adaptive = launch_local(small_config(str(tmp_path / "adaptive"), compress=spec, density_warmup_epochs=1,
+                                         density_decay_epochs=0, **settings))
     # Dense all-reduce is synchronous: its final accuracy does not depend on the network, so the
     # reference runs without the emulated links (half the time).
     dense = launch_local(small_config(str(tmp_path / "dense"), compress="none", workers=WORLD, epochs=5))
 
     lines = {rank: [m for m in read_metrics(tmp_path / "adaptive", rank) if m["epoch"] > 1] for rank in range(WORLD)}
-    for rank in (2, 3):  # a link that never changes is never congested: base at every step
-        assert all(m["congestion"] == 1.0 and m["compress_ratio"] == pytest.approx(0.25) for m in lines[rank]), rank
+    for rank in (2, 3):  # their own links never change
+        assert all(m["congestion"] == 1.0 for m in lines[rank]), rank
     for rank in (0, 1):
+        assert sum(m["congestion"] > 1.25 for m in lines[rank]) >= 3, rank
+    for rank in range(WORLD):
         ratios = [m["compress_ratio"] for m in lines[rank]]
-        congested = [m for m in lines[rank] if m["congestion"] > 1]
-        assert len(congested) >= 3 and min(m["congestion"] for m in congested) > 1.25, (rank, len(congested))
-        # a tenth of the bandwidth: C ~ 10, so about base / 10
-        assert statistics.median(m["compress_ratio"] for m in congested) < 0.25 / 4, (rank, congested)
+        assert all(0.02 <= r <= 1 for r in ratios), (rank, ratios)
+        # a step's ratio answers to its own link's congestion and to the largest one shared in the
+        # step before (metrics hold the value after the step's own exchange)
+        known = [(max(a.get("cluster_congestion", 1.0), b["congestion"]), b["compress_ratio"])
+                 for a, b in itertools.pairwise(lines[rank])]
+        calm = [r for c, r in known if c == 1.0]
+        slow = [r for c, r in known if c > 1.25]
+        assert calm and all(r == pytest.approx(0.25) for r in calm), (rank, calm)
+        assert len(slow) >= 3 and statistics.median(slow) < 0.25 / 4, (rank, slow)
         # and back to base after a slow second
-        recoveries = sum(a < 0.25 / 4 and b == pytest.approx(0.25) for a, b in itertools.pairwise(ratios))
-        assert recoveries >= 1 and all(0.02 <= r <= 1 for r in ratios), (rank, ratios)
-    # It trains: 240 test samples, so 0.1 is 24 of them; two workers at a tenth of base half of
-    # the time ended 0.83 against dense 0.89 here.
+        assert any(a < 0.25 / 4 and b == pytest.approx(0.25) for a, b in itertools.pairwise(ratios)), (rank, ratios)
+    # It trains: 240 test samples, so 0.1 is 24 of them.
     gap = dense["final_test_accuracy"] - adaptive["final_test_accuracy"]
     assert gap <= 0.1, (adaptive["final_test_accuracy"], dense["final_test_accuracy"])
 

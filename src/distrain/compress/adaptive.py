@@ -22,7 +22,12 @@ excess times the step's bytes) is below ``spare`` of the step's compute time. Ti
 therefore moves nothing; a link at a tenth of its idle speed reads ``C ~ 10`` within ``recent``
 steps and the worker sends ``1 / C ** beta`` of its uncongested ratio, which keeps the step's
 communication time near its idle value with ``beta = 1``. When the link recovers, C falls back
-to 1 as fast. A link that is slow but steady is not congested: it sends ``base``.
+to 1 as fast. A link that is slow but steady is not congested: it sends ``base``. Under
+all-reduce the workers share their C in the step's exchange (one value per worker rides with the
+dense one-dimensional part) and every worker answers to the largest: in a synchronous ring every
+worker's bytes cross the slowest link, so a worker on a fast link that kept sending ``base``
+would keep the step slow. Parameter-server workers, each on its own link to the servers, answer
+to their own.
 
 **Spare bandwidth.** On an uncongested link the ratio is at least ``base``, and more where the
 link has time to spare: the *spare ratio* is the ratio whose bytes take ``spare`` (0.1) of the
@@ -237,7 +242,8 @@ class AdaptivePolicy:
     def __init__(self, settings: AdaptiveSettings) -> None:
         self.settings = settings
         self.importance = 1.0
-        self.congestion = 1.0  # C after the dead zone: what the ratio divides by
+        self.congestion = 1.0  # this worker's link's C, after the dead zone
+        self.cluster_congestion: float | None = None  # the largest C of any worker at the last share
         self._losses: deque[float] = deque(maxlen=settings.history)  # log of past batch losses
         self._messages: deque[list[tuple[float, int]]] = deque(maxlen=settings.recent)  # (delay, bytes) per step
         self._step_bytes: deque[int] = deque(maxlen=settings.recent)  # bytes sent per step
@@ -325,6 +331,23 @@ class AdaptivePolicy:
             return 0.0
         return self.settings.spare * self.compute_seconds * idle / statistics.median(self._bytes_per_ratio)
 
+    def shared_value(self) -> float:
+        """What this worker tells the others (:meth:`observe_cluster`): its congestion."""
+        return self.congestion
+
+    def observe_cluster(self, values: Iterable[float]) -> None:
+        """Every worker's :meth:`shared_value` of this step (0: not sent): in a synchronous
+        all-reduce every worker's bytes cross the slowest link, so the largest is what paces the
+        step and what every worker's ratio answers to."""
+        known = [v for v in values if v > 0 and math.isfinite(v)]
+        self.cluster_congestion = max(known) if known else None
+
+    @property
+    def pace(self) -> float:
+        """The congestion the ratio divides by: the cluster's largest where the workers share
+        theirs (all-reduce), else this worker's own."""
+        return max(self.congestion, self.cluster_congestion or 1.0)
+
     # -- the batch ---------------------------------------------------------------------------
 
     def observe_losses(self, losses: torch.Tensor | None) -> float:
@@ -343,7 +366,7 @@ class AdaptivePolicy:
 
     def ratio(self, base: float | None = None, scale: float = 1.0) -> float:
         """The ratio for the current signals (see :func:`policy_ratio`)."""
-        return policy_ratio(self.settings, self.importance, self.congestion, base,
+        return policy_ratio(self.settings, self.importance, self.pace, base,
                             spare_ratio=self.spare_ratio, scale=scale)
 
     def choose(self, losses: torch.Tensor | None, transport: Transport | None, base: float | None = None,
@@ -363,6 +386,8 @@ class AdaptivePolicy:
         """The signals for metrics.jsonl; with ``transport``, also the bytes sent since the last
         :meth:`choose` (``step_bytes_sent``: this step's)."""
         out = {"importance": self.importance, "congestion": self.congestion, "slowdown": self.slowdown}
+        if self.cluster_congestion is not None:
+            out["cluster_congestion"] = self.cluster_congestion
         if transport is not None and self._bytes_at_choice is not None:
             out["step_bytes_sent"] = transport.stats.bytes_sent - self._bytes_at_choice
         if self.idle_rate is not None:

@@ -16,7 +16,9 @@ Per step, after backward:
 
 With ``--compress adaptive:...`` the algorithm's :class:`~distrain.compress.adaptive.AdaptivePolicy`
 picks the ratio of step 3 on each worker (``average(ratio=...)``; the sparse ring takes a different
-k on every worker) from its own link's timings; the policy's signals go to metrics.jsonl.
+k on every worker), and the exchange carries every worker's congestion: one value per worker rides
+with the dense one-dimensional part, so each worker knows the slowest link of the step, which
+paces a synchronous all-reduce.
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ class GradientCompression:
         sparse_collective: ``"ring"`` or ``"allgather"`` for sparse payloads.
         own_ring: dense all-reduces over our point-to-point ring instead of the backend's.
         weight_decay: folded into the gradient here when the optimizer's was taken out.
-        policy: the adaptive policy whose signals the metrics show (set by the algorithm, which
-            asks it for the ratio); None without one.
+        policy: the adaptive policy whose congestion each step's exchange shares with the other
+            workers (set by the algorithm, which asks it for the ratio); None without one.
 
     Example::
 
@@ -156,22 +158,26 @@ class GradientCompression:
         else:
             transport.all_reduce(tensor).wait()
 
-    def _sparse_with_dense_tail(self, transport: Transport, info: CompressInfo, *, same_size: bool = False) -> None:
-        """Sum the compressed weights part and the whole one-dimensional part in one sparse
-        collective. ``same_size``: every worker compresses with the same ratio, so the all-gather
-        needs no exchange of sizes."""
+    def _sparse_with_dense_tail(self, transport: Transport, info: CompressInfo,
+                                extra: torch.Tensor | None = None, *, same_size: bool = False) -> torch.Tensor:
+        """Sum the compressed weights part, the whole one-dimensional part and ``extra`` (dense
+        values appended after the gradient: the adaptive policy's shared slots) in one sparse
+        collective; returns the sum of ``extra`` (empty if None). ``same_size``: every worker
+        compresses with the same ratio, so the all-gather needs no exchange of sizes."""
         if self.sparse_collective not in SPARSE_COLLECTIVES:
             raise ValueError(f"sparse_collective must be one of {sorted(SPARSE_COLLECTIVES)}, got {self.sparse_collective!r}")
-        numel = self.flat.numel()
+        extra = self.flat.new_zeros(0) if extra is None else extra
+        numel = self.flat.numel() + extra.numel()
         (indices, values), _ = self.compressor.compress(self.flat[: self.split], info)
         tail = torch.arange(self.split, numel, dtype=indices.dtype, device=indices.device)
         indices = torch.cat([indices, tail])
-        values = torch.cat([values.to(self.flat.dtype), self.flat[self.split :]])
+        values = torch.cat([values.to(self.flat.dtype), self.flat[self.split :], extra.to(self.flat.dtype)])
         if self.sparse_collective == "allgather":
             total = sparse_allgather_allreduce(transport, indices, values, numel, same_size=same_size)
         else:
             total = SPARSE_COLLECTIVES[self.sparse_collective](transport, indices, values, numel)
-        self.flat.copy_(total)
+        self.flat.copy_(total[: self.flat.numel()])
+        return total[self.flat.numel() :]
 
     def average(self, transport: Transport, *, step: int, epochs_done: float, ratio: float | None = None) -> None:
         """Replace every parameter's gradient with the (compressed) average over all workers.
@@ -202,13 +208,19 @@ class GradientCompression:
             if not per_worker and self._dense_is_cheaper(ratio, transport.world_size):
                 self._dense_step(transport, weights, mc)
             elif weights.numel() and one_dim.numel() and self.compressor.sparse:
+                shared = None if self.policy is None else self._shared_slots(transport)
                 # the schedule's ratio is the same on every worker; a per-worker one may not be
-                self._sparse_with_dense_tail(transport, info, same_size=not per_worker)
+                summed = self._sparse_with_dense_tail(transport, info, shared, same_size=not per_worker)
+                if self.policy is not None:
+                    self.policy.observe_cluster(summed.tolist())
             else:
                 if weights.numel():
                     weights.copy_(allreduce_compressed(transport, self.compressor, weights, info,
                                                        sparse_collective=self.sparse_collective, own_ring=self.own_ring))
-                self._dense_all_reduce(transport, one_dim)
+                if self.policy is None:
+                    self._dense_all_reduce(transport, one_dim)
+                else:
+                    self._share_and_all_reduce(transport, one_dim)
             if not per_worker and self._dense_is_cheaper(ratio, transport.world_size):
                 self.ratio = 1.0
             else:
@@ -216,6 +228,23 @@ class GradientCompression:
         self.flat.div_(transport.world_size)
         self._scatter()
         self.step_bytes_sent = transport.stats.bytes_sent - sent_before
+
+    def _shared_slots(self, transport: Transport) -> torch.Tensor:
+        """One slot per worker, this worker's holding its policy's congestion: summed over
+        workers, every worker gets every worker's."""
+        assert self.policy is not None
+        shared = torch.zeros(transport.world_size, dtype=self.flat.dtype, device=self.flat.device)
+        shared[transport.rank] = self.policy.shared_value()
+        return shared
+
+    def _share_and_all_reduce(self, transport: Transport, one_dim: torch.Tensor) -> None:
+        """All-reduce ``one_dim`` with one more slot per worker (see :meth:`_shared_slots`), in
+        the exchange that happens anyway."""
+        assert self.policy is not None
+        both = torch.cat([one_dim, self._shared_slots(transport)])
+        self._dense_all_reduce(transport, both)
+        one_dim.copy_(both[: one_dim.numel()])
+        self.policy.observe_cluster(both[one_dim.numel():].tolist())
 
     def _dense_is_cheaper(self, ratio: float | None, world: int) -> bool:
         """The dense fallback: with the sparse all-gather every worker receives every other's
