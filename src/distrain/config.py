@@ -158,6 +158,8 @@ class DataConfig:
                      "nats per token, bits per byte), or auto (lm for --dataset text, else classification)",
                      _task_choices)
     context: int = _opt(128, "text: tokens per window, the language model's context")
+    tokenizer: str = _opt("bytes", "text: bytes (256 byte tokens) or bpe:N (a byte-level BPE of N tokens trained on the "
+                          "training text, cached; needs pip install 'distrain[lm]')")
 
     def validate(self) -> None:
         check_choices(self)
@@ -165,11 +167,22 @@ class DataConfig:
             raise ConfigError("--partition", f"{self.partition} splits by class; {self.task_name()} targets have none: "
                                              "use iid")
         check_positive("context", self.context, integer=True)
+        self.check_tokenizer()
         if self.dataset in ("npz", "idx", "shards") and not self.data_path:
             raise ConfigError("--data-path", f"is required for --dataset {self.dataset}")
         check_positive("num_samples", self.num_samples, integer=True)
         check_positive("dirichlet_alpha", self.dirichlet_alpha)
         check_positive("batch_size", self.batch_size, integer=True)
+
+    def check_tokenizer(self) -> None:
+        """A valid ``--tokenizer`` for this data set, and the package a BPE needs, installed."""
+        from distrain.data.tokenizer import parse_tokenizer, require_tokenizers
+
+        spec = parse_tokenizer(self.tokenizer)
+        if spec.kind != "bytes" and self.dataset != "text":
+            raise ConfigError("--tokenizer", f"{spec} tokenizes --dataset text, not {self.dataset}")
+        if spec.kind != "bytes":
+            require_tokenizers(spec)
 
     def task_name(self) -> str:
         """The task, with ``auto`` resolved: ``lm`` for text, else ``classification``."""

@@ -138,6 +138,7 @@ def load_dataset(
     seed: int = 0,
     cache_dir: str | os.PathLike[str] | None = None,
     context: int = 128,
+    tokenizer: str = "bytes",
 ) -> tuple[Any, Any]:
     """Load a data set by name and return its ``(train, test)`` halves.
 
@@ -150,6 +151,8 @@ def load_dataset(
             ``$DISTRAIN_CACHE`` or ``~/.cache/distrain``.
         context: tokens per window of ``text`` (:mod:`distrain.data.text`: byte-level, the
             Python standard library's sources unless ``path`` names a file or directory).
+        tokenizer: the tokens of ``text``: ``bytes``, or ``bpe:N`` (a byte-level BPE of ``N``
+            tokens trained on the training split; :mod:`distrain.data.tokenizer`).
 
     Example::
 
@@ -172,7 +175,7 @@ def load_dataset(
     if name == "text":
         from distrain.data.text import load_text
 
-        return load_text(path, context=context, cache_dir=cache_dir)
+        return load_text(path, context=context, cache_dir=cache_dir, tokenizer=tokenizer)
     if path is None:
         kind = "an .npz file" if name == "npz" else "a directory"
         raise ConfigError("--data-path", f"dataset {name!r} needs a path to {kind}")

@@ -56,7 +56,7 @@ from distrain.runtime.faults import (
 )
 from distrain.runtime.files import atomic_write
 from distrain.runtime.totals import RunTotals
-from distrain.tasks import LossFn, Task, build_task, check_task_data
+from distrain.tasks import LossFn, Task, bits_per_byte, build_task, check_task_data
 from distrain.train.metrics import (
     MetricsWriter,
     write_json_atomic,
@@ -86,7 +86,7 @@ def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | No
         return own, np.arange(len(own)), load_shard_dir_test(d.data_path)
     if train_set is None:
         train_set, test_set = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed,
-                                           context=d.context)
+                                           context=d.context, tokenizer=d.tokenizer)
     if test_set is None:
         raise DataError("a test set is required to evaluate the model")
     n = len(train_set)  # type: ignore[arg-type]
@@ -431,16 +431,17 @@ def save_model(path: Path, model: torch.nn.Module) -> None:
 
 
 def lm_figures(task: Task, train_set: Dataset, test_set: Dataset, test_loss: float) -> dict[str, Any]:
-    """A language model's summary figures: validation loss (nats per token) and bits per token,
-    and, for text windows, the bits per byte of a bigram model of the training text on the
-    validation text (the floor to beat)."""
+    """A language model's summary figures: validation loss (nats per token) and bits per byte
+    (:func:`~distrain.tasks.bits_per_byte`), and, for text windows, the bits per byte of a
+    bigram model of the training bytes on the validation bytes (the floor to beat, the same for
+    every tokenizer)."""
     if task.name != "lm":
         return {}
-    figures: dict[str, Any] = {"final_val_loss": test_loss, "final_val_bpb": test_loss / math.log(2)}
-    if hasattr(train_set, "tokens") and hasattr(test_set, "tokens"):
+    figures: dict[str, Any] = {"final_val_loss": test_loss, "final_val_bpb": bits_per_byte(test_loss, test_set)}
+    if hasattr(train_set, "text") and hasattr(test_set, "text"):
         from distrain.data.text import bigram_bpb
 
-        figures["bigram_val_bpb"] = bigram_bpb(train_set.tokens, test_set.tokens)  # type: ignore[attr-defined]
+        figures["bigram_val_bpb"] = bigram_bpb(train_set.text, test_set.text)  # type: ignore[attr-defined]
     return figures
 
 
