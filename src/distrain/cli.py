@@ -185,6 +185,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  {'time to ' + target:<22}{'not reached' if ttt is None else f'{ttt:.1f} s'}",
         f"  {'wall time (training)':<22}{s['wall_time_s']:.1f} s",
         f"  {'samples/s':<22}{s['samples_per_s'] or 0:.0f}",
+        *([f"  {'tokens/s':<22}{s['tokens_per_s'] or 0:.0f}"] if "tokens_per_s" in s else []),
         "",
         f"  {'worker':<8}{'samples/s':>12}{'sent':>14}{'received':>14}{'compute':>10}{'comm wait':>11}",
     ]

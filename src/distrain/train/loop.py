@@ -262,6 +262,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
     params = [p for p in model.parameters() if p.requires_grad]
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
+    tokens_per_sample = lm_tokens(task, sample_shape)
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
     model.train()
     opt.start()  # together: emulated bandwidth traces and asynchronous algorithms' clocks start now
@@ -329,6 +330,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             if leads(algorithm, transport):
                 measured = task.evaluate(eval_model, test_set, device)
                 record.update(measured)
+                if tokens_per_sample is not None and algorithm.synchronous and record["time"] > 0:
+                    record["tokens_per_s"] = (step + 1) * global_batch * tokens_per_sample / record["time"]
                 if not running:  # the trained (consensus) model, for distrain.fit and the user
                     save_model(run_dir / MODEL_FILE, eval_model)
                 accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
@@ -376,7 +379,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         algorithm.lost_workers, run.segment_wall_s,
-                        lm_figures(task, train_set, test_set, test_loss)) if leads(algorithm, transport) else None
+                        lm_figures(task, train_set, test_set, test_loss),
+                        tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
     control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
     if stop_at is not None:
         raise Interrupted(step)
@@ -445,14 +449,20 @@ def lm_figures(task: Task, train_set: Dataset, test_set: Dataset, test_loss: flo
     return figures
 
 
+def lm_tokens(task: Task, sample_shape: tuple[int, ...]) -> int | None:
+    """Training tokens in one sample of a language model (its window), else None."""
+    return int(sample_shape[0]) if task.name == "lm" and len(sample_shape) == 1 else None
+
+
 def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: int, total_steps: int,
               global_batch: int, accuracy: float | None, test_loss: float, time_to_target: float | None,
               eval_seconds: float, resume_step: int | None, interrupted: bool = False,
               lost_workers: dict[int, float] | None = None, segment_wall_s: list[float] | None = None,
-              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+              extra: dict[str, Any] | None = None, tokens_per_sample: int | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers,
     each ``[steps, samples, wall, compute, exposed comm, *sent per peer, *received per peer, cpu]``
-    (see :mod:`distrain.train.metrics` for the meaning of each field).
+    (see :mod:`distrain.train.metrics` for the meaning of each field). A language model's
+    ``tokens_per_sample`` adds ``tokens_per_s``: every worker's training tokens over the wall time.
 
     A resumed run's rows, times and ``segment_wall_s`` (each segment's training time) cover every
     segment of the run, not only the last; ``resumed_from_step`` is where the last one started.
@@ -490,6 +500,8 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         "lost_workers": {str(r): t for r, t in sorted((lost_workers or {}).items())},
         **(extra or {}),
     }
+    if tokens_per_sample is not None:
+        summary["tokens_per_s"] = samples * tokens_per_sample / wall if wall > 0 else None
     write_summary(run_dir / "summary.json", summary)
     return summary
 
