@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 
 from distrain.data.tokenizer import BPE, TokenizerSpec, parse_tokenizer, train_bpe
 from distrain.errors import ConfigError, DataError
-from distrain.runtime.files import atomic_write
+from distrain.runtime.files import atomic_write, exclusive_lock
 
 #: Byte-level tokens.
 VOCAB = 256
@@ -190,12 +190,10 @@ def _base(cache_dir: str | os.PathLike[str] | None, info: dict[str, Any]) -> Pat
 def _bpe(base: Path, spec: TokenizerSpec, train_bytes: bytes) -> BPE:
     """The corpus's BPE of ``spec.vocab`` tokens: from the cache, else trained on the training
     bytes under a lock (concurrent runs train it once)."""
-    from distrain.data.datasets import _exclusive_lock
-
     path = base.with_name(f"{base.name}-bpe{spec.vocab}.json")
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive_lock(path.with_name(path.name + ".lock")):
+        with exclusive_lock(path.with_name(path.name + ".lock")):
             if not path.exists():
                 return train_bpe([train_bytes], spec.vocab, path)
     return BPE.load(path)
