@@ -7,7 +7,15 @@ import logging
 import sys
 from typing import Any
 
-from distrain.config import SECTIONS, TrainConfig, base_type, choices_of, flag, leaf_fields
+from distrain.config import (
+    SECTIONS,
+    TASK_DEFAULTS,
+    TrainConfig,
+    base_type,
+    choices_of,
+    flag,
+    leaf_fields,
+)
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError
 from distrain.runtime.faults import Interrupted
 
@@ -37,7 +45,9 @@ def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
         choices = choices_of(field)
         if choices:
             help_text += f" [{'|'.join(choices)}]"
-        help_text += f" (default: {default})"
+        by_task = "".join(f"; {task}: {values[field.name]}" for task, values in TASK_DEFAULTS.items()
+                          if field.name in values)
+        help_text += f" (default: {default}{by_task})"
         kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": help_text}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
