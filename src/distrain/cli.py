@@ -7,7 +7,15 @@ import logging
 import sys
 from typing import Any
 
-from distrain.config import SECTIONS, TrainConfig, base_type, choices_of, flag, leaf_fields
+from distrain.config import (
+    SECTIONS,
+    TASK_DEFAULTS,
+    TrainConfig,
+    base_type,
+    choices_of,
+    flag,
+    leaf_fields,
+)
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError
 from distrain.runtime.faults import Interrupted
 
@@ -37,7 +45,9 @@ def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
         choices = choices_of(field)
         if choices:
             help_text += f" [{'|'.join(choices)}]"
-        help_text += f" (default: {default})"
+        by_task = "".join(f"; {task}: {values[field.name]}" for task, values in TASK_DEFAULTS.items()
+                          if field.name in values)
+        help_text += f" (default: {default}{by_task})"
         kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": help_text}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -185,6 +195,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  {'time to ' + target:<22}{'not reached' if ttt is None else f'{ttt:.1f} s'}",
         f"  {'wall time (training)':<22}{s['wall_time_s']:.1f} s",
         f"  {'samples/s':<22}{s['samples_per_s'] or 0:.0f}",
+        *([f"  {'tokens/s':<22}{s['tokens_per_s'] or 0:.0f}"] if "tokens_per_s" in s else []),
         "",
         f"  {'worker':<8}{'samples/s':>12}{'sent':>14}{'received':>14}{'compute':>10}{'comm wait':>11}",
     ]

@@ -23,6 +23,7 @@ PACKAGES: dict[str, tuple[str, str]] = {
     "sklearn": ("scikit-learn", "data"),
     "matplotlib": ("matplotlib", "plots"),
     "yaml": ("PyYAML", "yaml"),
+    "tokenizers": ("tokenizers", "lm"),
 }
 
 

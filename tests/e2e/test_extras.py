@@ -1,8 +1,8 @@
 """Without the optional packages, as a user without the extras has them: real processes.
 
-Stand-in packages named ``mnist1d``, ``sklearn``, ``matplotlib`` and ``yaml`` go first on
-PYTHONPATH, so every process (the launcher and the workers it spawns) sees them instead of the
-installed ones. Importing one records the attempt in a log and raises ModuleNotFoundError, as
+Stand-in packages named ``mnist1d``, ``sklearn``, ``matplotlib``, ``yaml`` and ``tokenizers`` go
+first on PYTHONPATH, so every process (the launcher and the workers it spawns) sees them instead
+of the installed ones. Importing one records the attempt in a log and raises ModuleNotFoundError, as
 for a package that is not installed.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 TIMEOUT = 120
-#: The optional packages (distrain[data], [plots], [yaml]), by the name they are imported as.
-OPTIONAL = ("mnist1d", "sklearn", "matplotlib", "yaml")
+#: The optional packages (distrain[data], [plots], [yaml], [lm]), by the name they are imported as.
+OPTIONAL = ("mnist1d", "sklearn", "matplotlib", "yaml", "tokenizers")
 
 STAND_IN = """\
 import os

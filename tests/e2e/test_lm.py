@@ -31,6 +31,10 @@ def test_a_gpt_trains_on_the_local_text_corpus(tmp_path, capsys):
     final = [m for m in read_metrics(run_dir) if "test_loss" in m][-1]
     assert final["test_bpb"] == pytest.approx(final["test_loss"] / math.log(2))
     assert "final test loss" in result.stdout
+    # tokens per second: every worker's windows of 32 tokens, over the training time
+    assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * 32)
+    assert f"tokens/s              {summary['tokens_per_s']:.0f}" in result.stdout
+    assert final["tokens_per_s"] == pytest.approx(final["step"] * 2 * 8 * 32 / final["time"])
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"]["model"] == "gpt" and config["data"]["context"] == 32
     # the trained model is in the run directory and scores on the validation text what the summary says

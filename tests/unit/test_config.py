@@ -8,7 +8,7 @@ import math
 import pytest
 
 from distrain.cli import build_parser, config_from_args
-from distrain.config import TrainConfig, flag, leaf_fields
+from distrain.config import TASK_DEFAULTS, TrainConfig, flag, leaf_fields
 from distrain.errors import ConfigError
 
 
@@ -76,3 +76,22 @@ def test_validation_names_the_flag(name, value):
 def test_defaults_are_valid_and_round_trip():
     cfg = TrainConfig().validate()
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_language_model_gets_its_own_defaults_for_the_settings_not_given(tmp_path):
+    generic, lm_defaults = TrainConfig(), TASK_DEFAULTS["lm"]
+    cfg = TrainConfig.from_dict({"model": "gpt", "dataset": "text"}).validate()
+    assert {name: cfg.get(name) for name in lm_defaults} == lm_defaults
+    assert cfg.optim.momentum == generic.optim.momentum and cfg.cluster.workers == generic.cluster.workers
+    # given settings stay, even when they equal the generic default; the rest take the task's
+    given = {"model": "gpt", "dataset": "text", "epochs": generic.run.epochs, "lr": 0.01}
+    cfg = TrainConfig.from_dict(given).validate()
+    assert (cfg.run.epochs, cfg.optim.lr, cfg.data.batch_size) == (generic.run.epochs, 0.01, lm_defaults["batch_size"])
+    args = build_parser().parse_args(["train", "--model", "gpt", "--dataset", "text", "--epochs", "2"])
+    from_flags = config_from_args(args)
+    assert from_flags.run.epochs == 2 and from_flags.optim.lr == lm_defaults["lr"]
+    # a run's config.json gives every setting: it loads as the same run
+    assert TrainConfig.from_dict(json.loads(json.dumps(from_flags.to_dict()))).validate() == from_flags
+    # other tasks keep the generic defaults
+    assert TrainConfig().validate() == generic
+    assert TrainConfig.from_dict({"epochs": 3}).validate().optim.lr == generic.optim.lr

@@ -52,7 +52,7 @@ from distrain.models import build_model
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
 from distrain.tasks import build_task
-from distrain.train.loop import plan_worker_data, summarize
+from distrain.train.loop import lm_figures, lm_tokens, plan_worker_data, summarize
 from distrain.train.metrics import MetricsWriter, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,9 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine)
     summary = summarize(out_cfg, run_dir, [r.tolist() for r in rows], world, total_steps, global_batch, accuracy,
-                        test_loss, time_to_target, eval_seconds, None) if rank == 0 else None
+                        test_loss, time_to_target, eval_seconds, None,
+                        extra=lm_figures(task, train_set, test_set, test_loss),
+                        tokens_per_sample=lm_tokens(task, sample_shape)) if rank == 0 else None
     dist.barrier()  # nobody tears the group down before the summary exists
     return summary
 

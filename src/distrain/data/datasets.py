@@ -6,18 +6,15 @@ always report the same ``num_classes`` so that every worker builds the same mode
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import gzip
 import logging
 import os
 import random
 import re
 import struct
-import time
 import zipfile
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,7 +25,7 @@ from torch.utils.data import Dataset
 
 from distrain.errors import ConfigError, DataError
 from distrain.extras import require
-from distrain.runtime.files import atomic_write
+from distrain.runtime.files import atomic_write, exclusive_lock
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +135,7 @@ def load_dataset(
     seed: int = 0,
     cache_dir: str | os.PathLike[str] | None = None,
     context: int = 128,
+    tokenizer: str = "bytes",
 ) -> tuple[Any, Any]:
     """Load a data set by name and return its ``(train, test)`` halves.
 
@@ -150,6 +148,8 @@ def load_dataset(
             ``$DISTRAIN_CACHE`` or ``~/.cache/distrain``.
         context: tokens per window of ``text`` (:mod:`distrain.data.text`: byte-level, the
             Python standard library's sources unless ``path`` names a file or directory).
+        tokenizer: the tokens of ``text``: ``bytes``, or ``bpe:N`` (a byte-level BPE of ``N``
+            tokens trained on the training split; :mod:`distrain.data.tokenizer`).
 
     Example::
 
@@ -172,7 +172,7 @@ def load_dataset(
     if name == "text":
         from distrain.data.text import load_text
 
-        return load_text(path, context=context, cache_dir=cache_dir)
+        return load_text(path, context=context, cache_dir=cache_dir, tokenizer=tokenizer)
     if path is None:
         kind = "an .npz file" if name == "npz" else "a directory"
         raise ConfigError("--data-path", f"dataset {name!r} needs a path to {kind}")
@@ -204,7 +204,7 @@ def _load_mnist1d(
         # Without the package, stop before writing anything (not even the lock file).
         mnist1d_data = require("mnist1d.data", feature="--dataset mnist1d", setting="--dataset")
         directory.mkdir(parents=True, exist_ok=True)
-        with _exclusive_lock(cache.with_name(cache.name + ".lock")):
+        with exclusive_lock(cache.with_name(cache.name + ".lock"), _LOCK_TIMEOUT_S):
             # Another process may have written it while this one waited for the lock.
             arrays = _read_mnist1d_cache(cache, num_samples) if cache.exists() else None
             if arrays is None:
@@ -386,28 +386,6 @@ def _read_npz(file: Path) -> dict[str, np.ndarray]:
 def _atomic_savez(file: Path, **arrays: np.ndarray) -> None:
     """Write an ``.npz`` so that readers see either the old file or the complete new one."""
     atomic_write(file, lambda out: np.savez(out, **arrays))
-
-
-@contextlib.contextmanager
-def _exclusive_lock(lock_file: Path, timeout_s: float = _LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_file``; the lock file itself is left in place."""
-    # Deleting the lock file after use would let two processes lock two different inodes.
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise DataError(
-                        f"{lock_file}: still locked by another process after {timeout_s:.0f} s"
-                    ) from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,9 +6,11 @@ A path names a text file or a directory of text files (every regular file under 
 Every 20th file, in that order, is held out for validation (by whole files, so no window of the
 training set sees a validation file); a single file holds out its last 5%, cut at a line end.
 
-Tokens are the bytes themselves (a vocabulary of 256), cached as ``.npy`` arrays (memory-mapped
-when read back) under the data cache (``$DISTRAIN_CACHE`` or ``~/.cache/distrain``), named by
-the corpus's SHA-256, which ``config.json`` records with its size.
+Tokens are the bytes themselves (a vocabulary of 256), or with ``tokenizer="bpe:N"`` the ids of a
+byte-level BPE of ``N`` tokens trained on the training split (:mod:`distrain.data.tokenizer`).
+Both are cached as ``.npy`` arrays (memory-mapped when read back) under the data cache
+(``$DISTRAIN_CACHE`` or ``~/.cache/distrain``), named by the corpus's SHA-256 (and ``N``).
+Each split knows its ``tokens_per_byte``, so that a loss per token converts to bits per byte.
 
 A sample is a window of ``context + 1`` tokens: the input is its first ``context`` tokens, the
 target the ``context`` tokens after each. Windows do not overlap, and never cross from one split
@@ -33,8 +35,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from distrain.data.tokenizer import BPE, TokenizerSpec, parse_tokenizer, train_bpe
 from distrain.errors import ConfigError, DataError
-from distrain.runtime.files import atomic_write
+from distrain.runtime.files import atomic_write, exclusive_lock
 
 #: Byte-level tokens.
 VOCAB = 256
@@ -46,13 +49,20 @@ SKIPPED = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_te
 
 class TextWindows(Dataset):
     """Non-overlapping windows over a token array: item ``i`` is ``(tokens[i*C : i*C+C],
-    tokens[i*C+1 : i*C+C+1])`` for context ``C``."""
+    tokens[i*C+1 : i*C+C+1])`` for context ``C``.
 
-    def __init__(self, tokens: np.ndarray, context: int, info: dict[str, Any] | None = None) -> None:
+    ``text`` is the split's bytes (the tokens themselves for byte-level tokens): bits per byte
+    divide by its length, and the bigram baseline reads it.
+    """
+
+    def __init__(self, tokens: np.ndarray, context: int, info: dict[str, Any] | None = None, *,
+                 vocab: int = VOCAB, text: np.ndarray | None = None) -> None:
         if context < 1:
             raise ConfigError("--context", f"must be an integer >= 1, got {context!r}")
         self.tokens, self.context = tokens, int(context)
-        self.num_classes = VOCAB
+        self.num_classes = int(vocab)
+        self.text = tokens if text is None else text
+        self.tokens_per_byte = len(tokens) / max(len(self.text), 1)
         self.info = dict(info or {})
         self._n = max(0, (len(tokens) - 1) // self.context)
         if self._n == 0:
@@ -137,21 +147,62 @@ def _cached(path: Path, make: Any) -> np.ndarray:
 
 
 def load_text(path: str | os.PathLike[str] | None = None, *, context: int = 128,
-              cache_dir: str | os.PathLike[str] | None = None) -> tuple[TextWindows, TextWindows]:
-    """The corpus's ``(train, validation)`` windows of ``context`` byte tokens (see the module)."""
+              cache_dir: str | os.PathLike[str] | None = None,
+              tokenizer: str = "bytes") -> tuple[TextWindows, TextWindows]:
+    """The corpus's ``(train, validation)`` windows of ``context`` tokens (see the module);
+    ``tokenizer`` is ``bytes`` or ``bpe:N``."""
+    spec = parse_tokenizer(tokenizer)
     root, files = corpus_files(path)
     train_bytes, val_bytes, info = split_corpus(root, files)
     if not val_bytes:
         raise DataError("the text corpus left nothing for validation; give more text or more files")
-    base = _cache_dir(cache_dir) / f"text-{info['sha256'][:16]}"
+    base = _base(cache_dir, info)
     train = _cached(base.with_name(base.name + "-train.npy"), lambda: np.frombuffer(train_bytes, dtype=np.uint8))
     val = _cached(base.with_name(base.name + "-val.npy"), lambda: np.frombuffer(val_bytes, dtype=np.uint8))
-    return TextWindows(train, context, info), TextWindows(val, context, info)
+    if spec.kind == "bytes":
+        train_tokens, val_tokens, vocab = train, val, VOCAB
+    else:
+        bpe = _bpe(base, spec, train_bytes)
+        name = f"{base.name}-bpe{spec.vocab}"
+        train_tokens = _cached(base.with_name(name + "-train.npy"), lambda: bpe.encode(train_bytes))
+        val_tokens = _cached(base.with_name(name + "-val.npy"), lambda: bpe.encode(val_bytes))
+        vocab = bpe.vocab
+    info.update(tokenizer=str(spec), vocab=vocab, train_tokens=len(train_tokens), val_tokens=len(val_tokens))
+    return (TextWindows(train_tokens, context, info, vocab=vocab, text=train),
+            TextWindows(val_tokens, context, info, vocab=vocab, text=val))
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None = None, tokenizer: str = "bytes", *,
+                   cache_dir: str | os.PathLike[str] | None = None) -> BPE | None:
+    """The BPE a run with ``--tokenizer bpe:N`` on this corpus trained (from the cache, or trained
+    again the same way); None for byte-level tokens."""
+    spec = parse_tokenizer(tokenizer)
+    if spec.kind == "bytes":
+        return None
+    train_bytes, _, info = split_corpus(*corpus_files(path))
+    return _bpe(_base(cache_dir, info), spec, train_bytes)
+
+
+def _base(cache_dir: str | os.PathLike[str] | None, info: dict[str, Any]) -> Path:
+    return _cache_dir(cache_dir) / f"text-{info['sha256'][:16]}"
+
+
+def _bpe(base: Path, spec: TokenizerSpec, train_bytes: bytes) -> BPE:
+    """The corpus's BPE of ``spec.vocab`` tokens: from the cache, else trained on the training
+    bytes under a lock (concurrent runs train it once)."""
+    path = base.with_name(f"{base.name}-bpe{spec.vocab}.json")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(path.with_name(path.name + ".lock")):
+            if not path.exists():
+                return train_bpe([train_bytes], spec.vocab, path)
+    return BPE.load(path)
 
 
 def bigram_bpb(train: np.ndarray, val: np.ndarray) -> float:
     """Validation bits per byte of a bigram model fit on the training bytes (add-one smoothing):
-    the floor a language model of this text must beat."""
+    the floor a language model of this text must beat, whatever its tokenizer (it reads the
+    splits' bytes, :attr:`TextWindows.text`)."""
     train, val = np.asarray(train, dtype=np.int64), np.asarray(val, dtype=np.int64)
     counts = np.bincount(train[:-1] * VOCAB + train[1:], minlength=VOCAB * VOCAB).reshape(VOCAB, VOCAB) + 1.0
     log_p = np.log2(counts / counts.sum(1, keepdims=True))

@@ -22,7 +22,7 @@ def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
     if train_set is None:
         d = cfg.data
         train_set, _ = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed,
-                                    context=d.context)
+                                    context=d.context, tokenizer=d.tokenizer)
     n, world = len(train_set), cfg.cluster.workers
     if n == 0:
         raise DataError("the training set is empty")

@@ -7,10 +7,12 @@ data caches and shard files) goes through :func:`atomic_write`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -84,3 +86,26 @@ def _fsync_dir(directory: Path) -> None:
         logger.debug("cannot fsync directory %s: %s", directory, exc)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: str | os.PathLike[str], timeout_s: float = 600.0) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_file`` (e.g. while one process fills a cache that
+    others wait for); the lock file itself is left in place. DataError after ``timeout_s``."""
+    from distrain.errors import DataError
+
+    # Deleting the lock file after use would let two processes lock two different inodes.
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DataError(f"{lock_file}: still locked by another process after {timeout_s:.0f} s") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock

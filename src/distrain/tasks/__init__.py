@@ -8,8 +8,8 @@ the run's task.
     classification   cross-entropy over class logits; test accuracy and test loss
     regression       mean squared error over the output's values; test loss (the MSE)
     lm               next-token cross-entropy over ``[batch, context, vocab]`` logits, a sample's
-                     loss the mean over its tokens; test loss in nats per token and bits per token
-                     (``test_bpb``: bits per byte for byte-level tokens)
+                     loss the mean over its tokens; test loss in nats per token, and bits per byte
+                     (``test_bpb``: per token x the test set's ``tokens_per_byte``, 1 for bytes)
 
 Example::
 
@@ -120,7 +120,8 @@ class LanguageModel(Task):
     """Next-token prediction: logits ``[batch, context, vocab]`` against the next tokens
     ``[batch, context]``; a sample's loss is the mean of its tokens' cross-entropies (nats), so
     per-sample losses (adaptive compression) keep their meaning. ``test_bpb`` is the test loss
-    in bits per token, i.e. bits per byte for byte-level tokens."""
+    in bits per byte of text: bits per token times the test set's ``tokens_per_byte`` (1 for
+    byte-level tokens, fewer for BPE; a data set without the attribute counts 1)."""
 
     name = "lm"
     classes = True
@@ -130,8 +131,16 @@ class LanguageModel(Task):
         per_token = F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction="none")
         return per_token.view(target.shape).mean(-1)
 
-    def extra_metrics(self, test_loss: float) -> dict[str, float]:
-        return {"test_bpb": test_loss / math.log(2)}
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, dataset: Dataset, device: torch.device,
+                 batch_size: int = 1024) -> dict[str, float]:
+        metrics = super().evaluate(model, dataset, device, batch_size)
+        return {**metrics, "test_bpb": bits_per_byte(metrics["test_loss"], dataset)}
+
+
+def bits_per_byte(loss: float, dataset: Dataset) -> float:
+    """A loss in nats per token of ``dataset`` as bits per byte of its text (``tokens_per_byte``)."""
+    return loss / math.log(2) * float(getattr(dataset, "tokens_per_byte", 1.0))
 
 
 class UserLoss(Task):
@@ -172,4 +181,4 @@ def check_task_data(task: str, train_set: Dataset | None) -> None:
                                     "test_set, task='regression')); the built-in data sets are classification")
 
 
-__all__ = ["TASKS", "Classification", "LanguageModel", "LossFn", "Regression", "Task", "UserLoss", "build_task", "check_task_data"]
+__all__ = ["TASKS", "bits_per_byte", "Classification", "LanguageModel", "LossFn", "Regression", "Task", "UserLoss", "build_task", "check_task_data"]

@@ -56,7 +56,7 @@ from distrain.runtime.faults import (
 )
 from distrain.runtime.files import atomic_write
 from distrain.runtime.totals import RunTotals
-from distrain.tasks import LossFn, Task, build_task, check_task_data
+from distrain.tasks import LossFn, Task, bits_per_byte, build_task, check_task_data
 from distrain.train.metrics import (
     MetricsWriter,
     write_json_atomic,
@@ -86,7 +86,7 @@ def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | No
         return own, np.arange(len(own)), load_shard_dir_test(d.data_path)
     if train_set is None:
         train_set, test_set = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed,
-                                           context=d.context)
+                                           context=d.context, tokenizer=d.tokenizer)
     if test_set is None:
         raise DataError("a test set is required to evaluate the model")
     n = len(train_set)  # type: ignore[arg-type]
@@ -262,6 +262,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
     params = [p for p in model.parameters() if p.requires_grad]
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
+    tokens_per_sample = lm_tokens(task, sample_shape)
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
     model.train()
     opt.start()  # together: emulated bandwidth traces and asynchronous algorithms' clocks start now
@@ -329,6 +330,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             if leads(algorithm, transport):
                 measured = task.evaluate(eval_model, test_set, device)
                 record.update(measured)
+                if tokens_per_sample is not None and algorithm.synchronous and record["time"] > 0:
+                    record["tokens_per_s"] = (step + 1) * global_batch * tokens_per_sample / record["time"]
                 if not running:  # the trained (consensus) model, for distrain.fit and the user
                     save_model(run_dir / MODEL_FILE, eval_model)
                 accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
@@ -376,7 +379,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         algorithm.lost_workers, run.segment_wall_s,
-                        lm_figures(task, train_set, test_set, test_loss)) if leads(algorithm, transport) else None
+                        lm_figures(task, train_set, test_set, test_loss),
+                        tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
     control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
     if stop_at is not None:
         raise Interrupted(step)
@@ -431,27 +435,34 @@ def save_model(path: Path, model: torch.nn.Module) -> None:
 
 
 def lm_figures(task: Task, train_set: Dataset, test_set: Dataset, test_loss: float) -> dict[str, Any]:
-    """A language model's summary figures: validation loss (nats per token) and bits per token,
-    and, for text windows, the bits per byte of a bigram model of the training text on the
-    validation text (the floor to beat)."""
+    """A language model's summary figures: validation loss (nats per token) and bits per byte
+    (:func:`~distrain.tasks.bits_per_byte`), and, for text windows, the bits per byte of a
+    bigram model of the training bytes on the validation bytes (the floor to beat, the same for
+    every tokenizer)."""
     if task.name != "lm":
         return {}
-    figures: dict[str, Any] = {"final_val_loss": test_loss, "final_val_bpb": test_loss / math.log(2)}
-    if hasattr(train_set, "tokens") and hasattr(test_set, "tokens"):
+    figures: dict[str, Any] = {"final_val_loss": test_loss, "final_val_bpb": bits_per_byte(test_loss, test_set)}
+    if hasattr(train_set, "text") and hasattr(test_set, "text"):
         from distrain.data.text import bigram_bpb
 
-        figures["bigram_val_bpb"] = bigram_bpb(train_set.tokens, test_set.tokens)  # type: ignore[attr-defined]
+        figures["bigram_val_bpb"] = bigram_bpb(train_set.text, test_set.text)  # type: ignore[attr-defined]
     return figures
+
+
+def lm_tokens(task: Task, sample_shape: tuple[int, ...]) -> int | None:
+    """Training tokens in one sample of a language model (its window), else None."""
+    return int(sample_shape[0]) if task.name == "lm" and len(sample_shape) == 1 else None
 
 
 def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: int, total_steps: int,
               global_batch: int, accuracy: float | None, test_loss: float, time_to_target: float | None,
               eval_seconds: float, resume_step: int | None, interrupted: bool = False,
               lost_workers: dict[int, float] | None = None, segment_wall_s: list[float] | None = None,
-              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+              extra: dict[str, Any] | None = None, tokens_per_sample: int | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers,
     each ``[steps, samples, wall, compute, exposed comm, *sent per peer, *received per peer, cpu]``
-    (see :mod:`distrain.train.metrics` for the meaning of each field).
+    (see :mod:`distrain.train.metrics` for the meaning of each field). A language model's
+    ``tokens_per_sample`` adds ``tokens_per_s``: every worker's training tokens over the wall time.
 
     A resumed run's rows, times and ``segment_wall_s`` (each segment's training time) cover every
     segment of the run, not only the last; ``resumed_from_step`` is where the last one started.
@@ -489,6 +500,8 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         "lost_workers": {str(r): t for r, t in sorted((lost_workers or {}).items())},
         **(extra or {}),
     }
+    if tokens_per_sample is not None:
+        summary["tokens_per_s"] = samples * tokens_per_sample / wall if wall > 0 else None
     write_summary(run_dir / "summary.json", summary)
     return summary
 

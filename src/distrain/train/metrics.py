@@ -22,6 +22,11 @@ field                            kind         meaning
                                               may exceed the step's time
 ``loss``, ``lr``                 per step     training loss of the batch, learning rate
 ``test_accuracy``, ``test_loss`` at evals     the (consensus) model on the test set
+``test_bpb``                     at evals     language models: the test loss in bits per byte
+``tokens_per_s``                 at evals     language models, synchronous algorithms: every
+                                              worker's training tokens so far over ``time``
+                                 run total    (summary) every worker's training tokens over
+                                              ``wall_time_s``
 ``compute_s_per_worker``         run total    sum of ``compute_s``
 ``exposed_comm_s_per_worker``    run total    sum of ``exposed_comm_s``; with
                                               ``compute_s_per_worker`` it is at most
