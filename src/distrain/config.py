@@ -536,8 +536,10 @@ class TrainConfig:
     def apply_task_defaults(self) -> TrainConfig:
         """Set the task's own defaults (:data:`TASK_DEFAULTS`) of every setting not given."""
         for name, value in TASK_DEFAULTS.get(self.data.task_name(), {}).items():
-            if name not in self.given:
-                setattr(getattr(self, section_of(name)), name, value)
+            section = getattr(self, section_of(name))
+            # a value set straight on the section (not through ``set``) differs from the default
+            if name not in self.given and getattr(section, name) == getattr(type(section)(), name):
+                setattr(section, name, value)
         return self
 
     def validate(self) -> TrainConfig:
