@@ -89,12 +89,19 @@ def run_once(name: str, repeat: int, args: argparse.Namespace, tmp: Path) -> dic
     evals = run.evals()
     steps = summary["steps"]
     ratios = [m["compress_ratio"] for lines in run.metrics.values() for m in lines if "compress_ratio" in m]
+    by_epoch: dict[int, list[float]] = {}
+    for lines in run.metrics.values():
+        for m in lines:
+            if "importance" in m and "step" in m:
+                by_epoch.setdefault(min(int(m["epoch"] - 1e-9), int(args.epochs) - 1), []).append(m["importance"])
     return {
         "config": name, "repeat": repeat, "compress": CONFIGS[name], "run_dir": str(run_dir),
         "final_test_accuracy": summary["final_test_accuracy"],
         "wall_time_s": summary["wall_time_s"], "steps": steps,
         "bytes_per_worker_per_step": statistics.mean(b / steps for b in summary["bytes_sent_per_worker"]),
         "mean_ratio": statistics.mean(ratios) if ratios else None,
+        # the importance signal's mean per epoch, over every worker's steps: centred means ~1 throughout
+        "importance_by_epoch": [statistics.mean(by_epoch[e]) for e in sorted(by_epoch)],
         "accuracy_vs_time": [(round(float(m["time"]), 3), float(m["test_accuracy"])) for m in evals],
         "accuracy_vs_bytes": [(int(m["bytes_sent"]), float(m["test_accuracy"])) for m in evals],
         "load_before": os.getloadavg(), "started": started,
@@ -158,6 +165,8 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
             "median_wall_time_s": statistics.median(r["wall_time_s"] for r in mine),
             "median_bytes_per_worker_per_step": statistics.median(r["bytes_per_worker_per_step"] for r in mine),
             "mean_ratio": statistics.median(r["mean_ratio"] for r in mine if r["mean_ratio"] is not None),
+            "importance_by_epoch": [statistics.median(vals) for vals in zip(*(r["importance_by_epoch"] for r in mine), strict=False)]
+            if all(r["importance_by_epoch"] for r in mine) else None,
         }
         paired = [(fixed_runs[r["repeat"]], r) for r in mine if r["repeat"] in fixed_runs]
         ratios = [(time_to(f["accuracy_vs_time"], target), time_to(r["accuracy_vs_time"], target)) for f, r in paired]
