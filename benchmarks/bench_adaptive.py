@@ -9,9 +9,9 @@ alternately (one repeat of each, then the next):
 
 * ``fixed``: ``group_topk`` at the base ratio (0.01), its default groups (as adaptive's);
 * ``adaptive``: the default policy, ``adaptive:base=0.01:min=0.001:max=0.1`` (network signal,
-  ``beta=1``, spare bandwidth, importance off);
+  ``beta=0.5``, spare bandwidth, importance off);
 * ``importance``: the same with the importance signal on (``alpha=1``): the ablation;
-* not run unless named in ``--configs``: ``beta05`` (``beta=0.5``, a gentler response).
+* ``beta1``: the same with ``beta=1`` (bytes in proportion to the link's speed: a harder response).
 
 The statistics, fixed before the runs:
 
@@ -26,7 +26,7 @@ The statistics, fixed before the runs:
   repeats (``gap_at_equal_bytes_points``; the aim: >= 0). ``importance`` is also compared with
   ``adaptive`` the same way (does the importance signal help at equal bytes?).
 
-    python benchmarks/bench_adaptive.py                     # the acceptance run (~40 min)
+    python benchmarks/bench_adaptive.py                     # the acceptance run (~45 min)
     python benchmarks/bench_adaptive.py --repeats 1 --epochs 3 --configs fixed,adaptive
 
 Writes ``benchmarks/results/adaptive.json`` and PNGs under ``benchmarks/results/adaptive/``.
@@ -61,10 +61,9 @@ CONFIGS: dict[str, str] = {
     "fixed": "group_topk:0.01",
     "adaptive": f"adaptive:{BASE}",
     "importance": f"adaptive:{BASE}:alpha=1",
-    # not in the default set
-    "beta05": f"adaptive:{BASE}:beta=0.5",
+    "beta1": f"adaptive:{BASE}:beta=1",
 }
-DEFAULT_CONFIGS = "fixed,adaptive,importance"
+DEFAULT_CONFIGS = "fixed,adaptive,importance,beta1"
 #: Configurations every repeat runs; the others (the ablation) run in the first ``--ablation-repeats``.
 MAIN = ("fixed", "adaptive")
 #: The target: this fraction of fixed's final test accuracy (median over its repeats).

@@ -22,7 +22,7 @@ from distrain.compress.adaptive import (
 from distrain.compress.error_feedback import ErrorFeedback
 from distrain.errors import ConfigError
 
-SETTINGS = AdaptiveSettings(base=0.01, min=0.001, max=0.1)  # the defaults otherwise
+SETTINGS = AdaptiveSettings(base=0.01, min=0.001, max=0.1, beta=1)  # bytes in proportion to the link's speed
 LATENCY = 0.005
 COMPUTE = 0.05  # seconds of compute per step
 
@@ -63,7 +63,7 @@ def test_spec_builds_group_topk_with_error_feedback_and_round_trips():
     assert isinstance(compressor, ErrorFeedback) and isinstance(compressor.inner, AdaptiveGroupTopK)
     settings = compressor.inner.settings
     assert (settings.base, settings.min, settings.max, settings.alpha, settings.beta, settings.group) == (
-        0.02, 0.002, 0.2, 2.0, 1.0, 512)
+        0.02, 0.002, 0.2, 2.0, 0.5, 512)
     assert compressor.ratio == 0.02 and compressor.inner.group == 512
     assert parse_adaptive([], dict(p.split("=") for p in settings.spec().split(":")[1:])) == settings
     assert parse_adaptive(["0.05"]).base == 0.05
@@ -91,10 +91,11 @@ def test_bad_specs_are_one_line_config_errors(spec, needle):
 
 def test_default_policy_follows_the_link_and_leaves_importance_off():
     default = parse_adaptive([], {"base": "0.01", "min": "0.001", "max": "0.1"})
-    assert (default.alpha, default.beta, default.dead, default.spare) == (0.0, 1.0, 0.25, 0.1)
+    assert (default.alpha, default.beta, default.dead, default.spare) == (0.0, 0.5, 0.25, 0.1)
     assert policy_ratio(default, 1.0, 1.0) == pytest.approx(0.01)
     assert policy_ratio(default, 1.5, 1.0) == pytest.approx(0.01)  # importance off
-    assert policy_ratio(default, 1.0, 4.0) == pytest.approx(0.0025)  # bytes follow the link's speed
+    assert policy_ratio(default, 1.0, 4.0) == pytest.approx(0.005)  # 1 / sqrt(C)
+    assert policy_ratio(SETTINGS, 1.0, 4.0) == pytest.approx(0.0025)  # beta=1: bytes follow the link's speed
     assert policy_ratio(default, 1.0, 1e6) == pytest.approx(0.001)  # never below min
     assert policy_ratio(default, 1.0, 1.0, spare_ratio=0.05) == pytest.approx(0.05)
     assert policy_ratio(default, 1.0, 1.0, spare_ratio=0.5) == pytest.approx(0.1)  # never above max

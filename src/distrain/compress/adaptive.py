@@ -5,7 +5,8 @@ same error feedback, a different k on every worker and step), with the ratio::
 
     ratio = clip(max(base, spare ratio) * f(I) / g(C), min, max)
     f(I) = I ** alpha    (alpha = 0 by default: importance off, see below)
-    g(C) = C ** beta     (beta = 1 by default: the step's bytes follow the link's speed)
+    g(C) = C ** beta     (beta = 0.5 by default: halfway, in log terms, between keeping the
+                          step's bytes and keeping its communication time)
 
 **The link.** Every point-to-point message a worker sends is timed by the Transport (with the
 in-process link model, by the emulated link's delay). Over the messages of its last ``recent``
@@ -20,8 +21,10 @@ the last ``window`` steps (200) is the link's *idle* cost of a byte (its idle th
 zone: while it is below ``1 + dead`` (0.25), or while the extra time it costs a step (the slope's
 excess times the step's bytes) is below ``spare`` of the step's compute time. Timing noise
 therefore moves nothing; a link at a tenth of its idle speed reads ``C ~ 10`` within ``recent``
-steps and the worker sends ``1 / C ** beta`` of its uncongested ratio, which keeps the step's
-communication time near its idle value with ``beta = 1``. When the link recovers, C falls back
+steps and the worker sends ``1 / C ** beta`` of its uncongested ratio: about a third with the
+default ``beta = 0.5``; ``beta = 1`` keeps the step's communication time near its idle value,
+which saves more time per step and learns less per step (``benchmarks/BENCHMARKS.md`` has both).
+When the link recovers, C falls back
 to 1 as fast. A link that is slow but steady is not congested: it sends ``base``. Under
 all-reduce the workers share their C in the step's exchange (one value per worker rides with the
 dense one-dimensional part) and every worker answers to the largest: in a synchronous ring every
@@ -82,7 +85,7 @@ class AdaptiveSettings:
     min: float = 0.001
     max: float = 0.1
     alpha: float = 0.0
-    beta: float = 1.0
+    beta: float = 0.5
     dead: float = 0.25
     spare: float = 0.1
     recent: int = 5
