@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from distrain.config import (
+    AUTO,
     SECTIONS,
     TASK_DEFAULTS,
     TrainConfig,
@@ -52,9 +54,22 @@ def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = kind
+            kwargs["type"] = _or_auto(kind) if field.metadata.get("auto") else kind
             kwargs["metavar"] = field.name.split("_")[-1].upper()
         groups[section].add_argument(flag(field.name), **kwargs)
+
+
+def _or_auto(kind: type) -> Callable[[str], Any]:
+    """An argparse type: ``auto``, or a value of ``kind``."""
+    def parse(text: str) -> Any:
+        if text == AUTO:
+            return AUTO
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__} or {AUTO}, got {text!r}") from None
+
+    return parse
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -189,7 +204,9 @@ def format_summary(s: dict[str, Any]) -> str:
         final += f"\n  {'val bits per byte':<22}{s['final_val_bpb']:.3f}" + (
             f" (bigram model: {bigram:.3f})" if bigram is not None else "")
     lines = [
-        f"distrain {s['algorithm']}: {s['workers']} workers, {s['dataset']}/{s['model']}, {s['epochs']:g} epochs, global batch {s['global_batch']}",
+        f"distrain {s['algorithm']}: {s['workers']} workers, {s['dataset']}/{s['model']}"
+        + (f" ({s['model_parameters']:,} parameters)" if s.get("model_parameters") else "")
+        + f", {s['epochs']:g} epochs, global batch {s['global_batch']}",
         "",
         final,
         f"  {'time to ' + target:<22}{'not reached' if ttt is None else f'{ttt:.1f} s'}",

@@ -273,7 +273,8 @@ def run_comparison(grid: Grid, base: TrainConfig, *, echo: Callable[[str], None]
         echo(f"plots failed ({_one_line(exc)}); the numbers are in comparison.json")
     comparison["plots"] = [p.name for p in plots]
     _save(comparison, out)
-    comparison["table"] = format_table(rows, baseline=baseline, target=base.run.target_accuracy)
+    comparison["table"] = format_table(rows, baseline=baseline, target=base.run.target_accuracy,
+                                       target_loss=base.run.target_loss)
     comparison["files"] = [out / "comparison.json", out / "comparison.csv", *plots]
     return comparison
 
@@ -289,7 +290,9 @@ def _describe(record: dict[str, Any]) -> str:
         return f"failed after {record['elapsed_s']:.0f} s: {record['error']}"
     tta = record.get("time_to_target_s")
     accuracy = record.get("final_test_accuracy")
-    quality = f"accuracy {accuracy:.4f}" if accuracy is not None else f"test loss {record.get('final_test_loss', float('nan')):.4g}"
+    bpb = record.get("final_val_bpb")
+    quality = (f"accuracy {accuracy:.4f}" if accuracy is not None else f"val {bpb:.3f} bpb" if bpb is not None
+               else f"test loss {record.get('final_test_loss', float('nan')):.4g}")
     return (f"{quality}, wall {record['wall_time_s']:.1f} s, "
             f"{record['samples_per_s']:.0f} samples/s, {record['bytes_sent_per_worker_mean'] / 1e6:.2f} MB sent/worker, "
             f"target {'not reached' if tta is None else f'at {tta:.1f} s'} ({record['elapsed_s']:.0f} s in all)")

@@ -32,13 +32,23 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None) -> Any:
+#: The value a setting marked ``auto`` accepts besides its type: distrain chooses it during the run.
+AUTO = "auto"
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None,
+         *, auto: bool = False) -> Any:
     """A setting: its default, its help line, and its allowed values (the one place they are written).
 
     ``choices`` is a tuple, or a function returning the names of a registry (imported when asked,
-    so that this module imports no algorithm).
+    so that this module imports no algorithm). ``auto``: the setting also takes :data:`AUTO`.
     """
-    return field(default=default, metadata={"help": help, "choices": choices})
+    return field(default=default, metadata={"help": help, "choices": choices, "auto": auto})
+
+
+def takes_auto(name: str) -> bool:
+    """Whether the setting ``name`` accepts :data:`AUTO` besides its type."""
+    return bool(_FIELD_OF[name].metadata.get("auto"))
 
 
 def choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
@@ -445,7 +455,13 @@ class OuterConfig:
     """Local steps with an outer optimizer (--algorithm diloco): how often workers sync and how
     the averaged pseudo-gradient moves the shared parameters (see ``algorithms/diloco.py``)."""
 
-    sync_every: int = _opt(64, "diloco: inner steps each worker takes with its own optimizer between syncs (H)")
+    sync_every: int | str = _opt(64, "diloco: inner steps each worker takes with its own optimizer between syncs (H), "
+                                 "or auto: H follows the measured step and sync times so that syncing costs about "
+                                 "--comm-overhead of the compute, between --sync-every-min and --sync-every-max",
+                                 auto=True)
+    comm_overhead: float = _opt(0.1, "diloco with --sync-every auto: the share of compute time that syncing may cost")
+    sync_every_min: int = _opt(4, "diloco with --sync-every auto: the smallest H (and the first period's)")
+    sync_every_max: int = _opt(512, "diloco with --sync-every auto: the largest H")
     outer_optimizer: str = _opt("nesterov", "diloco: the optimizer of the shared parameters, stepping on the averaged "
                                 "pseudo-gradient (start - local): nesterov, or sgd (with --outer-lr 1 and "
                                 "--outer-momentum 0: model averaging, i.e. local SGD)", ("nesterov", "sgd"))
@@ -460,7 +476,18 @@ class OuterConfig:
 
     def validate(self) -> None:
         check_choices(self)
-        check_positive("sync_every", self.sync_every, integer=True)
+        if self.sync_every != AUTO:
+            check_positive("sync_every", self.sync_every, integer=True)
+        check_positive("comm_overhead", self.comm_overhead)
+        check_positive("sync_every_min", self.sync_every_min, integer=True)
+        check_positive("sync_every_max", self.sync_every_max, integer=True)
+        if self.sync_every_max < self.sync_every_min:
+            raise ConfigError("--sync-every-max", f"must be at least --sync-every-min ({self.sync_every_min}), got "
+                                                  f"{self.sync_every_max}")
+        if self.sync_every == AUTO and self.fragments != 1:
+            raise ConfigError("--sync-every", "auto changes the period as the run goes, which streaming fragments "
+                                              f"(each syncing at its own step of a fixed period) cannot follow; use "
+                                              f"--fragments 1 with it, or a number, got --fragments {self.fragments}")
         check_positive("fragments", self.fragments, integer=True)
         check_positive("overlap_steps", self.overlap_steps, integer=True, allow_zero=True)
         check_positive("merge_weight", self.merge_weight)
@@ -616,6 +643,7 @@ def leaf_fields() -> list[tuple[str, dataclasses.Field, type]]:
 
 _SECTION_OF = {f.name: section for section, f, _ in leaf_fields()}
 _TYPE_OF = {f.name: t for _, f, t in leaf_fields()}
+_FIELD_OF = {f.name: f for _, f, _ in leaf_fields()}
 
 
 def section_of(name: str, *, missing_ok: bool = False) -> str:
@@ -643,6 +671,8 @@ def coerce(name: str, value: Any) -> Any:
     value (JSON's ``2.0``) for an integer one. Anything else is one ConfigError line.
     """
     section_of(name)
+    if value == AUTO and takes_auto(name):
+        return AUTO
     annotation = _TYPE_OF[name]
     kind = base_type(annotation)
     if value is None:

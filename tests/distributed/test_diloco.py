@@ -265,3 +265,51 @@ def test_streaming_fragments_with_overlap_match_the_reference():
         assert r["bounds"] == [(0, 3), (3, 4)]
         torch.testing.assert_close(r["shared"], shared, rtol=0, atol=1e-6)
         torch.testing.assert_close(r["params"], local[rank], rtol=0, atol=1e-6)
+
+
+def test_auto_proposes_the_h_at_which_syncing_costs_the_overhead():
+    from distrain.algorithms.diloco import propose_sync_every
+
+    assert propose_sync_every(0.5, 0.01, 0.1, 4, 512, current=8) == 500  # 0.5 s = 10% of 500 steps of 10 ms
+    assert propose_sync_every(0.5, 0.01, 0.1, 4, 64, current=8) == 64  # bounded above
+    assert propose_sync_every(1e-4, 0.01, 0.1, 4, 64, current=8) == 4  # and below
+    assert propose_sync_every(None, 0.01, 0.1, 4, 64, current=8) == 8  # nothing measured yet: keep H
+    assert propose_sync_every(0.5, 0.0, 0.1, 4, 64, current=8) == 8
+
+
+def test_auto_settings_are_checked():
+    from distrain.cli import build_parser, config_from_args
+    from distrain.errors import ConfigError
+
+    cfg = config_from_args(build_parser().parse_args(["train", "--algorithm", "diloco", "--sync-every", "auto"]))
+    assert cfg.outer.sync_every == "auto" and (cfg.outer.sync_every_min, cfg.outer.sync_every_max) == (4, 512)
+    assert TrainConfig.from_dict({"algorithm": "diloco", "sync_every": 16}).validate().outer.sync_every == 16
+    for settings, flag in [({"sync_every": "Auto"}, "--sync-every"), ({"sync_every": "auto", "fragments": 2}, "--sync-every"),
+                           ({"sync_every": "auto", "overlap_steps": 4}, "--overlap-steps"),
+                           ({"sync_every_min": 8, "sync_every_max": 4}, "--sync-every-max"),
+                           ({"comm_overhead": 0}, "--comm-overhead")]:
+        with pytest.raises(ConfigError, match=flag):
+            TrainConfig.from_dict({"algorithm": "diloco", **settings}).validate()
+
+
+@pytest.mark.timeout(180)
+def test_auto_raises_h_on_a_slow_link_and_every_worker_follows_the_same_periods(tmp_path):
+    from distrain.launch import launch_local
+    from distrain.train.metrics import read_metrics
+    from tests.conftest import small_config
+
+    auto = {"algorithm": "diloco", "sync_every": "auto", "sync_every_min": 2, "sync_every_max": 64, "workers": 2,
+            "epochs": 5}
+    finals = {}
+    for name, network in (("fast", {}), ("slow", {"bandwidth": "500kbit", "latency": "5ms"})):
+        summary = launch_local(small_config(str(tmp_path / name), **auto, **network))
+        lines = {r: [m for m in read_metrics(tmp_path / name, r) if "step" in m] for r in range(2)}
+        # the workers agree on every period: the same H and the same outer steps at every step
+        assert [(m["sync_every"], m["outer_steps"]) for m in lines[0]] == [(m["sync_every"], m["outer_steps"]) for m in lines[1]]
+        hs = [m["sync_every"] for m in lines[0]]
+        assert hs[0] == 2 and all(2 <= h <= 64 for h in hs)
+        finals[name] = hs[-1]
+        assert summary["steps"] == len(lines[0])
+    # a sync of the 2.4k-parameter model at 500 kbit/s takes ~80 ms against ~1 ms of compute a step:
+    # 10% overhead needs H ~ 800, so the largest allowed; on loopback the sync costs next to nothing
+    assert finals["slow"] == 64 and finals["fast"] < 64, finals

@@ -40,6 +40,7 @@ def test_a_gpt_trains_on_the_local_text_corpus(tmp_path, capsys):
     # the trained model is in the run directory and scores on the validation text what the summary says
     model = build_model("gpt", (32,), 256, width=32, depth=1, size="nano")
     model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+    assert config["model_parameters"] == sum(p.numel() for p in model.parameters())
     _, val = load_dataset("text", context=32, cache_dir=tmp_path / "cache")
     measured = build_task("lm").evaluate(model, val, torch.device("cpu"))
     assert measured["test_loss"] == pytest.approx(summary["final_test_loss"], rel=1e-5)

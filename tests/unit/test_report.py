@@ -102,7 +102,8 @@ def test_make_plots_writes_every_plot_the_metrics_support(runs_dir: Path, tmp_pa
     files = make_plots(group_by_label(load_runs([runs_dir])), tmp_path / "out")
     names = sorted(p.name for p in files)
     assert names == ["accuracy_vs_epoch.png", "accuracy_vs_time.png", "bytes_sent_per_worker.png",
-                     "compression_ratio.png", "consensus_distance.png", "loss_vs_time.png", "throughput_per_worker.png"]
+                     "compression_ratio.png", "consensus_distance.png", "loss_vs_time.png", "quality_vs_bytes.png",
+                     "throughput_per_worker.png"]
     for path in files:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
@@ -111,7 +112,8 @@ def test_optional_plots_left_out_without_their_metrics(tmp_path: Path) -> None:
     make_run(tmp_path / "runs" / "a")
     files, table = report([tmp_path / "runs" / "a"])
     assert sorted(p.name for p in files) == ["accuracy_vs_epoch.png", "accuracy_vs_time.png",
-                                             "bytes_sent_per_worker.png", "loss_vs_time.png", "throughput_per_worker.png"]
+                                             "bytes_sent_per_worker.png", "loss_vs_time.png", "quality_vs_bytes.png",
+                                             "throughput_per_worker.png"]
     assert all(p.parent == tmp_path / "runs" / "a" / "report" for p in files)  # a single run's report stays in it
     assert "allreduce (baseline)" in table and "90.0" in table
 
@@ -184,3 +186,26 @@ def test_loss_quantiles_match_torch_quantile(n: int) -> None:
     losses = torch.rand(n, generator=torch.Generator().manual_seed(n)) * 5
     expected = torch.quantile(losses, torch.tensor(LOSS_QUANTILES)).tolist()
     assert loss_quantiles(losses) == pytest.approx(expected, rel=1e-3)
+
+
+def test_language_model_runs_show_bits_per_byte_against_time_and_bytes(tmp_path: Path) -> None:
+    from distrain.report.plots import quality_of
+    from distrain.report.runs import load_run
+
+    for name, end in (("a", 2.9), ("b", 3.1)):
+        run_dir = tmp_path / "runs" / name
+        summary = make_run(run_dir, compress="none" if name == "a" else "int8")
+        path = run_dir / "metrics" / "rank0.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        for m in lines:  # a language model's evaluations: bits per byte, no accuracy
+            if m.pop("test_accuracy", None) is not None:
+                m["test_bpb"] = 4.0 - m["step"] / 10
+        path.write_text("\n".join(json.dumps(m) for m in lines) + "\n")
+        summary.update(final_test_accuracy=None, final_val_bpb=end, target_loss=2.0)
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    assert quality_of(load_run(tmp_path / "runs" / "a", label="a")) == ("test_bpb", "validation bits per byte")
+    files, table = report([tmp_path / "runs"])
+    assert "quality_vs_bytes.png" in [p.name for p in files]
+    header = table.splitlines()[0]
+    assert "val bpb" in header and "final acc" not in header and "time to loss 2" in header
+    assert "2.900" in table and "3.100" in table

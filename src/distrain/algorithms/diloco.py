@@ -24,6 +24,15 @@ sync, and the result is merged into the fragment as the worker has it then:
 ``local = w * shared + (1 - w) * local`` (``--merge-weight w``, 0.5). With T = 0 the fragment
 takes the shared parameters (w = 1).
 
+``--sync-every auto`` lets the run choose H: at every sync the workers measure how long the last
+exchange took (the emulated link's delay where the link model times it, else its measured time)
+and how long an inner step computed, each proposes ``ceil(sync / (overhead * step))`` within
+``--sync-every-min`` and ``--sync-every-max`` (``--comm-overhead``: 0.1, syncing costs a tenth of
+the compute), and all take the mean of the proposals (one all-reduce of a number), so that H
+follows the network as a bandwidth trace changes it. The first period is ``--sync-every-min``
+steps; every period's H is in the metrics (``sync_every``, ``sync_seconds``). It needs
+``--fragments 1``.
+
 With ``--compress`` the pseudo-gradient is compressed before it is exchanged (``int8`` and
 ``int4`` block quantization, ``fp16``/``bf16``, ``topk``/``group_topk``/``randomk``, ``qsgd``),
 with error feedback (``--error-feedback on``, the default): what a worker's pseudo-gradient
@@ -48,6 +57,8 @@ Example::
 from __future__ import annotations
 
 import copy
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +70,25 @@ from distrain.compress.base import CompressInfo
 from distrain.compress.collective import allreduce_compressed
 from distrain.compress.registry import build_compressor
 from distrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: ``--sync-every auto`` (the value ``distrain.config.AUTO``; the algorithms do not import the config)
+AUTO = "auto"
+
+
+def propose_sync_every(sync_seconds: float | None, step_seconds: float | None, overhead: float, low: int, high: int,
+                       *, current: int) -> int:
+    """The H at which an exchange of ``sync_seconds`` costs ``overhead`` of the compute of H
+    steps of ``step_seconds`` each: ``ceil(sync / (overhead * step))``, within [low, high];
+    ``current`` while either time is unknown.
+
+        >>> propose_sync_every(0.5, 0.01, 0.1, 4, 512, current=4)   # 0.5 s against 1 ms of a step's 10 ms
+        500
+    """
+    if not sync_seconds or not step_seconds or step_seconds <= 0:
+        return current
+    return min(high, max(low, math.ceil(sync_seconds / (overhead * step_seconds))))
 
 
 def fragment_bounds(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
@@ -97,6 +127,11 @@ class DiLoCo(Algorithm):
     def check_config(cls, config: Any) -> None:
         super().check_config(config)
         o = config.outer
+        if o.sync_every == AUTO:
+            if o.overlap_steps >= o.sync_every_min:
+                raise ConfigError("--overlap-steps", f"must be less than --sync-every-min ({o.sync_every_min}) with "
+                                                     f"--sync-every auto, got {o.overlap_steps}")
+            return
         if o.fragments > o.sync_every:
             raise ConfigError("--fragments", f"must be at most --sync-every ({o.sync_every}): each fragment syncs at "
                                              f"its own step of the period, got {o.fragments}")
@@ -108,7 +143,16 @@ class DiLoCo(Algorithm):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         outer = config.outer
-        self.sync_every = int(outer.sync_every)
+        #: ``--sync-every auto``: H follows the measured step and sync times (see :meth:`_next_period`)
+        self.auto = outer.sync_every == AUTO
+        self.sync_every = int(outer.sync_every_min) if self.auto else int(outer.sync_every)
+        self.comm_overhead = float(outer.comm_overhead)
+        self.h_min, self.h_max = int(outer.sync_every_min), int(outer.sync_every_max)
+        self.next_sync = self.sync_every  # auto: the inner step of the next sync
+        self._period_compute = 0.0  # compute seconds of the inner steps since the last sync
+        self._sync_seconds: float | None = None  # how long the last completed exchange took
+        self._step_seconds: float | None = None  # compute seconds per inner step of the last period
+        self._recorded_at_sync = 0  # transport.stats.recorded when the pending exchange started
         self.nesterov = outer.outer_optimizer == "nesterov"
         self.outer_lr, self.outer_momentum = float(outer.outer_lr), float(outer.outer_momentum)
         self.fragments_wanted, self.overlap = int(outer.fragments), int(outer.overlap_steps)
@@ -166,14 +210,38 @@ class DiLoCo(Algorithm):
 
     def after_update(self, ctx: StepContext) -> None:
         self.inner_steps += 1
+        self._period_compute += ctx.compute_seconds
         if self.adaptive is not None:
             self.adaptive.observe_losses(ctx.per_sample_losses)
             self._compute_since_sync += ctx.compute_seconds
         last = self.inner_steps == self.total_steps
         for i, offset in enumerate(self.offsets):
-            if self.inner_steps % self.sync_every == offset or (last and self.inner_steps > self.synced_at[i]):
+            due = self.inner_steps >= self.next_sync if self.auto else self.inner_steps % self.sync_every == offset
+            if due or (last and self.inner_steps > self.synced_at[i]):
+                if self.auto and due:
+                    self._next_period()
                 self._start_sync(i)
         self._apply_due(flush=last)
+
+    def _next_period(self) -> None:
+        """``--sync-every auto``, at a sync: the workers agree on the next period's H from the last
+        completed exchange's duration and this period's compute per step, so that syncing costs
+        about ``--comm-overhead`` of the compute (bounded by ``--sync-every-min/max``). Every
+        worker proposes its H and they take the mean (one all-reduce of a number), so all agree."""
+        assert self.transport is not None
+        steps = max(1, self.inner_steps - max(self.synced_at))
+        self._step_seconds = self._period_compute / steps
+        self._period_compute = 0.0
+        wanted = propose_sync_every(self._sync_seconds, self._step_seconds, self.comm_overhead, self.h_min, self.h_max,
+                                    current=self.sync_every)
+        proposals = torch.tensor([float(wanted)], dtype=torch.float64)
+        self.transport.all_reduce(proposals).wait()
+        agreed = min(self.h_max, max(self.h_min, round(float(proposals[0]) / self.transport.world_size)))
+        if agreed != self.sync_every:
+            log.info("diloco: H %d -> %d (last sync %.3f s, %.4f s of compute a step)", self.sync_every, agreed,
+                     self._sync_seconds or 0.0, self._step_seconds)
+        self.sync_every = agreed
+        self.next_sync = self.inner_steps + agreed
 
     def _start_sync(self, fragment: int) -> None:
         """Start averaging ``fragment``'s pseudo-gradient; its outer step is applied when due."""
@@ -182,6 +250,7 @@ class DiLoCo(Algorithm):
         local = self._local(fragment)
         delta = self.shared[lo:hi].to(local.device, local.dtype) - local
         handle = None
+        self._recorded_at_sync = self.transport.stats.recorded
         if self.compressor is None:
             handle = self.transport.all_reduce(delta)
         else:
@@ -214,6 +283,8 @@ class DiLoCo(Algorithm):
         assert self.transport is not None
         if pending.handle is not None:
             pending.handle.wait()
+        if self.auto:
+            self._sync_seconds = self._exchange_seconds()
         i = pending.fragment
         lo, hi = self.bounds[i]
         delta = pending.delta.div(self.transport.world_size).to("cpu", torch.float32)
@@ -238,6 +309,15 @@ class DiLoCo(Algorithm):
                 else:
                     p.mul_(1.0 - w).add_(shared, alpha=w)
         self.outer_steps += 1
+
+    def _exchange_seconds(self) -> float:
+        """How long the exchange started at the last sync took: the emulated link's delay of its
+        messages where the link model times them, else their measured time (start to completion)."""
+        assert self.transport is not None
+        stats = self.transport.stats
+        new = min(stats.recorded - self._recorded_at_sync, len(stats.exchanges))
+        recent = list(stats.exchanges)[len(stats.exchanges) - new:] if new > 0 else []
+        return sum(e.link_seconds if e.link_seconds is not None else e.seconds for e in recent)
 
     def end(self) -> None:
         """A stop between syncs (SIGTERM, or a user loop that ends mid-period): sync what moved
@@ -264,12 +344,16 @@ class DiLoCo(Algorithm):
 
     def metrics(self) -> dict[str, float]:
         out = {"outer_steps": self.outer_steps, "pseudo_gradient_norm": self._last_delta_norm}
+        if self.auto:
+            out["sync_every"] = self.sync_every
+            if self._sync_seconds is not None:
+                out["sync_seconds"] = self._sync_seconds
         if self.adaptive is not None:
             out.update(self.adaptive.metrics(), compress_ratio=self._last_ratio)
         return out
 
     def info(self) -> dict[str, Any]:
-        return {"sync_every": self.sync_every, "outer_optimizer": "nesterov" if self.nesterov else "sgd",
+        return {"sync_every": AUTO if self.auto else self.sync_every, "outer_optimizer": "nesterov" if self.nesterov else "sgd",
                 "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
                 "fragments": [hi - lo for lo, hi in self.bounds], "fragment_sync_offsets": self.offsets,
                 "overlap_steps": self.overlap, "merge_weight": self.merge_weight,
@@ -286,6 +370,7 @@ class DiLoCo(Algorithm):
             "shared": self.shared.clone(), "buffer": self.buffer.clone(),
             "has_buffer": torch.tensor(self.has_buffer, dtype=torch.bool), "inner_steps": self.inner_steps,
             "synced_at": torch.tensor(self.synced_at, dtype=torch.int64), "outer_steps": self.outer_steps,
+            "sync_every": self.sync_every, "next_sync": self.next_sync,
             "pending": [{"fragment": p.fragment, "due": p.due, "delta": p.delta.detach().cpu().clone()}
                         for p in self._pending],
         }
@@ -299,6 +384,8 @@ class DiLoCo(Algorithm):
         self.has_buffer = [bool(v) for v in state["has_buffer"].tolist()]
         self.synced_at = [int(v) for v in state["synced_at"].tolist()]
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
+        if self.auto and "next_sync" in state:
+            self.sync_every, self.next_sync = int(state["sync_every"]), int(state["next_sync"])
         device = self.params[0].device if self.params else torch.device("cpu")
         self._pending = [_Pending(int(p["fragment"]), int(p["due"]), p["delta"].to(device), None)
                          for p in state.get("pending", [])]

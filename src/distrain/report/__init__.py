@@ -58,7 +58,8 @@ def report(paths: Iterable[str | Path], out_dir: str | Path | None = None,
     if baseline is not None and baseline not in groups:
         raise ConfigError("--baseline", f"names no configuration; choose one of: {', '.join(groups)}")
     label = baseline or next(iter(groups))
-    return files, format_table(rows_of(groups, label), baseline=label, target=target)
+    return files, format_table(rows_of(groups, label), baseline=label, target=target,
+                               target_loss=runs[0].summary.get("target_loss"))
 
 
 __all__ = ["RunData", "add_speedups", "config_row", "format_table", "group_by_label", "group_runs", "load_run", "load_runs",

@@ -124,6 +124,33 @@ def plot_accuracy(groups: Groups, x: str, path: str | Path) -> Path | None:
                   xlabel=xlabel, ylabel="test accuracy (%)")
 
 
+def quality_of(run: RunData) -> tuple[str, str] | None:
+    """(metric, axis label) a run's evaluations are judged by: test accuracy, else validation
+    bits per byte (a language model), else test loss; None without evaluations."""
+    for metric, label in (("test_accuracy", "test accuracy (%)"), ("test_bpb", "validation bits per byte"),
+                          ("test_loss", "test loss")):
+        if run.evals(metric):
+            return metric, label
+    return None
+
+
+def plot_quality_vs_bytes(groups: Groups, path: str | Path) -> Path | None:
+    """Test accuracy (or a language model's validation bits per byte, or test loss) against the
+    bytes worker 0 had sent at each evaluation: what a configuration buys per byte."""
+    kinds = {q for runs in groups.values() for r in runs if (q := quality_of(r)) is not None}
+    if len(kinds) != 1:  # nothing evaluated, or runs judged by different measures
+        return None
+    metric, ylabel = kinds.pop()
+    scale = 100.0 if metric == "test_accuracy" else 1.0
+
+    def curve(run: RunData) -> list[tuple[float, float]]:
+        return sorted((float(m["bytes_sent"]) / 1e6, scale * float(m[metric])) for m in run.evals(metric)
+                      if "bytes_sent" in m)
+
+    title = "Test accuracy" if metric == "test_accuracy" else "Validation bits per byte" if metric == "test_bpb" else "Test loss"
+    return _lines(groups, curve, path, title=f"{title} vs bytes sent", xlabel="MB sent by worker 0", ylabel=ylabel)
+
+
 def plot_metric(groups: Groups, key_of: Callable[[RunData], str | None], path: str | Path, *, title: str,
                 ylabel: str, logy: bool = False) -> Path | None:
     """A per-step metric (mean over workers) against wall time; None when no run records it."""
@@ -298,6 +325,7 @@ def make_plots(groups: Groups, out_dir: str | Path) -> list[Path]:
         plot_accuracy(groups, "time", out / "accuracy_vs_time.png"),
         plot_accuracy(groups, "epoch", out / "accuracy_vs_epoch.png"),
         plot_loss(groups, out / "loss_vs_time.png"),
+        plot_quality_vs_bytes(groups, out / "quality_vs_bytes.png"),
         plot_per_worker_bars(groups, "bytes_sent_per_worker", out / "bytes_sent_per_worker.png", scale=1e-6,
                              title="Bytes sent per worker (whole run)", ylabel="sent (MB)"),
         plot_per_worker_bars(groups, "samples_per_s_per_worker", out / "throughput_per_worker.png",

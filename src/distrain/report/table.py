@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 #: Per-run numbers copied from summary.json, and how they are aggregated.
-RUN_KEYS = ("final_test_accuracy", "time_to_target_s", "wall_time_s", "samples_per_s")
+RUN_KEYS = ("final_test_accuracy", "final_val_bpb", "time_to_target_s", "wall_time_s", "samples_per_s")
 CSV_COLUMNS = (
     "label", "kind", "algorithm", "compress", "network", "status", "repeats_ok", "repeats",
     "final_test_accuracy_mean", "final_test_accuracy_min", "final_test_accuracy_max",
+    "final_val_bpb_mean", "final_val_bpb_min", "final_val_bpb_max",
     "time_to_target_s_mean", "time_to_target_s_min", "time_to_target_s_max", "target_reached",
     "wall_time_s_mean", "samples_per_s_mean", "samples_per_s_min", "samples_per_s_max",
     "bytes_sent_per_worker_mean", "bytes_received_per_worker_mean",
@@ -104,11 +105,19 @@ def _range(s: dict[str, float | None], spec: str, scale: float = 1.0) -> str:
     return text
 
 
-def format_table(rows: list[dict[str, Any]], baseline: str | None = None, target: float | None = None) -> str:
-    """The comparison as a text table (means; [min-max] over repeats when they differ)."""
-    tta_name = f"time to {target:.0%}" if target else "time to target"
-    header = ["configuration", "status", "final acc (%)", tta_name, "samples/s", "MB sent/worker",
-              "speed-up (tta)", "speed-up (samples/s)"]
+def format_table(rows: list[dict[str, Any]], baseline: str | None = None, target: float | None = None,
+                 target_loss: float | None = None) -> str:
+    """The comparison as a text table (means; [min-max] over repeats when they differ). Language
+    models (runs with ``final_val_bpb`` and no accuracy) show validation bits per byte instead of
+    accuracy, and the time to ``target_loss``."""
+    lm = any(r.get("final_val_bpb", {}).get("mean") is not None for r in rows) and all(
+        r.get("final_test_accuracy", {}).get("mean") is None for r in rows)
+    if lm:
+        tta_name = f"time to loss {target_loss:g}" if target_loss is not None else "time to target"
+    else:
+        tta_name = f"time to {target:.0%}" if target else "time to target"
+    header = ["configuration", "status", "val bpb" if lm else "final acc (%)", tta_name, "samples/s",
+              "MB sent/worker", "speed-up (tta)", "speed-up (samples/s)"]
     body = []
     for r in rows:
         if r["status"] == "skipped":
@@ -121,7 +130,7 @@ def format_table(rows: list[dict[str, Any]], baseline: str | None = None, target
         status = r["status"] if r["repeats"] <= 1 else f"{r['status']} {r['repeats_ok']}/{r['repeats']}"
         body.append([
             r["label"] + (" (baseline)" if r["label"] == baseline else ""), status,
-            _range(r["final_test_accuracy"], ".1f", 100.0), tta_text,
+            _range(r["final_val_bpb"], ".3f") if lm else _range(r["final_test_accuracy"], ".1f", 100.0), tta_text,
             _range(r["samples_per_s"], ".0f"), _range(r["bytes_sent_per_worker"], ".2f", 1e-6),
             _fmt(r.get("speedup_time_to_target"), ".2f") + ("x" if r.get("speedup_time_to_target") else ""),
             _fmt(r.get("speedup_samples_per_s"), ".2f") + ("x" if r.get("speedup_samples_per_s") else ""),

@@ -42,7 +42,7 @@ from distrain.data.sampler import ShardSampler
 from distrain.distributed import DistributedOptimizer
 from distrain.emulation import NetworkSettings
 from distrain.errors import ConfigError, DataError
-from distrain.models import build_model
+from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
 from distrain.runtime.checkpoint import CheckpointStore, check_compatible, planned_steps
@@ -231,6 +231,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
             "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": resume_step,
             "algorithm_info": algorithm.info(), "network_bits_per_s": NetworkSettings.from_config(cfg.network).bits_per_s(),
+            "model_parameters": count_parameters(model),
         })
 
     def counters(step: int, wall: float | None = None, cpu: float | None = None) -> list[float]:
@@ -379,7 +380,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         algorithm.lost_workers, run.segment_wall_s,
-                        lm_figures(task, train_set, test_set, test_loss),
+                        {**lm_figures(task, train_set, test_set, test_loss), "model_parameters": count_parameters(model)},
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
     control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
     if stop_at is not None:
