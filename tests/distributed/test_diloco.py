@@ -3,6 +3,9 @@ references computed here (real gloo processes)."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import statistics
 from typing import Any
 
 import pytest
@@ -294,22 +297,37 @@ def test_auto_settings_are_checked():
 
 @pytest.mark.timeout(180)
 def test_auto_raises_h_on_a_slow_link_and_every_worker_follows_the_same_periods(tmp_path):
+    from distrain.algorithms.diloco import propose_sync_every
     from distrain.launch import launch_local
     from distrain.train.metrics import read_metrics
     from tests.conftest import small_config
 
-    auto = {"algorithm": "diloco", "sync_every": "auto", "sync_every_min": 2, "sync_every_max": 64, "workers": 2,
-            "epochs": 5}
-    finals = {}
-    for name, network in (("fast", {}), ("slow", {"bandwidth": "500kbit", "latency": "5ms"})):
-        summary = launch_local(small_config(str(tmp_path / name), **auto, **network))
+    low, high, overhead = 2, 64, 1.0
+    auto = {"algorithm": "diloco", "sync_every": "auto", "sync_every_min": low, "sync_every_max": high,
+            "comm_overhead": overhead, "workers": 2, "epochs": 5, "latency": "1ms"}
+    syncs, finals = {}, {}
+    for name, bandwidth in (("fast", "100mbit"), ("slow", "500kbit")):
+        summary = launch_local(small_config(str(tmp_path / name), **auto, bandwidth=bandwidth))
         lines = {r: [m for m in read_metrics(tmp_path / name, r) if "step" in m] for r in range(2)}
+        assert summary["steps"] == len(lines[0])
         # the workers agree on every period: the same H and the same outer steps at every step
         assert [(m["sync_every"], m["outer_steps"]) for m in lines[0]] == [(m["sync_every"], m["outer_steps"]) for m in lines[1]]
-        hs = [m["sync_every"] for m in lines[0]]
-        assert hs[0] == 2 and all(2 <= h <= 64 for h in hs)
-        finals[name] = hs[-1]
-        assert summary["steps"] == len(lines[0])
-    # a sync of the 2.4k-parameter model at 500 kbit/s takes ~80 ms against ~1 ms of compute a step:
-    # 10% overhead needs H ~ 800, so the largest allowed; on loopback the sync costs next to nothing
-    assert finals["slow"] == 64 and finals["fast"] < 64, finals
+        assert lines[0][0]["sync_every"] == low and all(low <= m["sync_every"] <= high for m in lines[0])
+        # at each sync, each worker proposes from the exchange before and this period's compute,
+        # and the next period is the mean of the proposals
+        at_sync = [i for i, m in enumerate(lines[0]) if i and m["outer_steps"] > lines[0][i - 1]["outer_steps"]]
+        at_sync = [i for i in at_sync if i < len(lines[0]) - 1]  # the last step's flush chooses nothing
+        assert len(at_sync) >= 3
+        for before, now in itertools.pairwise(at_sync):  # the first sync had no exchange before it to measure
+            proposals = [propose_sync_every(lines[r][before]["sync_seconds"], lines[r][now]["step_seconds"], overhead, low,
+                                            high, current=lines[r][before]["sync_every"]) for r in range(2)]
+            assert [lines[r][now]["sync_every_proposed"] for r in range(2)] == proposals
+            assert lines[0][now]["sync_every"] == min(high, max(low, round(sum(proposals) / 2)))
+        syncs[name] = statistics.median(m["sync_seconds"] for m in lines[0] if "sync_seconds" in m)
+        finals[name] = lines[0][-1]["sync_every"]
+        params = json.loads((tmp_path / name / "config.json").read_text())["model_parameters"]
+    # the link model times each exchange: a ring all-reduce of 2 workers is 2 rounds, each half the
+    # float32 parameters over the link plus one latency; H follows, to the largest allowed when slow
+    for name, rate in (("fast", 100e6 / 8), ("slow", 500e3 / 8)):
+        assert syncs[name] == pytest.approx(2 * (params * 4 / 2 / rate + 0.001), rel=0.05), (name, syncs)
+    assert finals["slow"] == high and finals["fast"] < finals["slow"], finals

@@ -44,7 +44,7 @@ def test_compare_two_configurations(tmp_path: Path) -> None:
     assert float(rows[1]["samples_per_s_mean"]) == pytest.approx(runs["ddp"]["samples_per_s"])
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["accuracy_vs_epoch.png", "accuracy_vs_time.png", "bytes_sent_per_worker.png",
-                    "loss_distribution.png", "loss_vs_time.png", "throughput_per_worker.png"]  # every run logs its loss quantiles
+                    "loss_distribution.png", "loss_vs_time.png", "quality_vs_bytes.png", "throughput_per_worker.png"]  # every run logs its loss quantiles
     assert all((out / p).stat().st_size > 10_000 for p in pngs)
 
     # Same data, seed, schedule and averaging: DDP must follow distrain's all-reduce step by step.

@@ -17,7 +17,7 @@ def test_report_plots_a_real_run(tmp_path: Path) -> None:
     res = distrain("report", str(run), "--out", str(tmp_path / "plots"))
     assert res.returncode == 0, res.stderr[-3000:]
     expected = ["accuracy_vs_epoch.png", "accuracy_vs_time.png", "bytes_sent_per_worker.png", "loss_distribution.png",
-                "loss_vs_time.png", "throughput_per_worker.png"]
+                "loss_vs_time.png", "quality_vs_bytes.png", "throughput_per_worker.png"]
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == expected
     for name in expected:
         assert (tmp_path / "plots" / name).stat().st_size > 10_000

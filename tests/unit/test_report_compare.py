@@ -79,7 +79,7 @@ def test_grid_runs_in_order_with_skips_and_failures(tmp_path: Path, fake_launch:
     with open(tmp_path / "cmp" / "comparison.csv") as f:
         assert [line["status"] for line in csv.DictReader(f)] == ["ok", "ok", "skipped", "ok", "ok", "failed", "skipped", "ok"]
     assert sorted(saved["plots"]) == ["accuracy_vs_epoch.png", "accuracy_vs_time.png", "bytes_sent_per_worker.png",
-                                      "loss_vs_time.png", "throughput_per_worker.png"]
+                                      "loss_vs_time.png", "quality_vs_bytes.png", "throughput_per_worker.png"]
     table = comparison["table"]
     assert "allreduce @lan (baseline)" in table and "skipped" in table and "failed 0/2" in table
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,23 @@ class StepContext:
     per_sample_losses: torch.Tensor | None = None
     compute_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: The hook tables of a module that a copy for evaluation must not carry (a hook is usually a bound
+#: method of whatever drives training: copying it would copy that, transports and threads included).
+HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def copy_module(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model``'s modules, parameters and buffers, without its hooks."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for name in HOOK_TABLES:
+            table = getattr(module, name, None)
+            if table is not None:
+                memo[id(table)] = type(table)()
+    return copy.deepcopy(model, memo)
 
 
 class Algorithm:

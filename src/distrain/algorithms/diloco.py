@@ -56,7 +56,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ from typing import Any
 
 import torch
 
-from distrain.algorithms.base import Algorithm, StepContext
+from distrain.algorithms.base import Algorithm, StepContext, copy_module
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo
 from distrain.compress.collective import allreduce_compressed
@@ -153,6 +152,7 @@ class DiLoCo(Algorithm):
         self._sync_seconds: float | None = None  # how long the last completed exchange took
         self._step_seconds: float | None = None  # compute seconds per inner step of the last period
         self._recorded_at_sync = 0  # transport.stats.recorded when the pending exchange started
+        self._proposed: int | None = None  # this worker's proposal for H at the last sync
         self.nesterov = outer.outer_optimizer == "nesterov"
         self.outer_lr, self.outer_momentum = float(outer.outer_lr), float(outer.outer_momentum)
         self.fragments_wanted, self.overlap = int(outer.fragments), int(outer.overlap_steps)
@@ -234,6 +234,7 @@ class DiLoCo(Algorithm):
         self._period_compute = 0.0
         wanted = propose_sync_every(self._sync_seconds, self._step_seconds, self.comm_overhead, self.h_min, self.h_max,
                                     current=self.sync_every)
+        self._proposed = wanted
         proposals = torch.tensor([float(wanted)], dtype=torch.float64)
         self.transport.all_reduce(proposals).wait()
         agreed = min(self.h_max, max(self.h_min, round(float(proposals[0]) / self.transport.world_size)))
@@ -332,7 +333,7 @@ class DiLoCo(Algorithm):
         """A copy of the model holding the shared parameters (buffers from this worker's model)."""
         assert self.model is not None
         if self._eval is None:
-            self._eval = copy.deepcopy(self.model)
+            self._eval = copy_module(self.model)
         else:
             self._eval.load_state_dict(self.model.state_dict())  # buffers (e.g. batch-norm statistics)
         offset = 0
@@ -344,10 +345,12 @@ class DiLoCo(Algorithm):
 
     def metrics(self) -> dict[str, float]:
         out = {"outer_steps": self.outer_steps, "pseudo_gradient_norm": self._last_delta_norm}
-        if self.auto:
+        if self.auto:  # the current H, and what the last sync measured and proposed
             out["sync_every"] = self.sync_every
-            if self._sync_seconds is not None:
-                out["sync_seconds"] = self._sync_seconds
+            for key, value in (("sync_seconds", self._sync_seconds), ("step_seconds", self._step_seconds),
+                               ("sync_every_proposed", self._proposed)):
+                if value is not None:
+                    out[key] = value
         if self.adaptive is not None:
             out.update(self.adaptive.metrics(), compress_ratio=self._last_ratio)
         return out

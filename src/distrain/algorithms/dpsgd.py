@@ -38,13 +38,12 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
 import torch
 
-from distrain.algorithms.base import Algorithm, StepContext
+from distrain.algorithms.base import Algorithm, StepContext, copy_module
 from distrain.comm.transport import Handle, Transport
 from distrain.topology import Graph, build_topology, eigenvalues, mixing_matrix, spectral_gap
 
@@ -103,7 +102,7 @@ class DPSGD(Algorithm):
         self._pending = False
         self._consensus_distance: float | None = None
         # Copied before any hook is registered on ``model`` (a hook would drag ``self`` along).
-        self.consensus = copy.deepcopy(model)
+        self.consensus = copy_module(model)
         self._hooks = []
         if self.order == "cta" and self.peers:
             self._hooks.append(model.register_forward_pre_hook(self._on_forward))

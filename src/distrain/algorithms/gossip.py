@@ -28,7 +28,6 @@ time without pausing anyone during the run (:meth:`AsyncGossip.consensus_history
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import threading
@@ -41,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrain.algorithms.base import Algorithm, StepContext
+from distrain.algorithms.base import Algorithm, StepContext, copy_module
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.health import Liveness
@@ -469,7 +468,7 @@ class AsyncGossip(Algorithm):
         self.state = SharedModel(flat, transport.rank, transport.world_size)
         self.read_copy = torch.empty_like(flat, pin_memory=pin).copy_(flat)  # the model the next gradient is computed on
         self.new_copy = torch.empty_like(flat, pin_memory=pin)
-        self.consensus = copy.deepcopy(model)
+        self.consensus = copy_module(model)
         self.snapshots = Snapshots(g.snapshot_every, snapshot_limit(flat.numel() * flat.element_size()))
         self.engine: GossipEngine | None = self.build_engine(transport) if transport.world_size > 1 else None
         self._drained = False

@@ -48,7 +48,7 @@ from distrain.launch.common import (
     exit_now,
     free_port,
 )
-from distrain.models import build_model
+from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
 from distrain.tasks import build_task
@@ -226,7 +226,8 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     dist.all_gather(rows, mine)
     summary = summarize(out_cfg, run_dir, [r.tolist() for r in rows], world, total_steps, global_batch, accuracy,
                         test_loss, time_to_target, eval_seconds, None,
-                        extra=lm_figures(task, train_set, test_set, test_loss),
+                        extra={**lm_figures(task, train_set, test_set, test_loss),
+                               "model_parameters": count_parameters(module)},
                         tokens_per_sample=lm_tokens(task, sample_shape)) if rank == 0 else None
     dist.barrier()  # nobody tears the group down before the summary exists
     return summary
