@@ -101,8 +101,9 @@ def run(size: str, epochs: float, data: Path, run_dir: Path) -> dict:
     done.set()
     watcher.join()
     wall = time.perf_counter() - started
-    # the workers are the ``spawn`` children of the launcher (the command itself is not one)
-    workers = sorted(kib / 1024 for kib, line in peaks.values() if "multiprocessing" in line)
+    # the workers are the launcher's ``spawn`` children (not the command itself, nor the
+    # multiprocessing resource tracker)
+    workers = sorted(kib / 1024 for kib, line in peaks.values() if "multiprocessing.spawn" in line)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     return {"returncode": rc, "finished": rc == 0 and bool(summary), "wall_s": wall,
