@@ -148,7 +148,6 @@ class DiLoCo(Algorithm):
         self.comm_overhead = float(outer.comm_overhead)
         self.h_min, self.h_max = int(outer.sync_every_min), int(outer.sync_every_max)
         self.next_sync = self.sync_every  # auto: the inner step of the next sync
-        self._period_compute = 0.0  # compute seconds of the inner steps since the last sync
         self._sync_seconds: float | None = None  # how long the last completed exchange took
         self._step_seconds: float | None = None  # compute seconds per inner step of the last period
         self._recorded_at_sync = 0  # transport.stats.recorded when the pending exchange started
@@ -164,7 +163,7 @@ class DiLoCo(Algorithm):
         self._last_delta_norm = 0.0
         self._pending: list[_Pending] = []
         self._resumed = False  # load_state_dict restored the periods' starts
-        self._compute_since_sync = 0.0  # compute seconds since the adaptive policy last chose
+        self._compute_since_sync = 0.0  # compute seconds of the inner steps since the last sync
         self._last_ratio = 0.0  # the adaptive policy's last ratio for a round
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
@@ -210,10 +209,9 @@ class DiLoCo(Algorithm):
 
     def after_update(self, ctx: StepContext) -> None:
         self.inner_steps += 1
-        self._period_compute += ctx.compute_seconds
+        self._compute_since_sync += ctx.compute_seconds
         if self.adaptive is not None:
             self.adaptive.observe_losses(ctx.per_sample_losses)
-            self._compute_since_sync += ctx.compute_seconds
         last = self.inner_steps == self.total_steps
         for i, offset in enumerate(self.offsets):
             due = self.inner_steps >= self.next_sync if self.auto else self.inner_steps % self.sync_every == offset
@@ -230,8 +228,7 @@ class DiLoCo(Algorithm):
         worker proposes its H and they take the mean (one all-reduce of a number), so all agree."""
         assert self.transport is not None
         steps = max(1, self.inner_steps - max(self.synced_at))
-        self._step_seconds = self._period_compute / steps
-        self._period_compute = 0.0
+        self._step_seconds = self._compute_since_sync / steps
         wanted = propose_sync_every(self._sync_seconds, self._step_seconds, self.comm_overhead, self.h_min, self.h_max,
                                     current=self.sync_every)
         self._proposed = wanted
@@ -261,6 +258,7 @@ class DiLoCo(Algorithm):
                                          sparse_collective=self.config.compress.sparse_collective)
         self._pending.append(_Pending(fragment, self.inner_steps + self.overlap, delta, handle))
         self.synced_at[fragment] = self.inner_steps
+        self._compute_since_sync = 0.0
 
     def _round_ratio(self, fragment: int) -> float | None:
         """With ``--compress adaptive``: the fragment's ratio for this round, the policy's choice
@@ -271,7 +269,7 @@ class DiLoCo(Algorithm):
             return None
         steps = max(1, self.inner_steps - self.synced_at[fragment])
         ratio = self.adaptive.choose(None, self.transport, compute_seconds=self._compute_since_sync, scale=steps)
-        self._compute_since_sync, self._last_ratio = 0.0, ratio
+        self._last_ratio = ratio
         return ratio
 
     def _apply_due(self, flush: bool = False) -> None:
@@ -315,10 +313,7 @@ class DiLoCo(Algorithm):
         """How long the exchange started at the last sync took: the emulated link's delay of its
         messages where the link model times them, else their measured time (start to completion)."""
         assert self.transport is not None
-        stats = self.transport.stats
-        new = min(stats.recorded - self._recorded_at_sync, len(stats.exchanges))
-        recent = list(stats.exchanges)[len(stats.exchanges) - new:] if new > 0 else []
-        return sum(e.link_seconds if e.link_seconds is not None else e.seconds for e in recent)
+        return sum(e.delay for e in self.transport.stats.since(self._recorded_at_sync))
 
     def end(self) -> None:
         """A stop between syncs (SIGTERM, or a user loop that ends mid-period): sync what moved

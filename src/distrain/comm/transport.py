@@ -94,6 +94,11 @@ class Exchange:
     seconds: float
     link_seconds: float | None = None
 
+    @property
+    def delay(self) -> float:
+        """The emulated link's delay where the link model timed it, else the measured time."""
+        return self.link_seconds if self.link_seconds is not None else self.seconds
+
 
 @dataclass
 class TransportStats:
@@ -112,6 +117,11 @@ class TransportStats:
     @property
     def bytes_received(self) -> int:
         return sum(self.received)
+
+    def since(self, recorded: int) -> list[Exchange]:
+        """The exchanges recorded after the first ``recorded`` (those ``exchanges`` still keeps)."""
+        new = min(self.recorded - recorded, len(self.exchanges))
+        return list(self.exchanges)[len(self.exchanges) - new:] if new > 0 else []
 
 
 class Handle:

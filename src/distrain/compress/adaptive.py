@@ -179,16 +179,11 @@ def timed_messages(exchanges: Iterable[Exchange]) -> list[tuple[float, int]]:
     """(delay, bytes sent) of the point-to-point messages this worker sent in ``exchanges``; when
     there were none, of its collectives instead."""
     def pick(ops: tuple[str, ...]) -> list[tuple[float, int]]:
-        return [(e.link_seconds if e.link_seconds is not None else e.seconds, e.bytes_sent)
-                for e in exchanges if e.op in ops and e.bytes_sent > 0]
+        return [(e.delay, e.bytes_sent) for e in exchanges if e.op in ops and e.bytes_sent > 0]
 
     exchanges = list(exchanges)
     return pick(("send",)) or pick(COLLECTIVES)
 
-
-#: The fastest link the policy believes in (s/byte; 1e-12 is 8 Tbit/s): a slope measured at or
-#: below zero (timing noise on a loopback) reads as this.
-MIN_SECONDS_PER_BYTE = 1e-12
 
 #: How far (in median absolute deviations of the delays) what sizes cost must stand out.
 NOISE_MARGIN = 10.0
@@ -261,17 +256,16 @@ class AdaptivePolicy:
     # -- the link ----------------------------------------------------------------------------
 
     @property
-    def seconds_per_byte(self) -> float | None:
-        """The link's cost of a byte now: the Theil-Sen slope of delay against size over the
-        messages of the recent steps (None while it does not stand out of the timing noise,
-        see :func:`significant_slope`)."""
-        return self._slope
+    def idle_slope(self) -> float | None:
+        """The link's idle cost of a byte (s/byte): the smallest recent-steps slope of the window
+        (every slope kept is positive, see :func:`significant_slope`)."""
+        return min(self._slopes) if self._slopes else None
 
     @property
     def idle_rate(self) -> float | None:
-        """The link's idle throughput (bytes/s): the fastest the recent-steps slope was over the
-        window."""
-        return 1.0 / max(min(self._slopes), MIN_SECONDS_PER_BYTE) if self._slopes else None
+        """The link's idle throughput (bytes/s)."""
+        idle = self.idle_slope
+        return 1.0 / idle if idle else None
 
     @property
     def latency(self) -> float | None:
@@ -284,16 +278,13 @@ class AdaptivePolicy:
     @property
     def slowdown(self) -> float:
         """The current seconds per byte over the idle ones (1 before both are known)."""
-        if self._slope is None or not self._slopes:
-            return 1.0
-        return max(self._slope, MIN_SECONDS_PER_BYTE) / max(min(self._slopes), MIN_SECONDS_PER_BYTE)
+        idle = self.idle_slope
+        return self._slope / idle if self._slope is not None and idle else 1.0
 
     def observe_network(self, transport: Transport) -> float:
         """Read the exchanges the Transport recorded since the last call; update and return C."""
-        stats = transport.stats
-        new = min(stats.recorded - self._seen, len(stats.exchanges))
-        self._seen = stats.recorded
-        recent = list(stats.exchanges)[len(stats.exchanges) - new:] if new > 0 else []
+        recent = transport.stats.since(self._seen)
+        self._seen = transport.stats.recorded
         return self.observe_exchanges(recent)
 
     def observe_exchanges(self, exchanges: list[Exchange]) -> float:
@@ -315,8 +306,9 @@ class AdaptivePolicy:
     def _update_congestion(self) -> None:
         slowdown = self.slowdown
         extra = 0.0  # the seconds a step's bytes take now beyond their idle time
-        if self._slope is not None and self._slopes and self._step_bytes:
-            extra = (self._slope - max(min(self._slopes), 0.0)) * statistics.median(self._step_bytes)
+        idle = self.idle_slope
+        if self._slope is not None and idle is not None and self._step_bytes:
+            extra = (self._slope - idle) * statistics.median(self._step_bytes)
         costly = extra > self.settings.spare * self.compute_seconds
         self.congestion = slowdown if slowdown > 1 + self.settings.dead and costly else 1.0
 

@@ -205,7 +205,8 @@ class GradientCompression:
             if not per_worker:
                 ratio = self.density.ratio(epochs_done)
             info = CompressInfo(step=step, key=WEIGHTS, ratio=ratio, worker=transport.rank)
-            if not per_worker and self._dense_is_cheaper(ratio, transport.world_size):
+            dense = not per_worker and self._dense_is_cheaper(ratio, transport.world_size)
+            if dense:
                 self._dense_step(transport, weights, mc)
             elif weights.numel() and one_dim.numel() and self.compressor.sparse:
                 shared = None if self.policy is None else self._shared_slots(transport)
@@ -221,7 +222,7 @@ class GradientCompression:
                     self._dense_all_reduce(transport, one_dim)
                 else:
                     self._share_and_all_reduce(transport, one_dim)
-            if not per_worker and self._dense_is_cheaper(ratio, transport.world_size):
+            if dense:
                 self.ratio = 1.0
             else:
                 self.ratio = ratio if ratio is not None else self.compressor.wire_bytes(self.split) / max(1, self.flat.element_size() * self.split)
