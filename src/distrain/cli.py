@@ -106,8 +106,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     target = (Target(module=args.module, args=list(args.target)) if args.module is not None
               else Target(script=args.target[0], args=list(args.target[1:])))
     settings = {f.name: getattr(args, f.name) for _, f, _ in leaf_fields()
-                if hasattr(args, f.name) and f.name != "servers"}  # --servers: below, only when asked for
+                if hasattr(args, f.name) and f.name not in ("servers", "min_workers")}  # below, when asked for
     settings["timeout"] = args.timeout
+    if args.min_workers is not None:
+        settings["min_workers"] = args.min_workers
     if args.servers:  # the last --servers ranks serve: wrap() makes them parameter servers
         settings.update(algorithm="ps", servers=args.servers)
     return launch_script(target, args.workers, settings, master_port=args.master_port, timeout=args.timeout,
@@ -265,6 +267,9 @@ def build_parser() -> Parser:
     launch.add_argument("--timeout", type=float, default=TrainConfig().cluster.timeout, metavar="S",
                         help="seconds any rendezvous or collective may take, and that the other ranks have to "
                         "finish once one has (default: %(default)s)")
+    launch.add_argument("--min-workers", type=int, default=None, metavar="M",
+                        help="elastic runs (allreduce): when a process dies the others go on while at least M "
+                        "workers remain (default: 1); M = N stops every process on any loss")
     launch.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module, as python -m does")
     add_config_flags(launch, sections=("network",))
     launch.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]", help="the script and its arguments")

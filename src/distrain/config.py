@@ -296,9 +296,14 @@ class ClusterConfig:
     master_addr: str = _opt("127.0.0.1", "address of rank 0 (local runs bind loopback)")
     master_port: int = _opt(0, "port of rank 0 (0 = pick a free one)")
     timeout: float = _opt(120.0, "seconds any collective or peer may take before the run fails")
+    min_workers: int = _opt(1, "elastic runs (allreduce): the survivors of a lost worker go on while at least this "
+                            "many workers remain; --min-workers equal to --workers stops the run on any loss")
 
     def validate(self) -> None:
         check_positive("workers", self.workers, integer=True)
+        check_positive("min_workers", self.min_workers, integer=True)
+        if self.min_workers > self.workers:
+            raise ConfigError("--min-workers", f"must be at most --workers ({self.workers}), got {self.min_workers}")
         check_choices(self)
         if not (0 <= self.master_port <= 65535):
             raise ConfigError("--master-port", f"must be in 0..65535, got {self.master_port!r}")

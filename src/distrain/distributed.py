@@ -32,6 +32,7 @@ until every worker has called ``finish()`` and then exits the process with statu
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import logging
 import os
@@ -51,8 +52,9 @@ from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
 from distrain.emulation import Emulation
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import grads_finite, nonfinite_error, start_heartbeat
+from distrain.runtime.membership import Change, Membership, watch_waits
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +240,18 @@ class DistributedOptimizer:
         self.algorithm = build_algorithm(config.algo.algorithm, config)
         self.algorithm.setup(model, optimizer, self.transport)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # Asynchronous gossip tells a lost peer from a slow one by its heartbeat in the store
-        # (distrain's own loop stamps one for every algorithm).
-        self._heartbeat = start_heartbeat() if heartbeat and not self.algorithm.synchronous else None
+        #: the workers' ids (their ranks when the run started) in rank order; an elastic run
+        #: drops the lost ones
+        self.ids = list(range(self.workers))
+        self.id = self.rank
+        self.membership = self._elastic_membership()
+        #: membership changes so far (elastic runs), as records for metrics and the summary
+        self.changes: list[Change] = []
+        self._retired: tuple[list[int], list[int], float] | None = None  # traffic of groups left behind
+        # Asynchronous gossip tells a lost peer from a slow one by its heartbeat in the store, and
+        # so do elastic survivors (distrain's own loop stamps one for every algorithm).
+        wants_heartbeat = not self.algorithm.synchronous or self.membership is not None
+        self._heartbeat = start_heartbeat() if heartbeat and wants_heartbeat else None
         self.steps = 0
         self.compute_seconds = self.exposed_seconds = 0.0  # summed over this worker's steps
         #: compute seconds of the last step (forward and backward, without network waits, with
@@ -254,6 +265,26 @@ class DistributedOptimizer:
         self._last_step_end = time.perf_counter()
         self._forward_hook = model.register_forward_pre_hook(self._forward_started, prepend=True)
         self._final: torch.nn.Module | None = None
+
+    def _elastic_membership(self) -> Membership | None:
+        """The run's membership when the survivors of a lost worker go on: an elastic algorithm,
+        several workers and no servers, gloo, a store outside the workers (``distrain train``'s
+        or ``distrain launch``'s; under torchrun its agent restarts every worker instead), and
+        ``min_workers`` below the number of workers."""
+        c = self.config.cluster
+        if (not self.algorithm.elastic or self.workers_group is not None or self.workers < 2
+                or c.min_workers >= self.workers or c.device != "cpu"):
+            return None
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent restarts every worker when one fails
+            return None
+        from distrain.comm.group import backend_for
+
+        membership = Membership.from_env(self.ids, self.id, min_workers=c.min_workers, backend=backend_for(self.config),
+                                         timeout=c.timeout)
+        if membership is not None:
+            self.algorithm.keep_local = True
+            watch_waits(membership.changed)  # this thread's waits leave as soon as a survivor flags a loss
+        return membership
 
     # -- the user's optimizer, seen through -------------------------------------------------------
 
@@ -279,7 +310,10 @@ class DistributedOptimizer:
         if self._started:
             return
         self._started = True
-        dist.barrier(group=self.workers_group)
+        if self.membership is None:
+            dist.barrier(group=self.workers_group)
+        else:
+            self._collective(lambda: self.transport.control_barrier())
         self.emulation.start()
         self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
         self._last_step_end = time.perf_counter()
@@ -309,14 +343,105 @@ class DistributedOptimizer:
         ctx = StepContext(step=self.steps, epoch=(self.steps + 1) / per_epoch,
                           batch_size=len(detached) if detached is not None else self.config.data.batch_size,
                           per_sample_losses=detached, compute_seconds=compute)
-        self.algorithm.after_backward(ctx)
-        self.algorithm.apply_update(ctx)
-        self.algorithm.after_update(ctx)
+        if self.membership is None:
+            self._update(ctx)
+        else:
+            self._elastic_update(ctx)
         self.steps += 1
         self.last_compute_seconds = compute
         self.compute_seconds += compute
         self.exposed_seconds += blocked_seconds() - blocked_before  # every network wait of the step
         self._forward_at, self._last_step_end = None, time.perf_counter()
+
+    def _update(self, ctx: StepContext) -> None:
+        self.algorithm.after_backward(ctx)
+        self.algorithm.apply_update(ctx)
+        self.algorithm.after_update(ctx)
+
+    def _elastic_update(self, ctx: StepContext) -> None:
+        """The step; when a peer is lost on the way, the survivors agree, rebuild the group and
+        redo it with their own gradients (or, behind a survivor that finished it, take its state)."""
+        own = None if self.algorithm.keep_local and self.algorithm.local_gradients() is not None \
+            else [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        while True:
+            try:
+                self._update(ctx)
+                return
+            except Exception as exc:
+                if not Membership.is_loss(exc):
+                    raise
+                seen = time.perf_counter()
+                own = self.algorithm.local_gradients() or own
+            if own is None:
+                raise WorkerFailure(f"worker {self.id}: lost a peer at step {self.steps} with no copy of its own "
+                                    "gradients to redo the step") from None
+            finished = self._recover(seen, own)
+            if finished:  # a survivor finished this step before the loss: its state is ours now
+                self.steps -= 1  # step() counts it
+                return
+
+    def _collective(self, fn: Any) -> Any:
+        """``fn()``, a collective outside a step (a barrier, a gather), redone over the survivors
+        when a peer is lost on the way."""
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if self.membership is None or not Membership.is_loss(exc):
+                    raise
+                self._recover(time.perf_counter(), None)
+
+    def _recover(self, seen: float, own: list[torch.Tensor | None] | None) -> bool:
+        """Rebuild over the survivors (see :mod:`distrain.runtime.membership`); True when this
+        worker was behind the furthest survivor and took its parameters and optimizer state (its
+        step in flight is done), False when the step in flight is to be redone (``.grad`` holds
+        this worker's own gradients again)."""
+        assert self.membership is not None
+        state = self.algorithm.state_dict()
+        self.algorithm.close()
+        self._retired = self.peer_traffic()  # the closed group's bytes stay this worker's
+        self.transport.close()
+        # Nothing may keep the old group's work alive: its connections stay open while it lives,
+        # and a survivor still waiting in it would wait for the whole timeout.
+        self.algorithm = self.transport = None  # type: ignore[assignment]
+        gc.collect()
+        change = self.membership.recover(self.steps, seen)
+        self.ids, self.rank, self.workers = change.members, self.membership.rank, len(change.members)
+        if own is not None:
+            for p, g in zip(self.params, own, strict=True):
+                p.grad = g
+        self.transport = Transport(link_model=self.emulation.link_model, ids=self.ids)
+        self.algorithm = build_algorithm(self.config.algo.algorithm, self.config)
+        self.algorithm.setup(self.model, self.optimizer, self.transport)
+        self.algorithm.keep_local = True
+        self.algorithm.load_state_dict(state)
+        self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
+        behind = change.steps[self.id] < max(change.steps.values())
+        if behind or len(set(change.steps.values())) > 1:
+            self._take_state(change.members.index(change.leader))
+        self.changes.append(change)
+        log.warning("worker %d: lost worker(s) %s at step %d; %d workers go on (recovered in %.2f s)", self.id,
+                    change.lost, self.steps, self.workers, change.seconds)
+        return behind
+
+    @torch.no_grad()
+    def _take_state(self, src: int) -> None:
+        """Every survivor takes rank ``src``'s parameters, buffers, optimizer state and step count
+        (collective over the new group; recovery traffic, not counted as training)."""
+        from distrain.runtime.membership import wait_work
+
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        for p in (q for group in self.optimizer.param_groups for q in group["params"]):
+            tensors += [v for _, v in sorted(self.optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+        shape = torch.tensor([len(tensors), sum(t.numel() for t in tensors), self.steps], dtype=torch.int64)
+        leader = shape.clone()
+        wait_work(dist.broadcast(leader, src=src, async_op=True))
+        if not torch.equal(leader[:2], shape[:2]):
+            raise WorkerFailure(f"worker {self.id}: its optimizer state does not match the survivors' (lost a peer "
+                                f"in the first steps); it cannot take their state")
+        for t in tensors:
+            wait_work(dist.broadcast(t.data, src=src, async_op=True))
+        self.steps = int(leader[2])
 
     def _drop_nonfinite(self) -> None:
         """A NaN or infinite gradient never leaves this worker: stop, or (``on_nonfinite="skip"``)
@@ -338,15 +463,30 @@ class DistributedOptimizer:
         self.start()
         return self.algorithm.keep_going(self.steps, self.total_steps)
 
+    def peer_traffic(self) -> tuple[list[int], list[int], float]:
+        """Bytes sent to and received from each peer (by worker id; with servers, by global
+        rank) and seconds in exchanges, over every group this worker has been in."""
+        transports = [self.transport, *self.algorithm.transports()]
+        width = len(self._retired[0]) if self._retired is not None else len(self.transport.stats.sent)
+        sent, received = [0] * width, [0] * width
+        busy = 0.0
+        if self._retired is not None:
+            sent, received, busy = list(self._retired[0]), list(self._retired[1]), self._retired[2]
+        ids = self.ids if self._retired is not None else list(range(width))
+        for t in transports:
+            for r, (a, b) in enumerate(zip(t.stats.sent, t.stats.received, strict=True)):
+                sent[ids[r]] += a
+                received[ids[r]] += b
+            busy += t.stats.comm_seconds
+        return sent, received, busy
+
     def traffic(self) -> dict[str, float]:
         """This worker's use of the network so far: bytes sent and received (every message, as
         the emulated links carried them), seconds spent in exchanges, and over its steps the
         compute time and the exposed communication (time the training thread waited on the
         network)."""
-        transports = [self.transport, *self.algorithm.transports()]
-        return {"steps": self.steps, "bytes_sent": sum(sum(t.stats.sent) for t in transports),
-                "bytes_received": sum(sum(t.stats.received) for t in transports),
-                "comm_busy_s": sum(t.stats.comm_seconds for t in transports),
+        sent, received, busy = self.peer_traffic()
+        return {"steps": self.steps, "bytes_sent": sum(sent), "bytes_received": sum(received), "comm_busy_s": busy,
                 "compute_s": self.compute_seconds, "exposed_comm_s": self.exposed_seconds}
 
     # -- the end ------------------------------------------------------------------------------------
@@ -374,6 +514,9 @@ class DistributedOptimizer:
             while self.algorithm.keep_going(self.steps, self.total_steps or UNBOUNDED_STEPS):
                 pass
         self.algorithm.end()  # parameter servers stop serving once every worker has ended
+        if self.membership is not None:  # a survivor still in its last step may take our state
+            self._collective(lambda: self.transport.control_barrier())
+            watch_waits(None)
         self._final = self.algorithm.eval_model()
         control = self.algorithm.control_transport() or self.transport
         self.close()

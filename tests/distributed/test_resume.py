@@ -261,7 +261,7 @@ def test_four_workers_resume_bitwise_at_every_point(tmp_path, case):
     total = full["steps"]
     for point in (1, 5, 11, 20):
         cut = tmp_path / f"cut{point}"
-        cfg = small_config(str(cut), checkpoint_every=point, **settings)
+        cfg = small_config(str(cut), checkpoint_every=point, min_workers=4, **settings)  # a loss stops the run
         os.environ["DISTRAIN_INJECT_KILL"] = f"1:{point}"  # worker 1 dies as step `point` starts
         try:
             with pytest.raises(WorkerFailure):

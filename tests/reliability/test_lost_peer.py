@@ -16,14 +16,14 @@ TIMEOUT = 20  # --timeout in QUICK
 
 
 @pytest.mark.parametrize("algorithm,workers,victim,what", [
-    ("allreduce", 3, 1, "worker 1"),
+    ("allreduce", 3, 1, "worker 1"),  # with --min-workers 3: any loss stops the run
     pytest.param("ps", 2, 1, "worker 1", marks=pytest.mark.slow),  # a lost worker: allreduce's case in CI
     ("ps", 2, 2, "server 0 (rank 2)"),  # ranks 0, 1 are workers, rank 2 the server
 ])
 def test_survivors_name_the_step_and_the_lost_rank(tmp_path, algorithm, workers, victim, what):
     mark = tmp_path / "killed-at"
     run = run_cli([*QUICK, "--workers", str(workers), "--epochs", "3", "--algorithm", algorithm,
-                   "--run-dir", str(tmp_path / "run")],
+                   "--min-workers", str(workers), "--run-dir", str(tmp_path / "run")],
                   DISTRAIN_INJECT_KILL=f"{victim}:30", DISTRAIN_INJECT_MARK=str(mark))
     assert run.returncode == 1, run.stderr
     assert run.orphans == []

@@ -36,6 +36,7 @@ class Bucket:
     ready: int = 0
     handle: Handle | None = None
     views: list[torch.Tensor] | None = None  # set by bind_grads
+    local: torch.Tensor | None = None  # this worker's own gradients, kept when launched (elastic runs)
 
     def bind_grads(self) -> None:
         """Make every parameter's ``.grad`` a view into ``flat`` (DDP's gradient_as_bucket_view):
@@ -114,6 +115,9 @@ class AllReduce(Algorithm):
 
     name = "allreduce"
     compresses = True
+    #: When set (elastic runs), each bucket keeps a copy of this worker's own gradients as its
+    #: all-reduce starts, so that a step interrupted by a lost peer can be redone without it.
+    keep_local = False
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
@@ -136,6 +140,7 @@ class AllReduce(Algorithm):
         # The order in which the first backward produces gradients (parameter indices): the
         # buckets are then rebuilt in that order, as DDP does, so each fills as early as it can.
         self._ready_order: list[int] | None = [] if self._hooks else None
+        self._launched = 0  # buckets launched in the step in flight
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         algo = self.config.algo
@@ -192,8 +197,36 @@ class AllReduce(Algorithm):
                 bucket.flat.zero_()  # this worker's share of the bucket is dropped for this step
             self._launch(bucket)
 
+    @classmethod
+    def survives(cls, config: Any) -> bool:
+        c = config.cluster
+        return (config.compress.compress == "none" and not config.algo.workers_per_node and c.device == "cpu"
+                and 1 < c.workers and c.min_workers < c.workers)
+
+    @property
+    def elastic(self) -> bool:
+        """Survivors of a lost worker redo the step without it: flat, uncompressed all-reduce."""
+        return self.compression is None and self.hierarchy is None
+
+    def local_gradients(self) -> list[torch.Tensor | None] | None:
+        """This worker's own gradients of the step in flight, per parameter (as launched), or
+        None where no bucket kept them (nothing launched yet: ``.grad`` still holds them)."""
+        if not self.keep_local or self._launched != len(self.buckets):
+            return None
+        out: dict[int, torch.Tensor] = {}
+        for bucket in self.buckets:
+            assert bucket.local is not None
+            for p, chunk in zip(bucket.params, bucket.local.split(bucket.sizes), strict=True):
+                out[id(p)] = chunk.view_as(p).clone()
+        return [out.get(id(p)) for p in self.params]
+
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's all-reduce; ``flat`` must hold its gradients (gather_grads)."""
+        self._launched += 1
+        if self.keep_local:
+            if bucket.local is None:
+                bucket.local = torch.empty_like(bucket.flat)
+            bucket.local.copy_(bucket.flat)
         bucket.handle = (self.hierarchy or self.transport).all_reduce(bucket.flat)
 
     def after_backward(self, ctx: StepContext) -> None:
@@ -218,6 +251,7 @@ class AllReduce(Algorithm):
             bucket.flat.div_(world)
             bucket.scatter_grads()
             bucket.ready, bucket.handle = 0, None
+        self._launched = 0
         if self._ready_order is not None:
             order, self._ready_order = self._ready_order, None
             self._rebuild_buckets(order)
@@ -245,5 +279,7 @@ class AllReduce(Algorithm):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for bucket in self.buckets:  # pending work holds its group's connections open
+            bucket.handle = None
         if self.hierarchy is not None:
             self.hierarchy.close()

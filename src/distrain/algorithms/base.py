@@ -68,9 +68,21 @@ class Algorithm:
     checks_gradients: bool = False
     #: True when the others go on without a worker that dies (asynchronous gossip that drops it).
     survives_lost_workers: bool = False
+    #: True when the survivors of a lost worker can go on with this algorithm: they rebuild the
+    #: group and redo the interrupted step (see :mod:`distrain.runtime.membership`).
+    elastic: bool = False
+    #: Set by the driver of an elastic run: keep this worker's own gradients of the step in
+    #: flight where averaging overwrites them before ``after_backward`` (see ``local_gradients``).
+    keep_local: bool = False
     #: Workers lost and left behind during the run (rank -> when declared dead); asynchronous
     #: algorithms only.
     lost_workers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
+
+    @classmethod
+    def survives(cls, config: Any) -> bool:
+        """Whether a run with ``config`` goes on when a worker is lost (launchers then keep the
+        others running)."""
+        return cls.survives_lost_workers
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -161,6 +173,11 @@ class Algorithm:
         """Where the learning-rate schedule stands at ``step`` (asynchronous budgets follow the
         workers' joint progress or the clock)."""
         return step
+
+    def local_gradients(self) -> list[torch.Tensor | None] | None:
+        """This worker's own gradients of the step in flight, per parameter, where averaging
+        has begun overwriting ``.grad`` in place; None when ``.grad`` still holds them."""
+        return None
 
     def transports(self) -> list[Transport]:
         """Transports besides the loop's (an algorithm's own process groups, over the same

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from distrain.emulation.link import LinkModel, sleep_until
 from distrain.errors import WorkerFailure
+from distrain.runtime.membership import wait_work
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class Handle:
             if self._error is not None:
                 raise self._error
         for work in self._works:
-            work.wait()
+            wait_work(work)
         if self._after is not None:
             self._after()
         self._done = True
@@ -237,7 +238,8 @@ class Transport:
         print(transport.stats.bytes_sent)
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, link_model: LinkModel | None = None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None, link_model: LinkModel | None = None,
+                 ids: list[int] | None = None) -> None:
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -245,7 +247,10 @@ class Transport:
         delays = link_model is not None and link_model.delays_messages and self.world_size > 1
         self.link_model = link_model if delays else None
         self._dispatcher = _Dispatcher() if delays else None
-        self._ring = [self._global(r) for r in range(self.world_size)]
+        # Whose links the link model charges, per group rank: the workers' ids, which stay theirs
+        # when the membership changes (default: their global ranks).
+        self._ids = list(ids) if ids is not None else [self._global(r) for r in range(self.world_size)]
+        self._ring = self._ids
 
     @property
     def next_rank(self) -> int:
@@ -288,7 +293,7 @@ class Transport:
         model = self.link_model
         if model is None or not model.shapes_bandwidth:
             return None
-        return lambda: sleep_until(model.receive(self._global(src), nbytes))
+        return lambda: sleep_until(model.receive(self._ids[src], nbytes))
 
     def _ring_release(self, op: str, nbytes: int) -> Callable[[LinkModel], float]:
         return lambda model: model.collective(op, nbytes, self._ring)
@@ -362,7 +367,7 @@ class Transport:
         sent, received = self._charge({dst: nbytes}, {})
         return self._start("send", sent, received,
                            lambda: [dist.isend(tensor, dst=self._global(dst), group=self.group)],
-                           lambda model: model.send(self._global(dst), nbytes))
+                           lambda model: model.send(self._ids[dst], nbytes))
 
     def recv(self, tensor: torch.Tensor, src: int) -> Handle:
         """Start receiving into ``tensor`` from group rank ``src``."""
@@ -376,7 +381,7 @@ class Transport:
         start = time.perf_counter()
         work = dist.irecv(tensor, src=None, group=self.group)
         with blocked():
-            work.wait()
+            wait_work(work)
             # The sender's rank in ``self.group`` (not a global rank); ``_source_rank`` is what
             # torch.distributed.recv uses, without the deprecation warning of ``source_rank``.
             src = work._source_rank()
@@ -404,7 +409,7 @@ class Transport:
         recv = dist.irecv(incoming, src=self._global(peer), group=self.group)
         return self._start("exchange", sent, received,
                            lambda: [dist.isend(outgoing, dst=self._global(peer), group=self.group)],
-                           lambda model: model.send(self._global(peer), _nbytes(outgoing)),
+                           lambda model: model.send(self._ids[peer], _nbytes(outgoing)),
                            now=[recv], after=self._delivery(peer, _nbytes(incoming)))
 
     # -- control traffic ---------------------------------------------------------------------
@@ -413,20 +418,20 @@ class Transport:
         """Gather a small bookkeeping tensor (metrics, summaries); not counted as training traffic."""
         self.flush()
         outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(outputs, tensor, group=self.group)
+        wait_work(dist.all_gather(outputs, tensor, group=self.group, async_op=True))
         return outputs
 
     def control_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a bookkeeping tensor in place over all workers (e.g. the consensus model at
         evaluation points); not counted as training traffic."""
         self.flush()
-        dist.all_reduce(tensor, group=self.group)
+        wait_work(dist.all_reduce(tensor, group=self.group, async_op=True))
         return tensor
 
     def control_barrier(self) -> None:
         """Wait for every worker; bookkeeping only, not counted."""
         self.flush()
-        dist.barrier(group=self.group)
+        wait_work(dist.barrier(group=self.group, async_op=True))
 
     def flush(self) -> None:
         """Hand every delayed message to the backend now-ish (after its release time), so that

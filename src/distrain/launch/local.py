@@ -36,6 +36,7 @@ from distrain.launch.common import (
     server_count,
 )
 from distrain.runtime.faults import Interrupted
+from distrain.runtime.health import declare_dead
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +145,14 @@ class _Signals:
 
 
 def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: int,
-               signals: _Signals | None = None, survivable: bool = False) -> None:
+               signals: _Signals | None = None, survivable: bool = False, store: dist.Store | None = None) -> None:
     """Wait for every worker; once one fails, give the others ``grace`` seconds, then stop them.
 
     After a SIGTERM / Ctrl-C, workers get ``STOP_GRACE_S`` seconds to agree on a step, save a
     checkpoint and leave; then they are killed. With ``survivable`` (an asynchronous algorithm
     that goes on without lost workers), a failed worker does not stop the others: every wait
-    of theirs is bounded by --peer-timeout, and the run succeeds if they all finish.
+    of theirs is bounded by --peer-timeout, and the run succeeds if they all finish. A failed
+    process is declared dead in ``store`` as soon as it exits.
     """
     pending = list(procs)
     failed_at: float | None = None
@@ -168,6 +170,7 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
             pending.remove(p)
             if p.exitcode not in (0, EXIT_INTERRUPTED):
                 failures.append((procs.index(p), p.exitcode))
+                declare_dead(store, procs.index(p))  # the survivors of an elastic run know at once
                 if not survivable or p.exitcode == EXIT_BAD_INPUT:
                     failed_at = failed_at or time.monotonic()
     if signals is not None and signals.at is not None:
@@ -244,7 +247,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
         for p in procs:
             p.start()
         _supervise(procs, grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
-                   signals=signals, survivable=ALGORITHMS[cfg.algo.algorithm].survives_lost_workers)
+                   signals=signals, survivable=ALGORITHMS[cfg.algo.algorithm].survives(cfg), store=store)
     except Interrupted:
         from distrain.runtime.checkpoint import CheckpointStore
 

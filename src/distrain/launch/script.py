@@ -29,6 +29,8 @@ from distrain.config import TrainConfig
 from distrain.distributed import SETTINGS_ENV
 from distrain.errors import ConfigError
 from distrain.launch.common import PR_SET_PDEATHSIG, free_port
+from distrain.runtime.health import declare_dead
+from distrain.runtime.membership import elastic_run
 
 #: Seconds the other processes get to stop after a failure or Ctrl-C before they are killed.
 STOP_GRACE_S = 5.0
@@ -150,7 +152,7 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         for rank in range(world):
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
             procs.append(_Process(rank, target, env, lock))
-        return _supervise(procs, interrupted, exit_window=timeout)
+        return _supervise(procs, interrupted, exit_window=timeout, store=store)
     finally:
         for p in procs:
             p.stop(signal.SIGKILL)
@@ -162,11 +164,15 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         del store
 
 
-def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float) -> int:
+def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float, store: Any = None) -> int:
     """Wait for every process; on the first failure or a signal, stop the others. Once one has
     finished, the others have ``exit_window`` seconds to finish too (a rank stuck at exit, or in
-    a wait its finished peers will never answer, would otherwise keep the job up for ever)."""
+    a wait its finished peers will never answer, would otherwise keep the job up for ever).
+
+    In an elastic run (``wrap()`` marked it so in ``store``) a process that dies is declared dead
+    and the others go on; the job succeeds when every survivor does."""
     first_done: tuple[float, int] | None = None
+    lost: list[_Process] = []
     while True:
         if interrupted:
             _stop_all(procs)
@@ -174,7 +180,14 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                   file=sys.stderr)
             return 130 if interrupted[0] == signal.SIGINT else 143
         codes = [p.proc.poll() for p in procs]
-        failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0)), None)
+        failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0) and p not in lost), None)
+        if failed is not None and elastic_run(store):
+            declare_dead(store, failed.rank)
+            lost.append(failed)
+            code = int(codes[procs.index(failed)])  # type: ignore[arg-type]
+            print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}; the others go on without it",
+                  file=sys.stderr)
+            continue
         if failed is not None:
             code = int(codes[procs.index(failed)])  # type: ignore[arg-type]
             _stop_all(procs)
@@ -182,8 +195,8 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                 t.join(timeout=5)  # its last lines are read before they are quoted
             print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}", file=sys.stderr)
             return 1
-        if all(c == 0 for c in codes):
-            return 0
+        if all(c == 0 or p in lost for p, c in zip(procs, codes, strict=True)):
+            return 0 if len(lost) < len(procs) else 1
         if first_done is None and 0 in codes:
             first_done = (time.monotonic(), procs[codes.index(0)].rank)
         if first_done is not None and time.monotonic() - first_done[0] > exit_window:

@@ -111,6 +111,16 @@ class Heartbeat:
 DEAD_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/dead/{}"
 
 
+def declare_dead(store: dist.Store | None, rank: int) -> None:
+    """Mark process ``rank`` dead in the run's store (best effort: the store may be closing)."""
+    if store is None:
+        return
+    try:
+        store.compare_set(DEAD_KEY.format(rank), "", repr(time.time()))
+    except Exception as exc:  # noqa: BLE001
+        log.debug("could not declare rank %d dead: %s", rank, exc)
+
+
 class Liveness:
     """Which workers the others have given up on (asynchronous algorithms drop them and go on).
 
@@ -141,7 +151,7 @@ class Liveness:
         return self._store
 
     def declare_dead(self, rank: int) -> None:
-        self._client().compare_set(DEAD_KEY.format(rank), "", repr(time.time()))
+        declare_dead(self._client(), rank)
 
     def dead_ranks(self) -> dict[int, float]:
         """Ranks declared dead, with when (Unix time) the first survivor declared them."""

@@ -55,6 +55,7 @@ from distrain.runtime.faults import (
     nonfinite_error,
 )
 from distrain.runtime.files import atomic_write
+from distrain.runtime.membership import watch_waits
 from distrain.runtime.totals import RunTotals
 from distrain.tasks import LossFn, Task, bits_per_byte, build_task, check_task_data
 from distrain.train.metrics import (
@@ -209,7 +210,6 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     opt = DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                                workers_group=workers_group, broadcast=False, heartbeat=False)
     algorithm, transport = opt.algorithm, opt.transport
-    transports = [transport, *algorithm.transports()]  # an algorithm's own groups' traffic is this worker's too
 
     # --- resume: the state of every part, and what the earlier segments did ---------------------
     start_step = 0
@@ -238,7 +238,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         """This segment's counters row at ``step`` (see :func:`summarize`); wall and CPU time now
         unless given."""
         done = step - start_step
-        sent, received, _ = traffic(transports)
+        sent, received, _ = opt.peer_traffic()
         wall = time.perf_counter() - start - eval_seconds if wall is None else wall
         cpu = time.process_time() - cpu_start if cpu is None else cpu
         return [done, done * cfg.data.batch_size, wall, compute_seconds, exposed_seconds, *sent, *received, cpu]
@@ -265,6 +265,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
     tokens_per_sample = lm_tokens(task, sample_shape)
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
+    changes: list[Any] = []  # membership changes handled so far (elastic runs)
     model.train()
     opt.start()  # together: emulated bandwidth traces and asynchronous algorithms' clocks start now
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -304,6 +305,12 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         # Aggregate, update, average; a non-finite gradient stops here, or is dropped (skip). An
         # emulated slow worker's compute is stretched here; compute time leaves out network waits.
         opt.step(losses=losses.detach())
+        if len(opt.changes) > len(changes):  # an elastic run lost workers and goes on without them
+            algorithm, transport = opt.algorithm, opt.transport
+            sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule)
+            for change in opt.changes[len(changes):]:
+                metrics.write({"step": step + 1, **change.record()})
+            changes = list(opt.changes)
         if opt.skipped:
             finite, losses = False, torch.zeros_like(losses)
         compute_seconds += opt.last_compute_seconds
@@ -316,7 +323,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         running = algorithm.keep_going(step + 1, total_steps)  # asynchronous: the last one waits for the others
         running = running and (stop_at is None or step + 1 < stop_at)
 
-        sent, received, busy = traffic(transports)
+        sent, received, busy = opt.peer_traffic()
         record: dict[str, Any] = {  # see distrain.train.metrics for each field's meaning and unit
             "step": step + 1, "epoch": (step + 1) / steps_per_epoch, "time": earlier.wall + time.perf_counter() - start - eval_seconds,
             "loss": loss_value if finite else float("nan"), "lr": lr, "bytes_sent": earlier.sent + sum(sent),
@@ -373,16 +380,27 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
     run = totals.plus(counters(step, wall, cpu), eval_seconds, time_to_target)
     mine = torch.tensor(run.row, dtype=torch.float64)
+    rows = [[0.0] * len(mine) for _ in range(dist.get_world_size() if not opt.changes else world)]  # lost: zeros
+    if opt.changes:  # elastic: the survivors' rows, by worker id
+        for i, row in enumerate(opt._collective(lambda: opt.transport.control_all_gather(mine))):
+            rows[opt.ids[i]] = row.tolist()
+        algorithm, transport = opt.algorithm, opt.transport
     control = algorithm.control_transport() or transport  # the survivors, if workers were lost
-    rows = [[0.0] * len(mine) for _ in range(transport.world_size)]  # lost workers: rows of zeros
-    for i, row in enumerate(control.control_all_gather(mine)):
-        rows[i if control is transport else dist.get_global_rank(control.group, i)] = row.tolist()
+    if not opt.changes:
+        for i, row in enumerate(control.control_all_gather(mine)):
+            rows[i if control is transport else dist.get_global_rank(control.group, i)] = row.tolist()
+    lost = {m: c.at for c in opt.changes for m in c.lost} or algorithm.lost_workers
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
-                        algorithm.lost_workers, run.segment_wall_s,
+                        lost, run.segment_wall_s,
                         {**lm_figures(task, train_set, test_set, test_loss), "model_parameters": count_parameters(model)},
+                        membership=[c.record() for c in opt.changes], workers_at_end=opt.workers,
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
-    control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
+    if opt.changes:
+        opt._collective(lambda: opt.transport.control_barrier())
+    else:
+        control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
+    watch_waits(None)
     if stop_at is not None:
         raise Interrupted(step)
     return summary
@@ -409,19 +427,24 @@ def loss_quantiles(losses: torch.Tensor) -> list[float]:
     return out
 
 
+def regroup(cfg: TrainConfig, opt: DistributedOptimizer, train_set: Dataset,
+            schedule: LRSchedule) -> tuple[ShardSampler, LRSchedule, int]:
+    """After an elastic run lost workers: the training set split again over the survivors (so
+    every epoch from the next one sees every sample), and the learning rate scaled to the new
+    global batch (linear scaling rule)."""
+    d, o = cfg.data, cfg.optim
+    labels = labels_of(train_set) if d.partition != "iid" else np.zeros(len(train_set), dtype=np.int64)  # type: ignore[arg-type]
+    parts = partition_indices(labels, opt.workers, d.partition, alpha=d.dirichlet_alpha, seed=cfg.run.seed)
+    global_batch = opt.workers * d.batch_size
+    peak = scaled_lr(o.lr, global_batch, o.reference_batch, enabled=o.lr_scaling)
+    schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=schedule.warmup_steps,
+                          total_steps=schedule.total_steps, decay=schedule.decay)
+    return ShardSampler(parts[opt.rank], d.batch_size, cfg.run.seed, opt.id), schedule, global_batch
+
+
 def leads(algorithm: Any, transport: Transport) -> bool:
     """Whether this worker evaluates and writes the summary: rank 0, or the first survivor."""
     return (algorithm.control_transport() or transport).rank == 0
-
-
-def traffic(transports: list[Transport]) -> tuple[list[int], list[int], float]:
-    """Bytes sent and received per peer, and seconds in exchanges, over a worker's transports
-    (each over the same ranks)."""
-    sent, received = [0] * len(transports[0].stats.sent), [0] * len(transports[0].stats.received)
-    for t in transports:
-        sent = [a + b for a, b in zip(sent, t.stats.sent, strict=True)]
-        received = [a + b for a, b in zip(received, t.stats.received, strict=True)]
-    return sent, received, sum(t.stats.comm_seconds for t in transports)
 
 
 #: The trained model's parameters and buffers in the run directory (the consensus model for
@@ -459,7 +482,8 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
               global_batch: int, accuracy: float | None, test_loss: float, time_to_target: float | None,
               eval_seconds: float, resume_step: int | None, interrupted: bool = False,
               lost_workers: dict[int, float] | None = None, segment_wall_s: list[float] | None = None,
-              extra: dict[str, Any] | None = None, tokens_per_sample: int | None = None) -> dict[str, Any]:
+              extra: dict[str, Any] | None = None, tokens_per_sample: int | None = None,
+              membership: list[dict[str, Any]] | None = None, workers_at_end: int | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers,
     each ``[steps, samples, wall, compute, exposed comm, *sent per peer, *received per peer, cpu]``
     (see :mod:`distrain.train.metrics` for the meaning of each field). A language model's
@@ -499,6 +523,10 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         # workers lost during an asynchronous run (the others finished without them): when each
         # was declared dead (Unix time)
         "lost_workers": {str(r): t for r, t in sorted((lost_workers or {}).items())},
+        # elastic runs: each change of the members (who was lost, who went on, at which step, how
+        # long the survivors took to agree and rebuild), and how many workers trained at the end
+        "membership": list(membership or []),
+        "workers_at_end": world if workers_at_end is None else workers_at_end,
         **(extra or {}),
     }
     if tokens_per_sample is not None:

@@ -33,6 +33,13 @@ field                            kind         meaning
                                               ``wall_time_s`` of that worker
 ``wall_time_s``                  run total    training time of worker 0 (or the first
                                               survivor), all segments
+``event``                        at changes   elastic runs: ``"lost"`` on the line of the step a
+                                              survivor redid without ``workers`` (their ids);
+                                              ``members`` went on from ``lost_at_step`` steps
+                                              done, ``recovery_s`` after the failure showed
+                                              (agreement and the new group), at ``unix_time``
+``membership``                   run total    (summary) those events, one per change;
+                                              ``workers_at_end``: how many trained last
 ================================ ============ ================================================
 
 The DDP baselines measure the same fields; DDP waits for its last buckets inside backward, and

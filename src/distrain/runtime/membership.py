@@ -1,0 +1,267 @@
+"""Elastic membership: who is in a run, kept in the rendezvous store, outside every worker.
+
+The store is hosted by the launcher (``distrain train``, ``distrain launch``) or by torchrun's
+agent, never by a worker alone, so it outlives any worker, rank 0 included. Each worker keeps its
+*id* (its rank when the run started) for life; its rank is its place in the current member list.
+
+When a peer is lost, a survivor's collective fails (the peer's connection resets), or its wait
+sees that another survivor has flagged the change. Every survivor then:
+
+1. flags the change for the membership's epoch ``e`` (``.../<e>/changed``), so that survivors
+   blocked in other waits leave them at once (waits poll the flag, see :func:`watch_waits`);
+2. registers for epoch ``e + 1`` with the number of steps it has completed;
+3. waits until every member of epoch ``e`` has registered or is gone: declared dead (the
+   launcher does it the moment a process exits; a survivor whose peer reset its connection
+   does too), or silent (its heartbeat older than ``stale_after`` seconds, e.g. a hung
+   process); at most ``deadline`` seconds;
+4. proposes the registered members by compare-and-set: the first proposal is the agreement,
+   which every survivor reads back, so all of them hold the same member list;
+5. opens a new default process group over the store under the new epoch's prefix, with ranks in
+   member order.
+
+Example::
+
+    membership = Membership.from_env(members=list(range(4)), me=rank, min_workers=2, backend="gloo")
+    try:
+        transport.all_reduce(grad).wait()
+    except BaseException as exc:
+        if not membership.is_loss(exc):
+            raise
+        change = membership.recover(steps=step)   # the group is rebuilt over the survivors
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from distrain.errors import WorkerFailure
+from distrain.runtime.health import DEAD_KEY, KEY, declare_dead
+
+log = logging.getLogger(__name__)
+
+PREFIX = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/members"
+#: Set in the store by the workers of an elastic run: a launcher then keeps the survivors going.
+ELASTIC_KEY = PREFIX + "/elastic"
+#: How often a wait polls the store for a membership change (seconds).
+POLL_S = 0.05
+#: gloo's message when a timed wait ends before the work does (the work goes on).
+_WAIT_TIMED_OUT = "Operation timed out"
+
+
+class MembershipChanged(Exception):
+    """Raised inside a wait when another worker has flagged that the membership changed."""
+
+
+@dataclass
+class Change:
+    """One change of membership, as every survivor agreed on it."""
+
+    epoch: int
+    members: list[int]  # worker ids, in rank order of the new group
+    lost: list[int]
+    steps: dict[int, int]  # steps each member had completed when it registered
+    at: float  # Unix time the change was agreed
+    seconds: float  # from the failure this worker saw to the new group being open
+    step: int  # steps this worker had completed when it saw the failure
+
+    @property
+    def leader(self) -> int:
+        """The member whose state the others take: the first of those furthest ahead."""
+        furthest = max(self.steps.values())
+        return next(m for m in self.members if self.steps[m] == furthest)
+
+    def record(self) -> dict[str, object]:
+        """The change as a metrics / summary record."""
+        return {"event": "lost", "workers": self.lost, "members": self.members, "membership_epoch": self.epoch,
+                "lost_at_step": self.step, "unix_time": self.at, "recovery_s": self.seconds}
+
+
+@dataclass
+class Membership:
+    """This worker's view of the run's members, and the protocol that changes it.
+
+    Args:
+        store: a client of the rendezvous store (the launcher's, or torchrun's).
+        members: the worker ids in the run now, in rank order.
+        me: this worker's id.
+        min_workers: fewer survivors than this stop the run (``--min-workers``).
+        backend: the process groups' backend (gloo).
+        timeout: the groups' timeout in seconds (``--timeout``), and the longest a survivor waits
+            for a live member to register.
+        stale_after: seconds without a heartbeat after which a member counts as gone.
+    """
+
+    store: dist.Store
+    members: list[int]
+    me: int
+    min_workers: int = 1
+    backend: str = "gloo"
+    timeout: float = 120.0
+    stale_after: float = 3.0
+    epoch: int = 0
+    changes: list[Change] = field(default_factory=list)
+
+    @classmethod
+    def from_env(cls, members: list[int], me: int, **kwargs: object) -> Membership | None:
+        """A membership over the store that MASTER_ADDR / MASTER_PORT name (None without one)."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            return None
+        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=30))
+        return cls(store, list(members), me, **kwargs)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        self.store.set(ELASTIC_KEY, "1")
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    def _key(self, name: str, epoch: int | None = None) -> str:
+        return f"{PREFIX}/{self.epoch if epoch is None else epoch}/{name}"
+
+    # -- noticing a change ---------------------------------------------------------------------
+
+    def changed(self) -> bool:
+        """Whether a survivor has flagged a change of this epoch's membership."""
+        return self.store.check([self._key("changed")])
+
+    def flag(self) -> None:
+        self.store.set(self._key("changed"), repr(time.time()))
+
+    @staticmethod
+    def is_loss(exc: BaseException) -> bool:
+        """Whether ``exc`` means a peer is gone (a failed collective or a flagged change), not
+        a fault of this worker."""
+        from distrain.runtime.faults import is_comm_error
+
+        if isinstance(exc, MembershipChanged):
+            return True
+        cause = exc.__cause__ if isinstance(exc, WorkerFailure) else None
+        return is_comm_error(exc) or (cause is not None and is_comm_error(cause))
+
+    # -- agreeing on the survivors -------------------------------------------------------------
+
+    def _gone(self, ids: list[int]) -> list[int]:
+        """Of ``ids``: declared dead, or silent (heartbeat missing or stale)."""
+        now, out = time.time(), []
+        for m in ids:
+            beat = KEY.format(m)
+            if self.store.check([DEAD_KEY.format(m)]) or not self.store.check([beat]) \
+                    or now - float(self.store.get(beat).decode()) > self.stale_after:
+                out.append(m)
+        return out
+
+    def agree(self, steps: int) -> tuple[list[int], dict[int, int]]:
+        """Register for the next epoch with ``steps`` completed; return the agreed members (in
+        rank order) and each one's completed steps."""
+        nxt = self.epoch + 1
+        self.store.set(self._key(f"here/{self.me}", nxt), str(steps))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            here = {m: int(self.store.get(self._key(f"here/{m}", nxt)).decode())
+                    for m in self.members if self.store.check([self._key(f"here/{m}", nxt)])}
+            missing = [m for m in self.members if m not in here]
+            if not missing or set(self._gone(missing)) == set(missing) or time.monotonic() > deadline \
+                    or self.store.check([self._key("members", nxt)]):
+                break
+            time.sleep(POLL_S / 2)
+        proposal = ",".join(f"{m}:{here[m]}" for m in self.members if m in here)
+        agreed = self.store.compare_set(self._key("members", nxt), "", proposal)
+        text = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+        pairs = [item.split(":") for item in text.split(",") if item]
+        return [int(m) for m, _ in pairs], {int(m): int(s) for m, s in pairs}
+
+    def recover(self, steps: int, since: float) -> Change:
+        """Agree on the survivors and open the new group over them (collective among them).
+
+        Args:
+            steps: the steps this worker has completed.
+            since: when (perf_counter) this worker saw the failure.
+
+        Raises WorkerFailure when this worker was left out, or fewer than ``min_workers`` remain.
+        """
+        self.flag()
+        members, done = self.agree(steps)
+        lost = [m for m in self.members if m not in members]
+        for m in lost:  # every survivor sees them dead from now on (gossip, summaries)
+            declare_dead(self.store, m)
+        if self.me not in members:
+            raise WorkerFailure(f"worker {self.me} was left out of the run at step {steps}: the other workers "
+                                f"agreed on {members} without it (its heartbeat was late)")
+        if len(members) < self.min_workers:
+            raise WorkerFailure(f"worker {self.me}: lost worker(s) {lost} at step {steps}; {len(members)} left, "
+                                f"fewer than --min-workers {self.min_workers}")
+        self.epoch += 1
+        self.members = members
+        self._reopen()
+        change = Change(self.epoch, members, lost, done, time.time(), time.perf_counter() - since, steps)
+        self.changes.append(change)
+        return change
+
+    def _reopen(self) -> None:
+        """Replace the default process group by one over the current members."""
+        if dist.is_initialized():
+            _abort(dist.group.WORLD)  # an operation still waiting on the lost peer ends now
+            dist.destroy_process_group()
+        dist.init_process_group(self.backend, store=dist.PrefixStore(self._key("group"), self.store),
+                                rank=self.rank, world_size=len(self.members),
+                                timeout=datetime.timedelta(seconds=self.timeout))
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    """End the group's pending operations and close its connections, where the backend can."""
+    import torch
+
+    try:
+        group._get_backend(torch.device("cpu")).abort()
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        log.debug("could not abort the old group: %s", exc)
+
+
+def elastic_run(store: dist.Store | None) -> bool:
+    """Whether the workers meeting in ``store`` run elastically (best effort: False when the
+    store cannot say)."""
+    try:
+        return store is not None and store.check([ELASTIC_KEY])
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# -- waits that notice a change --------------------------------------------------------------------
+
+_watch = threading.local()
+
+
+def watch_waits(check: Callable[[], bool] | None) -> None:
+    """Make every wait of this thread (``wait_work``) poll ``check`` (None: stop); when it
+    returns True the wait raises :class:`MembershipChanged`."""
+    _watch.check = check
+
+
+def wait_work(work: dist.Work) -> None:
+    """``work.wait()``, leaving early with :class:`MembershipChanged` when this thread's watch
+    (:func:`watch_waits`) sees the membership change."""
+    check = getattr(_watch, "check", None)
+    if check is None:
+        work.wait()
+        return
+    poll = datetime.timedelta(seconds=POLL_S)
+    while True:
+        try:
+            work.wait(timeout=poll)
+            return
+        except RuntimeError as exc:
+            if _WAIT_TIMED_OUT not in str(exc):
+                raise
+        if check():
+            raise MembershipChanged("the run's membership changed")

@@ -1,0 +1,49 @@
+"""A user's script for the elastic tests, run by ``distrain launch``: a parameter vector whose
+gradient at each step is a fixed vector of the worker's id and the step (so the test can
+compute the exact result), SGD with momentum, and worker ``VICTIM`` killing itself (SIGKILL)
+as step ``AT`` begins, or between its backward and its step when ``WHERE`` is ``backward``.
+
+Usage: elastic_script.py OUT STEPS VICTIM AT WHERE
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+import distrain
+
+DIM = 10
+
+
+def gradient(worker: int, step: int) -> torch.Tensor:
+    """The gradient worker ``worker`` contributes at ``step``."""
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    return torch.randn(DIM, generator=g, dtype=torch.float64)
+
+
+def main() -> None:
+    out, steps, victim, at, where = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(DIM, 1, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    me = opt.rank
+    for step in range(steps):
+        if me == victim and step == at and where == "start":
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = gradient(me, step).reshape(1, DIM)
+        model(x).sum().backward()  # d/dw (w . g) = g
+        if me == victim and step == at and where == "backward":
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.step()
+        opt.zero_grad()
+    final = opt.finish()
+    torch.save({"weight": final.weight.detach().clone(), "workers": opt.workers, "ids": opt.ids,
+                "steps": opt.steps, "changes": [c.record() for c in opt.changes]}, out / f"worker{me}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Elastic all-reduce: a worker killed outright (SIGKILL), rank 0 included, and the others go on.
+
+A user's script (``elastic_script.py``) runs through ``distrain launch --workers 4``. Each worker's
+gradient at each step is a known vector, so the test computes what the survivors must hold: the
+steps before the loss average all four workers' gradients, the interrupted step and those after
+it average the survivors' only (no step lost, none applied twice), under SGD with momentum.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.elastic_script import gradient
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = Path(__file__).with_name("elastic_script.py")
+WORKERS, STEPS = 4, 8
+
+
+def reference(victim: int, at: int, lr: float = 0.1, momentum: float = 0.9) -> torch.Tensor:
+    """The weights after STEPS steps of SGD with momentum on the mean of the live workers' gradients."""
+    w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
+    buf = None
+    for step in range(STEPS):
+        live = [r for r in range(WORKERS) if not (r == victim and step >= at)]
+        g = torch.stack([gradient(r, step) for r in live]).mean(0)
+        buf = g.clone() if buf is None else momentum * buf + g
+        w = w - lr * buf
+    return w
+
+
+def launch(out: Path, victim: int, at: int, where: str, *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "distrain", "launch", "--workers", str(WORKERS), "--timeout", "60", *flags,
+               str(SCRIPT), str(out), str(STEPS), str(victim), str(at), where]
+    return subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=Path(__file__).parents[2])
+
+
+@pytest.mark.parametrize("victim,where", [(0, "start"), (2, "backward")])
+def test_survivors_redo_the_interrupted_step_without_the_lost_worker(tmp_path: Path, victim: int, where: str):
+    at = 3
+    done = launch(tmp_path, victim, at, where)
+    assert done.returncode == 0, done.stderr
+    assert f"rank {victim} failed: killed by SIGKILL; the others go on without it" in done.stderr
+    survivors = sorted(set(range(WORKERS)) - {victim})
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in survivors}
+    assert not (tmp_path / f"worker{victim}.pt").exists()
+    expected = reference(victim, at)
+    if where == "backward":  # its all-reduce had started: if a survivor finished that step with the lost
+        # worker's gradient before the loss showed, every survivor takes that survivor's state instead
+        first = results[survivors[0]]["weight"].reshape(-1)
+        if not torch.allclose(first, expected, rtol=0, atol=1e-12):
+            expected = reference(victim, at + 1)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS - 1 and result["ids"] == survivors, r
+        assert result["steps"] == STEPS, r
+        [change] = result["changes"]
+        assert change["workers"] == [victim] and change["members"] == survivors and change["lost_at_step"] in ((at,) if where == "start" else (at, at + 1))
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    # the reference can fail: with the lost worker's gradient kept in the interrupted step it differs
+    assert not torch.allclose(reference(victim, at + 1), expected)
+
+
+def test_min_workers_stops_the_run_with_one_line(tmp_path: Path):
+    done = launch(tmp_path, 1, 3, "start", "--min-workers", str(WORKERS))
+    assert done.returncode == 1
+    assert "rank 1 failed: killed by SIGKILL" in done.stderr.strip().splitlines()[-1]
+    assert not list(tmp_path.glob("worker*.pt"))

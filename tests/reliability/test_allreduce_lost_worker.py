@@ -1,0 +1,41 @@
+"""``distrain train --algorithm allreduce`` losing a worker outright (SIGKILL), rank 0 included:
+the survivors agree on the members, rebuild the group, redo the step and finish; the summary,
+the metrics and the console say what happened; nothing is left running."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.reliability.common import QUICK, run_cli, run_losing_worker
+
+pytestmark = pytest.mark.timeout(180)
+
+RUN = [*QUICK, "--workers", "4", "--epochs", "4"]
+
+
+def test_rank0_lost_and_the_others_finish(tmp_path):
+    run, summary = run_losing_worker(tmp_path / "run", RUN, rank=0, step=12)
+    assert "worker 0 was killed by SIGKILL; the other workers finished without it" in run.stderr
+    [change] = summary["membership"]
+    assert change["workers"] == [0] and change["members"] == [1, 2, 3] and change["lost_at_step"] == 12
+    assert change["recovery_s"] < 3.0
+    assert summary["workers_at_end"] == 3
+    total = summary["steps"]
+    assert summary["steps_per_worker"] == [0, total, total, total]  # nobody lost a step or took one twice
+    sent = summary["bytes_sent_per_worker"]
+    assert sent[0] == 0 and sent[1] == sent[2] == sent[3] > 0
+    # the survivors' metrics carry the event, once each, on the step after it was redone
+    for worker in (1, 2, 3):
+        lines = [json.loads(line) for line in (tmp_path / "run" / "metrics" / f"rank{worker}.jsonl").read_text().splitlines()]
+        events = [line for line in lines if line.get("event") == "lost"]
+        assert len(events) == 1 and events[0]["step"] == 13 and events[0]["workers"] == [0]
+        assert [line["step"] for line in lines if "loss" in line] == list(range(1, total + 1))
+    # the same run without the fault reaches about the same accuracy (a quick run: within 5 points)
+    clean = run_cli([*RUN, "--run-dir", str(tmp_path / "clean")])
+    assert clean.returncode == 0, clean.stderr
+    reference = json.loads((tmp_path / "clean" / "summary.json").read_text())
+    assert abs(summary["final_test_accuracy"] - reference["final_test_accuracy"]) <= 0.05
+    assert re.search(r"worker [123]: lost worker\(s\) \[0\] at step 12; 3 workers go on", run.stderr)
