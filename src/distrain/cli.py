@@ -106,14 +106,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     target = (Target(module=args.module, args=list(args.target)) if args.module is not None
               else Target(script=args.target[0], args=list(args.target[1:])))
     settings = {f.name: getattr(args, f.name) for _, f, _ in leaf_fields()
-                if hasattr(args, f.name) and f.name not in ("servers", "min_workers")}  # below, when asked for
+                if hasattr(args, f.name) and f.name not in ("servers", "min_workers", "max_restarts")}  # below
     settings["timeout"] = args.timeout
     if args.min_workers is not None:
         settings["min_workers"] = args.min_workers
     if args.servers:  # the last --servers ranks serve: wrap() makes them parameter servers
         settings.update(algorithm="ps", servers=args.servers)
     return launch_script(target, args.workers, settings, master_port=args.master_port, timeout=args.timeout,
-                         servers=args.servers)
+                         servers=args.servers, max_restarts=args.max_restarts)
 
 
 # Settings that `distrain compare` varies (as lists) or sets per run, instead of single flags.
@@ -270,6 +270,9 @@ def build_parser() -> Parser:
     launch.add_argument("--min-workers", type=int, default=None, metavar="M",
                         help="elastic runs (allreduce): when a process dies the others go on while at least M "
                         "workers remain (default: 1); M = N stops every process on any loss")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                        help="elastic runs: start a worker that died again, up to R times in all; it joins the "
+                        "others at a step's end with their parameters and optimizer state (default: 0)")
     launch.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module, as python -m does")
     add_config_flags(launch, sections=("network",))
     launch.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]", help="the script and its arguments")

@@ -298,10 +298,13 @@ class ClusterConfig:
     timeout: float = _opt(120.0, "seconds any collective or peer may take before the run fails")
     min_workers: int = _opt(1, "elastic runs (allreduce): the survivors of a lost worker go on while at least this "
                             "many workers remain; --min-workers equal to --workers stops the run on any loss")
+    max_restarts: int = _opt(0, "elastic runs (allreduce, local launch): start a worker that died again, up to this "
+                             "many times in all; it joins the others at a step's end with their state")
 
     def validate(self) -> None:
         check_positive("workers", self.workers, integer=True)
         check_positive("min_workers", self.min_workers, integer=True)
+        check_positive("max_restarts", self.max_restarts, integer=True, allow_zero=True)
         if self.min_workers > self.workers:
             raise ConfigError("--min-workers", f"must be at most --workers ({self.workers}), got {self.min_workers}")
         check_choices(self)

@@ -54,7 +54,7 @@ from distrain.data.partition import labels_of, partition_indices
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import grads_finite, nonfinite_error, start_heartbeat
-from distrain.runtime.membership import Change, Membership, watch_waits
+from distrain.runtime.membership import JOIN_ENV, Change, Membership, enter_run, watch_waits
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
                             algorithm="dpsgd", topology="ring")
     """
     cfg = _configure(config, settings, model, process_group, optimizer)
+    if os.environ.get(JOIN_ENV) and not dist.is_initialized():  # a worker started again after its loss
+        return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                                    owns_group=True, joined=enter_run(cfg))
     created = _join(cfg)
     try:
         workers = cfg.cluster.workers
@@ -225,33 +228,37 @@ class DistributedOptimizer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, *,
                  total_steps: int | None = None, steps_per_epoch: int | None = None, owns_group: bool = False,
-                 workers_group: Any = None, broadcast: bool = True, heartbeat: bool = True) -> None:
+                 workers_group: Any = None, broadcast: bool = True, heartbeat: bool = True,
+                 joined: Membership | None = None) -> None:
         self.model, self.optimizer, self.config = model, optimizer, config
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self._owns_group = owns_group
         #: the training workers' group when the world also holds parameter servers, else None
         self.workers_group = workers_group
-        self.emulation = Emulation.from_config(config.network, seed=config.run.seed, workers=config.cluster.workers,
-                                               workers_per_node=config.algo.workers_per_node)
-        self.transport = Transport(link_model=self.emulation.link_model)
+        # A worker keeps its emulated device and links by its id, whatever its rank.
+        me, world = (joined.me, config.cluster.workers) if joined is not None else (None, None)
+        self.emulation = Emulation.from_config(config.network, me, world, seed=config.run.seed,
+                                               workers=config.cluster.workers, workers_per_node=config.algo.workers_per_node)
+        self.transport = Transport(link_model=self.emulation.link_model, ids=joined.members if joined else None)
         self.rank, self.workers = self.transport.rank, dist.get_world_size(workers_group)
-        if broadcast:
+        if broadcast and joined is None:
             _broadcast_from_rank0(model, workers_group)
         self.algorithm = build_algorithm(config.algo.algorithm, config)
         self.algorithm.setup(model, optimizer, self.transport)
         self.params = [p for p in model.parameters() if p.requires_grad]
         #: the workers' ids (their ranks when the run started) in rank order; an elastic run
-        #: drops the lost ones
-        self.ids = list(range(self.workers))
-        self.id = self.rank
-        self.membership = self._elastic_membership()
+        #: drops the lost ones and adds those that join
+        self.ids = list(joined.members) if joined is not None else list(range(self.workers))
+        self.id = joined.me if joined is not None else self.rank
+        self.membership = joined or self._elastic_membership()
         #: membership changes so far (elastic runs), as records for metrics and the summary
         self.changes: list[Change] = []
         self._retired: tuple[list[int], list[int], float] | None = None  # traffic of groups left behind
         # Asynchronous gossip tells a lost peer from a slow one by its heartbeat in the store, and
         # so do elastic survivors (distrain's own loop stamps one for every algorithm).
         wants_heartbeat = not self.algorithm.synchronous or self.membership is not None
-        self._heartbeat = start_heartbeat() if heartbeat and wants_heartbeat else None
+        world = dist.get_world_size() if joined is None else self.config.cluster.workers
+        self._heartbeat = start_heartbeat(self.id, world) if heartbeat and wants_heartbeat else None
         self.steps = 0
         self.compute_seconds = self.exposed_seconds = 0.0  # summed over this worker's steps
         #: compute seconds of the last step (forward and backward, without network waits, with
@@ -265,6 +272,20 @@ class DistributedOptimizer:
         self._last_step_end = time.perf_counter()
         self._forward_hook = model.register_forward_pre_hook(self._forward_started, prepend=True)
         self._final: torch.nn.Module | None = None
+        if joined is not None:  # the members wait in their step's end for this worker to take their state
+            self.algorithm.keep_local = True
+            watch_waits(joined.changed)
+            self._take_state(0)
+            self.changes.append(joined.changes[-1] if joined.changes else self._joined_change(joined))
+            self._started = True
+            self.emulation.start()
+            self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
+            self._last_step_end = time.perf_counter()
+            log.warning("worker %d joined the run at step %d with %d workers", self.id, self.steps, self.workers)
+
+    def _joined_change(self, joined: Membership) -> Change:
+        members, steps = joined._members_of(joined.epoch)
+        return Change(joined.epoch, members, [], steps, time.time(), 0.0, self.steps, joined=[joined.me])
 
     def _elastic_membership(self) -> Membership | None:
         """The run's membership when the survivors of a lost worker go on: an elastic algorithm,
@@ -348,6 +369,8 @@ class DistributedOptimizer:
         else:
             self._elastic_update(ctx)
         self.steps += 1
+        if self.membership is not None and self.membership.accepts_joins:
+            self._admit_joiners()
         self.last_compute_seconds = compute
         self.compute_seconds += compute
         self.exposed_seconds += blocked_seconds() - blocked_before  # every network wait of the step
@@ -397,51 +420,102 @@ class DistributedOptimizer:
         step in flight is done), False when the step in flight is to be redone (``.grad`` holds
         this worker's own gradients again)."""
         assert self.membership is not None
+        membership = self.membership
+        if own is not None:  # the new buckets take them in (the old ones may be half averaged)
+            for p, g in zip(self.params, own, strict=True):
+                p.grad = g
+        change = self._rebuild(lambda: membership.recover(self.steps, seen))
+        behind = change.steps[self.id] < max(change.steps.values())
+        if behind or len(set(change.steps.values())) > 1:
+            self._take_state(change.members.index(change.leader))
+        log.warning("worker %d: lost worker(s) %s at step %d; %d workers go on (recovered in %.2f s)", self.id,
+                    change.lost, self.steps, self.workers, change.seconds)
+        return behind
+
+    def _admit_joiners(self) -> None:
+        """At a step's end: when the members agreed to admit waiting workers after this step,
+        open the group with them and hand them this run's state (collective)."""
+        assert self.membership is not None
+        growth = self.membership.planned_growth(self.steps)
+        if growth is None or growth.at != self.steps:
+            return
+        since, membership = time.perf_counter(), self.membership
+        change = self._rebuild(lambda: membership.grow(growth, self.steps, since))
+        self._take_state(0)
+        log.warning("worker %d: worker(s) %s joined after step %d; %d workers go on (in %.2f s)", self.id,
+                    change.joined, self.steps, self.workers, time.perf_counter() - since)
+
+    def _rebuild(self, change_members: Any) -> Change:
+        """Close the algorithm and transport, change the members (``change_members()``: the new
+        default group is open after it) and build them again over the new group."""
         state = self.algorithm.state_dict()
         self.algorithm.close()
         self._retired = self.peer_traffic()  # the closed group's bytes stay this worker's
         self.transport.close()
         # Nothing may keep the old group's work alive: its connections stay open while it lives,
-        # and a survivor still waiting in it would wait for the whole timeout.
+        # and a member still waiting in it would wait for the whole timeout.
         self.algorithm = self.transport = None  # type: ignore[assignment]
         gc.collect()
-        change = self.membership.recover(self.steps, seen)
-        self.ids, self.rank, self.workers = change.members, self.membership.rank, len(change.members)
-        if own is not None:
-            for p, g in zip(self.params, own, strict=True):
-                p.grad = g
+        change: Change = change_members()
+        self._build(change.members)
+        self.algorithm.load_state_dict(state)
+        self.changes.append(change)
+        return change
+
+    def _build(self, members: list[int]) -> None:
+        """Transport and algorithm over the default group, whose ranks are the workers ``members``."""
+        assert self.membership is not None
+        self.ids, self.rank, self.workers = list(members), self.membership.rank, len(members)
         self.transport = Transport(link_model=self.emulation.link_model, ids=self.ids)
         self.algorithm = build_algorithm(self.config.algo.algorithm, self.config)
         self.algorithm.setup(self.model, self.optimizer, self.transport)
         self.algorithm.keep_local = True
-        self.algorithm.load_state_dict(state)
         self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
-        behind = change.steps[self.id] < max(change.steps.values())
-        if behind or len(set(change.steps.values())) > 1:
-            self._take_state(change.members.index(change.leader))
-        self.changes.append(change)
-        log.warning("worker %d: lost worker(s) %s at step %d; %d workers go on (recovered in %.2f s)", self.id,
-                    change.lost, self.steps, self.workers, change.seconds)
-        return behind
 
     @torch.no_grad()
     def _take_state(self, src: int) -> None:
-        """Every survivor takes rank ``src``'s parameters, buffers, optimizer state and step count
-        (collective over the new group; recovery traffic, not counted as training)."""
+        """Every member takes rank ``src``'s parameters, buffers, optimizer state, the algorithm's
+        replicated state and the step count (collective over the group; set-up traffic, not
+        counted as training). A worker that has not stepped yet (one that joins) first makes its
+        optimizer's state tensors, with a step on zero gradients that leaves its parameters."""
         from distrain.runtime.membership import wait_work
 
+        def broadcast(t: torch.Tensor) -> None:
+            wait_work(dist.broadcast(t, src=src, async_op=True))
+
+        mine = self._state_tensors()
+        leader = torch.tensor([len(mine), sum(t.numel() for t in mine), self.steps], dtype=torch.int64)
+        broadcast(leader)
+        if int(leader[0]) != len(mine) and not self.optimizer.state:
+            self._prime_optimizer()
+            mine = self._state_tensors()
+        if (int(leader[0]), int(leader[1])) != (len(mine), sum(t.numel() for t in mine)):
+            raise WorkerFailure(f"worker {self.id}: its optimizer state does not match the other workers' (a peer "
+                                "was lost in the first steps); it cannot take their state")
+        for t in mine:
+            broadcast(t.data)
+        replica = self.algorithm.replica_state()
+        for t in replica:
+            broadcast(t)
+        self.algorithm.load_replica_state(replica)
+        self.steps = int(leader[2])
+
+    def _state_tensors(self) -> list[torch.Tensor]:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         for p in (q for group in self.optimizer.param_groups for q in group["params"]):
             tensors += [v for _, v in sorted(self.optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
-        shape = torch.tensor([len(tensors), sum(t.numel() for t in tensors), self.steps], dtype=torch.int64)
-        leader = shape.clone()
-        wait_work(dist.broadcast(leader, src=src, async_op=True))
-        if not torch.equal(leader[:2], shape[:2]):
-            raise WorkerFailure(f"worker {self.id}: its optimizer state does not match the survivors' (lost a peer "
-                                f"in the first steps); it cannot take their state")
-        for t in tensors:
-            wait_work(dist.broadcast(t.data, src=src, async_op=True))
-        self.steps = int(leader[2])
+        return tensors
+
+    @torch.no_grad()
+    def _prime_optimizer(self) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        saved, grads = [p.detach().clone() for p in params], [p.grad for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for p, value, grad in zip(params, saved, grads, strict=True):
+            p.copy_(value)
+            p.grad = grad
 
     def _drop_nonfinite(self) -> None:
         """A NaN or infinite gradient never leaves this worker: stop, or (``on_nonfinite="skip"``)
@@ -515,6 +589,7 @@ class DistributedOptimizer:
                 pass
         self.algorithm.end()  # parameter servers stop serving once every worker has ended
         if self.membership is not None:  # a survivor still in its last step may take our state
+            self.membership.close()
             self._collective(lambda: self.transport.control_barrier())
             watch_waits(None)
         self._final = self.algorithm.eval_model()

@@ -1,7 +1,11 @@
 """A user's script for the elastic tests, run by ``distrain launch``: a parameter vector whose
 gradient at each step is a fixed vector of the worker's id and the step (so the test can
 compute the exact result), SGD with momentum, and worker ``VICTIM`` killing itself (SIGKILL)
-as step ``AT`` begins, or between its backward and its step when ``WHERE`` is ``backward``.
+as step ``AT`` begins, or between its backward and its step when ``WHERE`` is ``backward``
+(only the first time: a worker started again by ``--max-restarts`` joins the others).
+
+With ``WHERE`` ``rejoin`` the workers go on past ``STEPS`` until the restarted one has joined, and
+4 steps after that.
 
 Usage: elastic_script.py OUT STEPS VICTIM AT WHERE
 """
@@ -30,13 +34,21 @@ def main() -> None:
     model = torch.nn.Linear(DIM, 1, bias=False).double()
     torch.nn.init.zeros_(model.weight)
     opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    me = opt.rank
-    for step in range(steps):
-        if me == victim and step == at and where == "start":
+    me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
+
+    def more() -> bool:
+        if where != "rejoin":
+            return opt.steps < steps
+        joins = [c.step for c in opt.changes if c.joined]  # after a join: 4 steps more, all four workers
+        return not joins or opt.steps < max(steps, joins[0] + 4)
+
+    while more():  # a worker that joins starts where the others are
+        step = opt.steps
+        if first_life and me == victim and step == at and where in ("start", "rejoin"):
             os.kill(os.getpid(), signal.SIGKILL)
         x = gradient(me, step).reshape(1, DIM)
         model(x).sum().backward()  # d/dw (w . g) = g
-        if me == victim and step == at and where == "backward":
+        if first_life and me == victim and step == at and where == "backward":
             os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
         opt.zero_grad()

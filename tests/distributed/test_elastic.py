@@ -23,12 +23,14 @@ SCRIPT = Path(__file__).with_name("elastic_script.py")
 WORKERS, STEPS = 4, 8
 
 
-def reference(victim: int, at: int, lr: float = 0.1, momentum: float = 0.9) -> torch.Tensor:
-    """The weights after STEPS steps of SGD with momentum on the mean of the live workers' gradients."""
+def reference(victim: int, at: int, back: int | None = None, steps: int = STEPS, lr: float = 0.1,
+              momentum: float = 0.9) -> torch.Tensor:
+    """The weights after ``steps`` steps of SGD with momentum on the mean of the live workers'
+    gradients: all of them, but ``victim`` from step ``at`` until step ``back`` (None: never)."""
     w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
     buf = None
-    for step in range(STEPS):
-        live = [r for r in range(WORKERS) if not (r == victim and step >= at)]
+    for step in range(steps):
+        live = [r for r in range(WORKERS) if not (r == victim and at <= step < (steps if back is None else back))]
         g = torch.stack([gradient(r, step) for r in live]).mean(0)
         buf = g.clone() if buf is None else momentum * buf + g
         w = w - lr * buf
@@ -36,6 +38,7 @@ def reference(victim: int, at: int, lr: float = 0.1, momentum: float = 0.9) -> t
 
 
 def launch(out: Path, victim: int, at: int, where: str, *flags: str) -> subprocess.CompletedProcess:
+    """Run the script through ``distrain launch --workers 4`` with ``flags``."""
     command = [sys.executable, "-m", "distrain", "launch", "--workers", str(WORKERS), "--timeout", "60", *flags,
                str(SCRIPT), str(out), str(STEPS), str(victim), str(at), where]
     return subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=Path(__file__).parents[2])
@@ -71,3 +74,25 @@ def test_min_workers_stops_the_run_with_one_line(tmp_path: Path):
     assert done.returncode == 1
     assert "rank 1 failed: killed by SIGKILL" in done.stderr.strip().splitlines()[-1]
     assert not list(tmp_path.glob("worker*.pt"))
+
+
+def test_a_restarted_worker_joins_with_the_others_state(tmp_path: Path):
+    """--max-restarts 1: worker 1, killed at step 3, is started again and joins the others at a step's
+    end, with their parameters and momentum; from then on its gradient counts again."""
+    at = 3
+    done = launch(tmp_path, 1, at, "rejoin", "--max-restarts", "1")
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 failed: killed by SIGKILL; started again, it joins the others with their state" in done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    steps = results[0]["steps"]
+    lost, joined = results[0]["changes"]
+    assert lost["event"] == "lost" and lost["workers"] == [1] and lost["lost_at_step"] == at
+    assert joined["event"] == "joined" and joined["workers"] == [1] and joined["members"] == [0, 2, 3, 1]
+    back = joined["joined_at_step"]
+    assert at < back and steps == max(STEPS, back + 4)
+    expected = reference(1, at, back, steps)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        assert result["changes"][-1]["members"] == [0, 2, 3, 1] and result["changes"][-1]["joined_at_step"] == back
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(reference(1, at, None, steps), expected)  # the joiner's gradients count

@@ -265,6 +265,19 @@ class AllReduce(Algorithm):
             state["bucket_order"] = torch.tensor(self._bucket_order(), dtype=torch.int64)
         return state
 
+    def replica_state(self) -> list[torch.Tensor]:
+        # The buckets' order (-1s before the first step regrouped them): a worker that joins must
+        # fill and launch the same buckets as the others.
+        if not self._hooks or self._ready_order is not None:
+            return [torch.full((len(self.params),), -1, dtype=torch.int64)]
+        return [torch.tensor(self._bucket_order(), dtype=torch.int64)]
+
+    def load_replica_state(self, tensors: list[torch.Tensor]) -> None:
+        [order] = tensors
+        if self._hooks and bool((order >= 0).all()):
+            self._ready_order = None
+            self._regroup(order.tolist())
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.compression is not None and "compressor" in state:
             self.compression.load_state_dict(state["compressor"])

@@ -179,6 +179,14 @@ class Algorithm:
         has begun overwriting ``.grad`` in place; None when ``.grad`` still holds them."""
         return None
 
+    def replica_state(self) -> list[torch.Tensor]:
+        """Tensors every worker must hold alike, which a worker that joins takes from a member
+        (its shapes the same on every worker, whatever its progress)."""
+        return []
+
+    def load_replica_state(self, tensors: list[torch.Tensor]) -> None:
+        """Take a member's :meth:`replica_state` (after a broadcast into this worker's own)."""
+
     def transports(self) -> list[Transport]:
         """Transports besides the loop's (an algorithm's own process groups, over the same
         ranks): their traffic counts as this worker's."""

@@ -37,6 +37,7 @@ from distrain.launch.common import (
 )
 from distrain.runtime.faults import Interrupted
 from distrain.runtime.health import declare_dead
+from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,20 @@ FAILURES = "failures"
 
 
 def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_dir: str, user: dict[str, Any],
-            launcher: int) -> None:
+            launcher: int, joining: bool = False) -> None:
     die_with_parent(launcher)  # nobody outlives the launcher, even one killed outright
     configure_worker_logging(rank)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))  # heartbeats and stop requests meet in the store
     code = 0
     try:
-        init_group(cfg, rank, world, store=store_of(addr, port, cfg.cluster.timeout))
-        run_role(cfg, rank, world, run_dir, **user)
+        if joining:  # started again after its loss: it joins the others at a step's end
+            from distrain.train.loop import train
+
+            os.environ.update({JOIN_ENV: "1", "RANK": str(rank)})
+            train(cfg, run_dir, **user)
+        else:
+            init_group(cfg, rank, world, store=store_of(addr, port, cfg.cluster.timeout))
+            run_role(cfg, rank, world, run_dir, **user)
     except (ConfigError, DataError, CheckpointError) as exc:
         if rank == 0:  # every worker reads the same settings: one of them says what is wrong
             print(f"distrain: {exc}", file=sys.stderr)
@@ -145,18 +152,22 @@ class _Signals:
 
 
 def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: int,
-               signals: _Signals | None = None, survivable: bool = False, store: dist.Store | None = None) -> None:
+               signals: _Signals | None = None, survivable: bool = False, store: dist.Store | None = None,
+               restart: Any = None) -> None:
     """Wait for every worker; once one fails, give the others ``grace`` seconds, then stop them.
 
     After a SIGTERM / Ctrl-C, workers get ``STOP_GRACE_S`` seconds to agree on a step, save a
     checkpoint and leave; then they are killed. With ``survivable`` (an asynchronous algorithm
     that goes on without lost workers), a failed worker does not stop the others: every wait
     of theirs is bounded by --peer-timeout, and the run succeeds if they all finish. A failed
-    process is declared dead in ``store`` as soon as it exits.
+    process is declared dead in ``store`` as soon as it exits; ``restart(rank)`` (elastic runs
+    with --max-restarts) starts it again, or returns None when no restart is left.
     """
+    ranks = {p: r for r, p in enumerate(procs)}  # the process of each worker id, restarts included
+    restarted: list[mp.Process] = []
     pending = list(procs)
     failed_at: float | None = None
-    failures: list[tuple[int, int]] = []
+    failures: list[tuple[int, int, mp.Process]] = []
     while pending:
         deadlines = [failed_at + grace if failed_at is not None else None,
                      signals.at + STOP_GRACE_S if signals is not None and signals.at is not None else None]
@@ -169,27 +180,36 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
             p.join()
             pending.remove(p)
             if p.exitcode not in (0, EXIT_INTERRUPTED):
-                failures.append((procs.index(p), p.exitcode))
-                declare_dead(store, procs.index(p))  # the survivors of an elastic run know at once
-                if not survivable or p.exitcode == EXIT_BAD_INPUT:
+                failures.append((ranks[p], p.exitcode, p))
+                declare_dead(store, ranks[p])  # the survivors of an elastic run know at once
+                if not survivable or p.exitcode == EXIT_BAD_INPUT or (restart is not None and p.exitcode > 0):
+                    # (an elastic run goes on without a process that died, not one that failed: its error is the news)
                     failed_at = failed_at or time.monotonic()
+                elif restart is not None and signals is not None and signals.at is None:
+                    again = restart(ranks[p])
+                    if again is not None:
+                        log.warning("%s; started again, it joins the others with their state",
+                                    _describe_exit(run_dir, ranks[p], p.exitcode, nworkers))
+                        ranks[again] = ranks[p]
+                        pending.append(again)
+                        restarted.append(p)
     if signals is not None and signals.at is not None:
         raise Interrupted(-1)
-    finished = [r for r, p in enumerate(procs) if p.exitcode == 0]
-    if failures and survivable and finished and len(finished) + len(failures) == len(procs) \
-            and all(code != EXIT_BAD_INPUT for _, code in failures):
-        for rank, code in failures:
+    finished = [r for p, r in ranks.items() if p.exitcode == 0]
+    if failures and survivable and finished and len(finished) + len(failures) == len(ranks) \
+            and all(code != EXIT_BAD_INPUT for _, code, _ in failures):
+        for rank, code, _ in [f for f in failures if f[2] not in restarted]:
             log.warning("%s; the other workers finished without it%s", _describe_exit(run_dir, rank, code, nworkers),
                         _traceback_note(run_dir, rank))
         return
     if failures:
-        if all(code == EXIT_BAD_INPUT for _, code in failures):
+        if all(code == EXIT_BAD_INPUT for _, code, _ in failures):
             raise SystemExit(EXIT_BAD_INPUT)
-        killed = [(r, c) for r, c in failures if c < 0]  # a process killed outright is the cause
-        rank, code = (killed or failures)[0]
+        killed = [(r, c) for r, c, _ in failures if c < 0]  # a process killed outright is the cause
+        rank, code = (killed or [(r, c) for r, c, _ in failures])[0]
         raise WorkerFailure(f"{_describe_exit(run_dir, rank, code, nworkers)}; the run was stopped"
                             f"{_traceback_note(run_dir, rank)}")
-    interrupted = [r for r, p in enumerate(procs) if p.exitcode == EXIT_INTERRUPTED]
+    interrupted = [r for p, r in ranks.items() if p.exitcode == EXIT_INTERRUPTED]
     if interrupted:  # a worker was signalled directly: every one stopped at the agreed step
         raise Interrupted(-1)
 
@@ -243,11 +263,26 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
                          args=(rank, nprocs, cfg, addr, port, str(run_dir), user, os.getpid()))
              for rank in range(nprocs)]
     signals = _Signals(procs).install()
+    survives = ALGORITHMS[cfg.algo.algorithm].survives(cfg)
+    if survives and cfg.cluster.max_restarts:
+        store.set(RESTARTS_KEY, str(cfg.cluster.max_restarts))  # the members look for joiners at every step
+    restarts = {"left": cfg.cluster.max_restarts}
+
+    def restart(rank: int) -> mp.Process | None:
+        if restarts["left"] <= 0:
+            return None
+        restarts["left"] -= 1
+        p = ctx.Process(target=_worker, name=f"distrain-worker-{rank}",
+                        args=(rank, nprocs, cfg, addr, port, str(run_dir), user, os.getpid(), True))
+        procs.append(p)  # signalled and stopped with the others
+        p.start()
+        return p
+
     try:
         for p in procs:
             p.start()
-        _supervise(procs, grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
-                   signals=signals, survivable=ALGORITHMS[cfg.algo.algorithm].survives(cfg), store=store)
+        _supervise(list(procs), grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
+                   signals=signals, survivable=survives, store=store, restart=restart if survives else None)
     except Interrupted:
         from distrain.runtime.checkpoint import CheckpointStore
 

@@ -30,7 +30,7 @@ from distrain.distributed import SETTINGS_ENV
 from distrain.errors import ConfigError
 from distrain.launch.common import PR_SET_PDEATHSIG, free_port
 from distrain.runtime.health import declare_dead
-from distrain.runtime.membership import elastic_run
+from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run
 
 #: Seconds the other processes get to stop after a failure or Ctrl-C before they are killed.
 STOP_GRACE_S = 5.0
@@ -126,18 +126,25 @@ class _Process:
 
 
 def launch_script(target: Target, workers: int, settings: dict[str, Any], *, master_port: int = 0,
-                  timeout: float = 120.0, servers: int = 0) -> int:
+                  timeout: float = 120.0, servers: int = 0, max_restarts: int = 0) -> int:
     """Run ``target`` as ``workers`` processes, and ``servers`` more (the last ranks) that
     ``wrap()`` makes parameter servers; the exit status of the job (0: all succeeded).
 
+    In an elastic run, a worker that dies is started again, up to ``max_restarts`` times in all:
+    it joins the others at a step's end with their state (``wrap()`` sees :data:`JOIN_ENV`).
+
     Bad settings raise ConfigError before anything starts.
     """
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ConfigError("--max-restarts", f"must be an integer >= 0, got {max_restarts!r}")
     target.check()
     check_settings(settings, workers, servers)
     world = workers + servers
     addr = "127.0.0.1"
     port = master_port or free_port(addr)
     store = store_of(addr, port, timeout, host=True)  # outlives every rank: the rendezvous is the launcher's
+    if max_restarts:
+        store.set(RESTARTS_KEY, str(max_restarts))  # the members look for workers joining at every step
     base = dict(os.environ)
     base.setdefault("OMP_NUM_THREADS", "1")
     base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -148,11 +155,17 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
     interrupted: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _frame: interrupted.append(signum))
                 for s in (signal.SIGINT, signal.SIGTERM)}
+    def start(rank: int, joining: bool = False) -> _Process:
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+        if joining:
+            env[JOIN_ENV] = "1"
+        return _Process(rank, target, env, lock)
+
     try:
         for rank in range(world):
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-            procs.append(_Process(rank, target, env, lock))
-        return _supervise(procs, interrupted, exit_window=timeout, store=store)
+            procs.append(start(rank))
+        restart = Restarts(max_restarts, lambda rank: start(rank, joining=True))
+        return _supervise(procs, interrupted, exit_window=timeout, store=store, restart=restart)
     finally:
         for p in procs:
             p.stop(signal.SIGKILL)
@@ -164,7 +177,22 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         del store
 
 
-def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float, store: Any = None) -> int:
+@dataclass
+class Restarts:
+    """How many lost workers may still be started again, and how."""
+
+    left: int
+    start: Any  # rank -> _Process
+
+    def __call__(self, rank: int) -> _Process | None:
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        return self.start(rank)
+
+
+def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float, store: Any = None,
+               restart: Restarts | None = None) -> int:
     """Wait for every process; on the first failure or a signal, stop the others. Once one has
     finished, the others have ``exit_window`` seconds to finish too (a rank stuck at exit, or in
     a wait its finished peers will never answer, would otherwise keep the job up for ever).
@@ -181,12 +209,19 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
             return 130 if interrupted[0] == signal.SIGINT else 143
         codes = [p.proc.poll() for p in procs]
         failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0) and p not in lost), None)
-        if failed is not None and elastic_run(store):
+        code = None if failed is None else codes[procs.index(failed)]
+        if failed is not None and code is not None and code < 0 and elastic_run(store):  # died (a signal): go on
             declare_dead(store, failed.rank)
             lost.append(failed)
             code = int(codes[procs.index(failed)])  # type: ignore[arg-type]
-            print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}; the others go on without it",
-                  file=sys.stderr)
+            again = restart(failed.rank) if restart is not None and first_done is None else None
+            if again is None:
+                print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}; the others go on without it",
+                      file=sys.stderr)
+            else:
+                print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}; started again, it joins the "
+                      f"others with their state", file=sys.stderr)
+                procs.append(again)
             continue
         if failed is not None:
             code = int(codes[procs.index(failed)])  # type: ignore[arg-type]

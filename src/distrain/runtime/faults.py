@@ -119,12 +119,14 @@ def store_client(timeout: float = 10.0) -> dist.TCPStore | None:
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 
 
-def start_heartbeat() -> Heartbeat | None:
-    """Stamp liveness in the rendezvous store (none for a single process)."""
+def start_heartbeat(rank: int | None = None, world: int | None = None) -> Heartbeat | None:
+    """Stamp liveness in the rendezvous store as ``rank`` of ``world`` (default: this process's
+    place in the default group; none for a single process)."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port or dist.get_world_size() == 1:
+    world = dist.get_world_size() if world is None else world
+    if not host or not port or world == 1:
         return None
-    return Heartbeat(host, int(port), dist.get_rank(), dist.get_world_size()).start()
+    return Heartbeat(host, int(port), dist.get_rank() if rank is None else rank, world).start()
 
 
 def announce_failure(store: dist.Store | None, message: str) -> None:
@@ -205,8 +207,8 @@ def injected_nan(rank: int, step: int) -> bool:
 def maybe_injected_kill(rank: int, step: int) -> None:
     """Fault injection for tests: DISTRAIN_INJECT_KILL='rank:step' kills this process outright;
     DISTRAIN_INJECT_STOP='rank:step' stops it (SIGSTOP) until someone sends SIGCONT."""
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("DISTRAIN_JOIN"):
+        return  # a worker started again after its loss is not killed twice
     for variable, sig in (("DISTRAIN_INJECT_KILL", signal.SIGKILL), ("DISTRAIN_INJECT_STOP", signal.SIGSTOP)):
         if _injected(variable, rank, step):
             mark = os.environ.get("DISTRAIN_INJECT_MARK")  # when it happened (and who), for tests
@@ -230,7 +232,7 @@ class FaultWatch:
             watch.close()
     """
 
-    def __init__(self, rank: int, role: str = "worker") -> None:
+    def __init__(self, rank: int, role: str = "worker", world: int | None = None) -> None:
         self.rank, self.role = rank, role
         self.step = 0
         self.stop = StopRequest().install()
@@ -239,7 +241,7 @@ class FaultWatch:
             self.store = store_client()  # made now, while the store is surely up; reused
         except Exception as exc:  # noqa: BLE001 - then no stop agreement or failure notes
             log.warning("no rendezvous store for stop requests and failure notes: %s", exc)
-        self.heartbeat = start_heartbeat()
+        self.heartbeat = start_heartbeat(rank, world)
 
     def explain(self, exc: BaseException) -> BaseException:
         """The exception to raise in place of ``exc``: lost peers named, own failures announced."""

@@ -39,21 +39,41 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from distrain.errors import WorkerFailure
+from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.health import DEAD_KEY, KEY, declare_dead
+
+if TYPE_CHECKING:
+    from distrain.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
 PREFIX = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/members"
 #: Set in the store by the workers of an elastic run: a launcher then keeps the survivors going.
 ELASTIC_KEY = PREFIX + "/elastic"
+#: Set by a launcher that restarts lost workers: the members then look for joiners at every step.
+RESTARTS_KEY = PREFIX + "/restarts"
+#: How many workers have asked to join (a counter), and who each was (``.../joiner/<n>``).
+JOINS_KEY = PREFIX + "/joins"
+JOINER_KEY = PREFIX + "/joiner/{}"
+#: ``epoch:count``: joiner number ``n`` was admitted in that membership epoch, with every joiner
+#: numbered below ``count``.
+ADMIT_KEY = PREFIX + "/admit/{}"
+#: Set by the members once they have stopped stepping: nobody can join any more.
+CLOSED_KEY = PREFIX + "/closed"
+#: The environment variable a launcher sets on a worker it starts again after its loss.
+JOIN_ENV = "DISTRAIN_JOIN"
 #: How often a wait polls the store for a membership change (seconds).
 POLL_S = 0.05
 #: gloo's message when a timed wait ends before the work does (the work goes on).
 _WAIT_TIMED_OUT = "Operation timed out"
+
+
+class RunEnded(Exception):
+    """A worker asked to join a run whose members have already stopped training."""
 
 
 class MembershipChanged(Exception):
@@ -71,6 +91,7 @@ class Change:
     at: float  # Unix time the change was agreed
     seconds: float  # from the failure this worker saw to the new group being open
     step: int  # steps this worker had completed when it saw the failure
+    joined: list[int] = field(default_factory=list)  # workers admitted (with live state from a member)
 
     @property
     def leader(self) -> int:
@@ -80,8 +101,20 @@ class Change:
 
     def record(self) -> dict[str, object]:
         """The change as a metrics / summary record."""
+        if self.joined:
+            return {"event": "joined", "workers": self.joined, "members": self.members, "membership_epoch": self.epoch,
+                    "joined_at_step": self.step, "unix_time": self.at, "recovery_s": self.seconds}
         return {"event": "lost", "workers": self.lost, "members": self.members, "membership_epoch": self.epoch,
                 "lost_at_step": self.step, "unix_time": self.at, "recovery_s": self.seconds}
+
+
+@dataclass
+class Growth:
+    """The members' agreement to admit the workers waiting to join: after step ``at``, the
+    joiners registered up to number ``count``."""
+
+    at: int
+    count: int
 
 
 @dataclass
@@ -119,8 +152,13 @@ class Membership:
                               timeout=datetime.timedelta(seconds=30))
         return cls(store, list(members), me, **kwargs)  # type: ignore[arg-type]
 
+    admitted: int = 0  # joiners admitted so far (the counter's value at the last growth)
+    growth: Growth | None = None
+
     def __post_init__(self) -> None:
         self.store.set(ELASTIC_KEY, "1")
+        #: whether workers may join (a launcher restarts lost ones): then every step asks the store
+        self.accepts_joins = self.store.check([RESTARTS_KEY])
 
     @property
     def rank(self) -> int:
@@ -190,7 +228,12 @@ class Membership:
 
         Raises WorkerFailure when this worker was left out, or fewer than ``min_workers`` remain.
         """
+        from distrain.runtime.faults import announced_failure
+
         self.flag()
+        cause = announced_failure(self.store)
+        if cause is not None:  # a worker failed on its own (a non-finite loss, an error): that stops the run
+            raise WorkerFailure(f"worker {self.me} stopped at step {steps} because {cause}")
         members, done = self.agree(steps)
         lost = [m for m in self.members if m not in members]
         for m in lost:  # every survivor sees them dead from now on (gossip, summaries)
@@ -208,6 +251,75 @@ class Membership:
         self.changes.append(change)
         return change
 
+    # -- growing: workers that join ---------------------------------------------------------------
+
+    def planned_growth(self, steps: int) -> Growth | None:
+        """At a step's end, with ``steps`` completed: when the members admit the workers waiting to
+        join (None: nobody waits). One store request per step while workers may join.
+
+        The first member to see a joiner proposes ``steps + 2`` (compare-and-set: one proposal
+        wins). Synchronous members are at most one step apart and each asks at every step's end,
+        so none has passed the agreed step when it learns it."""
+        if self.growth is not None:
+            return self.growth
+        if not self.accepts_joins:
+            return None
+        joins = int(self.store.add(JOINS_KEY, 0))
+        if joins <= self.admitted:
+            return None
+        agreed = self.store.compare_set(self._key("grow"), "", f"{steps + 2}:{joins}")
+        at, count = (int(v) for v in (agreed.decode() if isinstance(agreed, bytes) else str(agreed)).split(":"))
+        self.growth = Growth(at, count)
+        return self.growth
+
+    def grow(self, growth: Growth, steps: int, since: float) -> Change:
+        """Admit the joiners of ``growth`` (collective with them): the next epoch's members are
+        this one's and then the joiners, each told its epoch; the group is opened again."""
+        joiners = [int(self.store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, growth.count)]
+        joined = [j for j in dict.fromkeys(joiners) if j not in self.members]
+        nxt = self.epoch + 1
+        proposal = ",".join(f"{m}:{steps}" for m in [*self.members, *joined])
+        self.store.compare_set(self._key("members", nxt), "", proposal)
+        for n in range(self.admitted, growth.count):
+            self.store.compare_set(ADMIT_KEY.format(n), "", f"{nxt}:{growth.count}")
+        members, done = self._members_of(nxt)
+        self.epoch, self.members, self.admitted, self.growth = nxt, members, growth.count, None
+        self._reopen()
+        change = Change(self.epoch, members, [], done, time.time(), time.perf_counter() - since, steps, joined=joined)
+        self.changes.append(change)
+        return change
+
+    def close(self) -> None:
+        """This member has stopped stepping: workers still waiting to join are told the run ended."""
+        self.store.set(CLOSED_KEY, "1")
+
+    def _members_of(self, epoch: int) -> tuple[list[int], dict[int, int]]:
+        text = self.store.get(self._key("members", epoch)).decode()
+        pairs = [item.split(":") for item in text.split(",") if item]
+        return [int(m) for m, _ in pairs], {int(m): int(s) for m, s in pairs}
+
+    @classmethod
+    def enter(cls, store: dist.Store, me: int, **kwargs: object) -> Membership:
+        """Join a running elastic run as worker ``me`` (a restarted or new process): ask, wait for
+        the members to admit this worker at a step's end (at most ``timeout`` seconds), and open
+        the group with them. The caller then takes a member's state (collective)."""
+        timeout = float(kwargs.get("timeout", 120.0))  # type: ignore[arg-type]
+        n = int(store.add(JOINS_KEY, 1)) - 1
+        store.set(JOINER_KEY.format(n), str(me))
+        deadline = time.monotonic() + timeout
+        while not store.check([ADMIT_KEY.format(n)]):
+            if store.check([CLOSED_KEY]):
+                raise RunEnded(f"worker {me} was started again, but the others had finished training")
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"worker {me} asked to join the run but was not admitted within {timeout:g} s")
+            time.sleep(POLL_S)
+        epoch, admitted = (int(v) for v in store.get(ADMIT_KEY.format(n)).decode().split(":"))
+        store.delete_key(DEAD_KEY.format(me))  # alive again
+        membership = cls(store, [me], me, epoch=epoch, admitted=admitted, **kwargs)  # type: ignore[arg-type]
+        membership.members, _ = membership._members_of(epoch)
+        membership._reopen()
+        return membership
+
     def _reopen(self) -> None:
         """Replace the default process group by one over the current members."""
         if dist.is_initialized():
@@ -216,6 +328,22 @@ class Membership:
         dist.init_process_group(self.backend, store=dist.PrefixStore(self._key("group"), self.store),
                                 rank=self.rank, world_size=len(self.members),
                                 timeout=datetime.timedelta(seconds=self.timeout))
+
+
+def enter_run(cfg: TrainConfig) -> Membership:
+    """Join the running elastic job a launcher restarted this process for (its ``RANK`` is the
+    worker's id; the store is at ``MASTER_ADDR:MASTER_PORT``): wait to be admitted at a step's end,
+    then open the group with the members."""
+    from distrain.comm.group import backend_for
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise ConfigError(JOIN_ENV, "is set but MASTER_ADDR / MASTER_PORT are not: only a launcher restarts workers")
+    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
+    c = cfg.cluster
+    return Membership.enter(store, int(os.environ.get("RANK", "0")), min_workers=c.min_workers,
+                            backend=backend_for(cfg), timeout=c.timeout)
 
 
 def _abort(group: dist.ProcessGroup) -> None:

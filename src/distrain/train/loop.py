@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,9 +54,10 @@ from distrain.runtime.faults import (
     injected_nan,
     maybe_injected_kill,
     nonfinite_error,
+    store_client,
 )
 from distrain.runtime.files import atomic_write
-from distrain.runtime.membership import watch_waits
+from distrain.runtime.membership import JOIN_ENV, Membership, RunEnded, enter_run, watch_waits
 from distrain.runtime.totals import RunTotals
 from distrain.tasks import LossFn, Task, bits_per_byte, build_task, check_task_data
 from distrain.train.metrics import (
@@ -118,9 +120,10 @@ class WorkerData(NamedTuple):
 
 
 def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | None, test_set: Dataset | None,
-                     group: Any = None, task: Task | None = None) -> WorkerData:
+                     group: Any = None, task: Task | None = None, collective: bool = True) -> WorkerData:
     """This worker's shard and the run's length (collective over ``group``): ConfigError naming
-    ``--batch-size`` if some worker's shard is smaller than one batch."""
+    ``--batch-size`` if some worker's shard is smaller than one batch. Not ``collective`` (a worker
+    joining a running job): every shard is taken to be this one's size."""
     train_set, shard, test_set = worker_data(cfg, rank, world, train_set, test_set)
     labelled = task is None or task.labels
     if getattr(train_set, "num_classes", None) is not None and not labelled:  # a vocabulary (text)
@@ -130,7 +133,8 @@ def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset
     else:  # regression: the model's outputs are the target's values
         target = batches_of(train_set, torch.tensor([0]), classes=False)[1]
         num_classes = int(target[0].numel())
-    shards = shard_report(train_set, shard, num_classes if labelled else 0, group)
+    shards = (shard_report(train_set, shard, num_classes if labelled else 0, group) if collective
+              else [{"rank": r, "size": len(shard), "label_histogram": []} for r in range(world)])
     if min(s["size"] for s in shards) < cfg.data.batch_size:
         small = min(shards, key=lambda s: s["size"])
         raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
@@ -162,24 +166,30 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     stopped at the same step and saved a checkpoint), and ``WorkerFailure`` in one line naming
     the step and the cause when a peer is lost or a value is not finite.
     """
-    watch = FaultWatch(dist.get_rank())
+    # A worker started again after its loss (--max-restarts) joins the others at a step's end,
+    # once its data and model are ready.
+    joining = bool(os.environ.get(JOIN_ENV)) and not dist.is_initialized()
+    rank = int(os.environ.get("RANK", "0")) if joining else dist.get_rank()
+    watch = FaultWatch(rank, world=cfg.cluster.workers if joining else None)
     task = build_task(cfg.data.task_name(), loss_fn)
-    return watch.run(_train, cfg, Path(run_dir), watch, model_fn, train_set, test_set, task, workers_group)
+    return watch.run(_train, cfg, Path(run_dir), watch, model_fn, train_set, test_set, task, workers_group, joining)
 
 
 def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFactory | None,
-           train_set: Dataset | None, test_set: Dataset | None, task: Task, workers_group: Any) -> dict[str, Any] | None:
+           train_set: Dataset | None, test_set: Dataset | None, task: Task, workers_group: Any,
+           joining: bool = False) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.run.threads)
-    rank, world = dist.get_rank(), dist.get_world_size(workers_group)  # world: training workers only
+    # world: training workers only; a worker that joins keeps its id as its rank here
+    rank, world = (watch.rank, cfg.cluster.workers) if joining else (dist.get_rank(), dist.get_world_size(workers_group))
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
 
     # --- data: each worker trains on its own shard ----------------------------------------------
     train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler = plan_worker_data(
-        cfg, rank, world, train_set, test_set, workers_group, task)
+        cfg, rank, world, train_set, test_set, workers_group, task, collective=not joining)
 
     # --- resume: the checkpoint this worker continues from, if any ------------------------------
-    store = CheckpointStore(run_dir, rank, dist.get_world_size())  # servers save their shards too
-    resume_step = store.resolve(cfg.run.resume)
+    store = CheckpointStore(run_dir, rank, world if joining else dist.get_world_size())  # servers save their shards too
+    resume_step = store.resolve(cfg.run.resume) if not joining else None  # a joiner takes live state
     state = store.load(resume_step) if resume_step is not None else None
     if state is not None:
         check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=world)
@@ -205,10 +215,18 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=round(o.warmup_epochs * steps_per_epoch),
                           total_steps=total_steps, decay=o.lr_decay)
     optimizer = build_optimizer(o.optimizer, model.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
+    joined: Membership | None = None
+    if joining:
+        try:
+            joined = enter_run(cfg)
+        except RunEnded as exc:
+            log.warning("%s; it leaves", exc)
+            return None
+        watch.store = store_client()
     # The same object a user's own loop gets from distrain.wrap(): it runs the algorithm around
     # each optimizer step. Every worker built the same model from the same seed: no broadcast.
     opt = DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                               workers_group=workers_group, broadcast=False, heartbeat=False)
+                               workers_group=workers_group, broadcast=False, heartbeat=False, joined=joined)
     algorithm, transport = opt.algorithm, opt.transport
 
     # --- resume: the state of every part, and what the earlier segments did ---------------------
@@ -226,7 +244,10 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         if rank == 0 and int(state.get("total_steps", total_steps)) != total_steps:
             log.warning(describe_extension(state, schedule))
 
-    if rank == 0:
+    if joined is not None:  # where the others are: their step, data split and learning rate
+        start_step = opt.steps
+        sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule)
+    if rank == 0 and joined is None:
         write_json_atomic(run_dir / "config.json", {
             **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
             "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": resume_step,
@@ -254,7 +275,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         })
 
     # --- the loop -------------------------------------------------------------------------------
-    metrics = MetricsWriter(run_dir, rank, resume_step=resume_step)
+    # a joiner keeps its earlier life's lines up to where it comes back
+    metrics = MetricsWriter(run_dir, rank, resume_step=resume_step if joined is None else start_step)
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
     progress = _progress_bar(cfg, rank, total_steps, start_step)
     time_to_target: float | None = None
@@ -265,7 +287,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
     tokens_per_sample = lm_tokens(task, sample_shape)
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
-    changes: list[Any] = []  # membership changes handled so far (elastic runs)
+    changes: list[Any] = list(opt.changes)  # membership changes handled so far (elastic runs)
+    for change in changes:  # a joiner's own entry
+        metrics.write({"step": start_step, **change.record()})
     model.train()
     opt.start()  # together: emulated bandwidth traces and asynchronous algorithms' clocks start now
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -359,6 +383,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             save(step + 1)
         step += 1
     algorithm.end()  # parameter servers: this worker's training is over
+    if opt.membership is not None:
+        opt.membership.close()  # a worker started again from now on finds the run over
     wall = time.perf_counter() - start - eval_seconds
     cpu = time.process_time() - cpu_start  # every thread of this process: the gossip's and the backend's too
     if progress is not None:
