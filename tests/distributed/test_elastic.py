@@ -44,7 +44,7 @@ def launch(out: Path, victim: int, at: int, where: str, *flags: str) -> subproce
     return subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=Path(__file__).parents[2])
 
 
-@pytest.mark.parametrize("victim,where", [(0, "start"), (2, "backward")])
+@pytest.mark.parametrize("victim,where", [(0, "start"), pytest.param(2, "backward", marks=pytest.mark.slow)])
 def test_survivors_redo_the_interrupted_step_without_the_lost_worker(tmp_path: Path, victim: int, where: str):
     at = 3
     done = launch(tmp_path, victim, at, where)
@@ -69,6 +69,7 @@ def test_survivors_redo_the_interrupted_step_without_the_lost_worker(tmp_path: P
     assert not torch.allclose(reference(victim, at + 1), expected)
 
 
+@pytest.mark.slow  # distrain train's case (test_lost_peer.py) runs in CI
 def test_min_workers_stops_the_run_with_one_line(tmp_path: Path):
     done = launch(tmp_path, 1, 3, "start", "--min-workers", str(WORKERS))
     assert done.returncode == 1

@@ -43,6 +43,7 @@ def test_rank0_lost_and_the_others_finish(tmp_path):
     assert re.search(r"worker [123]: lost worker\(s\) \[0\] at step 12; 3 workers go on", run.stderr)
 
 
+@pytest.mark.slow  # the join through wrap() (tests/distributed/test_elastic.py) runs in CI
 def test_a_restarted_worker_joins_and_ends_with_the_same_parameters(tmp_path):
     """--max-restarts 1: worker 2, killed at step 12, starts again, joins the others at a step's end
     with their state, and every worker ends with the same parameters (so it stayed in step)."""
