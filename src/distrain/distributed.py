@@ -384,7 +384,7 @@ class DistributedOptimizer:
     def _elastic_update(self, ctx: StepContext) -> None:
         """The step; when a peer is lost on the way, the survivors agree, rebuild the group and
         redo it with their own gradients (or, behind a survivor that finished it, take its state)."""
-        own = None if self.algorithm.keep_local and self.algorithm.local_gradients() is not None \
+        own = None if self.algorithm.keeps_local_gradients() \
             else [None if p.grad is None else p.grad.detach().clone() for p in self.params]
         while True:
             try:

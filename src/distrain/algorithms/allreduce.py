@@ -208,10 +208,13 @@ class AllReduce(Algorithm):
         """Survivors of a lost worker redo the step without it: flat, uncompressed all-reduce."""
         return self.compression is None and self.hierarchy is None
 
+    def keeps_local_gradients(self) -> bool:
+        return self.keep_local and self._launched == len(self.buckets)
+
     def local_gradients(self) -> list[torch.Tensor | None] | None:
         """This worker's own gradients of the step in flight, per parameter (as launched), or
         None where no bucket kept them (nothing launched yet: ``.grad`` still holds them)."""
-        if not self.keep_local or self._launched != len(self.buckets):
+        if not self.keeps_local_gradients():
             return None
         out: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:

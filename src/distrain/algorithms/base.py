@@ -174,6 +174,10 @@ class Algorithm:
         workers' joint progress or the clock)."""
         return step
 
+    def keeps_local_gradients(self) -> bool:
+        """Whether :meth:`local_gradients` has this step's gradients (without copying them)."""
+        return False
+
     def local_gradients(self) -> list[torch.Tensor | None] | None:
         """This worker's own gradients of the step in flight, per parameter, where averaging
         has begun overwriting ``.grad`` in place; None when ``.grad`` still holds them."""

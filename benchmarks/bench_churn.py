@@ -1,0 +1,228 @@
+"""Elastic training under churn: a worker killed outright (SIGKILL) at a random step, and workers
+killed every 30 s with restarts on.
+
+For each algorithm that goes on without a lost worker (today: ``allreduce``), on the default job
+(``distrain train``: MNIST-1D, the CNN, 4 workers) and for each of ``--seeds`` seeds (20):
+
+* **no fault**: the run as it is (its final accuracy is the reference);
+* **kill**: ``DISTRAIN_INJECT_KILL`` kills a random worker (rank 0 included) as a random step
+  between 5% and 95% of the run begins. It passes if the command exits 0 within its timeout,
+  no process is left, the summary shows that worker lost and the 3 others at the run's end;
+* **kill + restart**: the same with ``--max-restarts 1`` and the step drawn between 5% and 50%
+  (the restarted worker needs a few seconds to start and load its data before it can join). It
+  passes if the run also ends with 4 workers.
+
+Recovery time: from the kill (the time the killed process wrote before dying) to the members'
+agreement with the new group open (``unix_time`` of the change in ``summary.json``): detection,
+agreement and rebuild. Reported: median, min and max over the runs.
+
+Accuracy: final test accuracy of the kill run minus the no-fault run of the same seed; median,
+min and max, and how many are within 1 point.
+
+Goodput (``--goodput-repeats`` 3 pairs): the default job for ``--goodput-epochs`` (25) epochs,
+once without faults and once with a random live worker process killed every ``--kill-every`` (30)
+seconds and ``--max-restarts 10``. Useful samples are those of the steps the model took: per step,
+the members then times the batch size (the steps between changes, from ``membership``), over the
+run's wall time, divided by the no-fault run's samples/s. The figure is the median of the
+per-pair ratios, with min and max. Target: at least 0.85.
+
+    python benchmarks/bench_churn.py
+    python benchmarks/bench_churn.py --seeds 2 --goodput-repeats 1 --goodput-epochs 10   # a quick look
+
+Writes ``benchmarks/results/churn.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from provenance import check_repeats, spread, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+WORKERS = 4
+TIMEOUT_S = 600
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of ``pid`` (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def is_worker(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
+
+
+def train(run_dir: Path, algorithm: str, seed: int, *flags: str, env: dict | None = None,
+          killer: threading.Event | None = None, kill_every: float = 0.0) -> dict:
+    """One ``distrain train`` run; with ``kill_every``, a random live worker is killed every so many
+    seconds (until the run ends). Returns what the run showed."""
+    cmd = [sys.executable, "-m", "distrain", "train", "--algorithm", algorithm, "--workers", str(WORKERS),
+           "--seed", str(seed), "--no-progress", "--run-dir", str(run_dir), *flags]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    kills: list[float] = []
+    if kill_every:
+        def chaos() -> None:
+            rng = random.Random(seed)
+            while proc.poll() is None:
+                deadline = time.monotonic() + kill_every
+                while time.monotonic() < deadline and proc.poll() is None:
+                    time.sleep(0.1)
+                live = [p for p in children(proc.pid) if is_worker(p)]
+                if proc.poll() is None and live:
+                    os.kill(rng.choice(live), signal.SIGKILL)
+                    kills.append(time.time())
+        thread = threading.Thread(target=chaos, daemon=True)
+        thread.start()
+    try:
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+        hung = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        hung = True
+    wall = time.perf_counter() - started
+    time.sleep(0.5)
+    left = [p for p in descendants(proc.pid)] if proc.poll() is None else []
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    return {"returncode": proc.returncode, "hung": hung, "left_running": left, "command_wall_s": wall,
+            "summary": summary, "stderr_tail": stderr.strip().splitlines()[-3:], "kills": kills}
+
+
+def useful_samples(summary: dict, batch: int) -> float:
+    """Samples of the steps the model took: per step, the members then times the batch size."""
+    total, members, at, samples = summary["steps"], summary["workers"], 0, 0.0
+    for change in summary["membership"]:
+        step = change.get("lost_at_step", change.get("joined_at_step"))
+        samples += (step - at) * members * batch
+        at, members = step, len(change["members"])
+    return samples + (total - at) * members * batch
+
+
+def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps: int, reference: float) -> dict:
+    rng = random.Random(1000 * seed + restart)
+    victim = rng.randrange(WORKERS)
+    step = rng.randint(max(1, int(0.05 * total_steps)), int((0.5 if restart else 0.95) * total_steps))
+    mark = tmp / f"{algorithm}-{seed}-{restart}-mark"
+    run_dir = tmp / f"{algorithm}-{seed}-{'restart' if restart else 'kill'}"
+    flags = ("--max-restarts", "1") if restart else ()
+    out = train(run_dir, algorithm, seed, *flags,
+                env={"DISTRAIN_INJECT_KILL": f"{victim}:{step}", "DISTRAIN_INJECT_MARK": str(mark)})
+    summary = out.pop("summary")
+    killed_at = float(mark.read_text().split()[0]) if mark.is_file() else None
+    lost = [c for c in (summary or {}).get("membership", []) if c["event"] == "lost"]
+    row = {"seed": seed, "victim": victim, "step": step, "restart": restart, **out,
+           "workers_at_end": summary["workers_at_end"] if summary else None,
+           "final_test_accuracy": summary["final_test_accuracy"] if summary else None,
+           "recovery_s": lost[0]["unix_time"] - killed_at if lost and killed_at else None,
+           "lost": lost[0]["workers"] if lost else None}
+    row["accuracy_minus_no_fault"] = (row["final_test_accuracy"] - reference
+                                      if row["final_test_accuracy"] is not None else None)
+    want = WORKERS if restart else WORKERS - 1
+    row["passed"] = (out["returncode"] == 0 and not out["hung"] and not out["left_running"]
+                     and row["lost"] == [victim] and row["workers_at_end"] == want)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--algorithms", default="allreduce")
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--goodput-repeats", type=int, default=3)
+    parser.add_argument("--goodput-epochs", type=float, default=25)
+    parser.add_argument("--kill-every", type=float, default=30.0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "churn.json")
+    args = parser.parse_args()
+    check_repeats(parser, args.goodput_repeats)
+    result: dict = {"workers": WORKERS, "seeds": args.seeds, "cpus": os.cpu_count(), "algorithms": {}}
+    with tempfile.TemporaryDirectory(prefix="bench_churn-") as tmp_name:
+        tmp = Path(tmp_name)
+        for algorithm in args.algorithms.split(","):
+            rows = []
+            for seed in range(args.seeds):
+                clean = train(tmp / f"{algorithm}-{seed}-clean", algorithm, seed)
+                summary = clean["summary"]
+                assert clean["returncode"] == 0 and summary is not None, clean["stderr_tail"]
+                for restart in (False, True):
+                    row = churn_case(tmp, algorithm, seed, restart, summary["steps"], summary["final_test_accuracy"])
+                    row["no_fault_accuracy"] = summary["final_test_accuracy"]
+                    rows.append(row)
+                    print(f"{algorithm} seed {seed} {'restart' if restart else 'kill'}: worker {row['victim']} at step "
+                          f"{row['step']}: {'ok' if row['passed'] else 'FAILED'}, {row['workers_at_end']} workers at "
+                          f"the end, recovery {row['recovery_s']}, accuracy {row['accuracy_minus_no_fault']}",
+                          flush=True)
+            kills = [r for r in rows if not r["restart"]]
+            restarts = [r for r in rows if r["restart"]]
+            gaps = [r["accuracy_minus_no_fault"] for r in kills if r["accuracy_minus_no_fault"] is not None]
+            recoveries = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
+            result["algorithms"][algorithm] = {
+                "kill_passed": sum(r["passed"] for r in kills), "kill_runs": len(kills),
+                "restart_passed": sum(r["passed"] for r in restarts), "restart_runs": len(restarts),
+                "hung": sum(r["hung"] for r in rows), "left_running": sum(bool(r["left_running"]) for r in rows),
+                "recovery_s": spread(recoveries),
+                "accuracy_minus_no_fault": spread(gaps),
+                "within_1_point": sum(abs(g) <= 0.01 for g in gaps),
+                "recovery_at_most_3_s": bool(recoveries) and statistics.median(recoveries) <= 3.0,
+                "runs": rows}
+            print(f"{algorithm}: kill {result['algorithms'][algorithm]['kill_passed']}/{len(kills)}, restart "
+                  f"{result['algorithms'][algorithm]['restart_passed']}/{len(restarts)}, recovery median "
+                  f"{statistics.median(recoveries) if recoveries else None}, accuracy within 1 point "
+                  f"{result['algorithms'][algorithm]['within_1_point']}/{len(gaps)}", flush=True)
+            pairs = []
+            for repeat in range(args.goodput_repeats):
+                flags = ("--epochs", str(args.goodput_epochs))
+                clean = train(tmp / f"{algorithm}-goodput-{repeat}-clean", algorithm, repeat, *flags)
+                churn = train(tmp / f"{algorithm}-goodput-{repeat}-churn", algorithm, repeat, *flags,
+                              "--max-restarts", "10", kill_every=args.kill_every)
+                c, k = clean["summary"], churn["summary"]
+                batch = c["global_batch"] // WORKERS
+                pair = {"repeat": repeat, "no_fault_samples_per_s": c["samples_per_s"], "kills": len(churn["kills"]),
+                        "returncode": churn["returncode"], "membership": k["membership"] if k else None,
+                        "churn_wall_s": k["wall_time_s"] if k else None,
+                        "useful_samples_per_s": useful_samples(k, batch) / k["wall_time_s"] if k else None}
+                pair["goodput"] = (pair["useful_samples_per_s"] / c["samples_per_s"]
+                                   if pair["useful_samples_per_s"] is not None else None)
+                pairs.append(pair)
+                print(f"{algorithm} goodput {repeat}: {pair['kills']} kills, {pair['goodput']}", flush=True)
+            goodputs = [p["goodput"] for p in pairs if p["goodput"] is not None]
+            result["algorithms"][algorithm]["goodput"] = {**spread(goodputs), "pairs": pairs,
+                                                          "at_least_0_85": bool(goodputs) and
+                                                          statistics.median(goodputs) >= 0.85}
+    print(f"wrote {write_result(args.out, result)}")
+
+
+if __name__ == "__main__":
+    main()
