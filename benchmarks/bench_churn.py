@@ -1,7 +1,7 @@
 """Elastic training under churn: a worker killed outright (SIGKILL) at a random step, and workers
 killed every 30 s with restarts on.
 
-For each algorithm that goes on without a lost worker (today: ``allreduce``), on the default job
+For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco`` goes on too), on the default job
 (``distrain train``: MNIST-1D, the CNN, 4 workers) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -19,17 +19,18 @@ agreement and rebuild. Reported: median, min and max over the runs.
 Accuracy: final test accuracy of the kill run minus the no-fault run of the same seed; median,
 min and max, and how many are within 1 point.
 
-Goodput (``--goodput-repeats`` 3 pairs): the default job for ``--goodput-epochs`` (25) epochs,
-once without faults and once with a random live worker process killed every ``--kill-every`` (30)
-seconds and ``--max-restarts 10``. Useful samples are those of the steps the model took: per step,
+Goodput (``--goodput-repeats`` 3 pairs): the default job for ``--goodput-epochs`` (80, about 70 s
+of training here: two kills) epochs, once without faults and once with a random live worker process
+killed every ``--kill-every`` (30) seconds and ``--max-restarts 10``. Useful samples are those of the steps the model took: per step,
 the members then times the batch size (the steps between changes, from ``membership``), over the
 run's wall time, divided by the no-fault run's samples/s. The figure is the median of the
 per-pair ratios, with min and max. Target: at least 0.85.
 
-    python benchmarks/bench_churn.py
-    python benchmarks/bench_churn.py --seeds 2 --goodput-repeats 1 --goodput-epochs 10   # a quick look
+    python benchmarks/bench_churn.py --part kill        # 20 seeds: about 16 minutes per algorithm
+    python benchmarks/bench_churn.py --part goodput --algorithms allreduce,diloco
+    python benchmarks/bench_churn.py --seeds 2 --goodput-repeats 1 --goodput-epochs 40 --kill-every 10   # a quick look
 
-Writes ``benchmarks/results/churn.json``.
+Writes ``benchmarks/results/churn.json`` (kills) and ``benchmarks/results/churn_goodput.json``.
 """
 
 from __future__ import annotations
@@ -162,66 +163,82 @@ def main() -> None:
     parser.add_argument("--algorithms", default="allreduce")
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--goodput-repeats", type=int, default=3)
-    parser.add_argument("--goodput-epochs", type=float, default=25)
+    parser.add_argument("--goodput-epochs", type=float, default=80)
     parser.add_argument("--kill-every", type=float, default=30.0)
+    parser.add_argument("--part", choices=("kill", "goodput", "all"), default="all")
     parser.add_argument("--out", type=Path, default=RESULTS / "churn.json")
+    parser.add_argument("--goodput-out", type=Path, default=RESULTS / "churn_goodput.json")
     args = parser.parse_args()
     check_repeats(parser, args.goodput_repeats)
     result: dict = {"workers": WORKERS, "seeds": args.seeds, "cpus": os.cpu_count(), "algorithms": {}}
+    goodput: dict = {"workers": WORKERS, "epochs": args.goodput_epochs, "kill_every_s": args.kill_every,
+                     "cpus": os.cpu_count(), "algorithms": {}}
     with tempfile.TemporaryDirectory(prefix="bench_churn-") as tmp_name:
         tmp = Path(tmp_name)
         for algorithm in args.algorithms.split(","):
-            rows = []
-            for seed in range(args.seeds):
-                clean = train(tmp / f"{algorithm}-{seed}-clean", algorithm, seed)
-                summary = clean["summary"]
-                assert clean["returncode"] == 0 and summary is not None, clean["stderr_tail"]
-                for restart in (False, True):
-                    row = churn_case(tmp, algorithm, seed, restart, summary["steps"], summary["final_test_accuracy"])
-                    row["no_fault_accuracy"] = summary["final_test_accuracy"]
-                    rows.append(row)
-                    print(f"{algorithm} seed {seed} {'restart' if restart else 'kill'}: worker {row['victim']} at step "
-                          f"{row['step']}: {'ok' if row['passed'] else 'FAILED'}, {row['workers_at_end']} workers at "
-                          f"the end, recovery {row['recovery_s']}, accuracy {row['accuracy_minus_no_fault']}",
-                          flush=True)
-            kills = [r for r in rows if not r["restart"]]
-            restarts = [r for r in rows if r["restart"]]
-            gaps = [r["accuracy_minus_no_fault"] for r in kills if r["accuracy_minus_no_fault"] is not None]
-            recoveries = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
-            result["algorithms"][algorithm] = {
-                "kill_passed": sum(r["passed"] for r in kills), "kill_runs": len(kills),
-                "restart_passed": sum(r["passed"] for r in restarts), "restart_runs": len(restarts),
-                "hung": sum(r["hung"] for r in rows), "left_running": sum(bool(r["left_running"]) for r in rows),
-                "recovery_s": spread(recoveries),
-                "accuracy_minus_no_fault": spread(gaps),
-                "within_1_point": sum(abs(g) <= 0.01 for g in gaps),
-                "recovery_at_most_3_s": bool(recoveries) and statistics.median(recoveries) <= 3.0,
-                "runs": rows}
-            print(f"{algorithm}: kill {result['algorithms'][algorithm]['kill_passed']}/{len(kills)}, restart "
-                  f"{result['algorithms'][algorithm]['restart_passed']}/{len(restarts)}, recovery median "
-                  f"{statistics.median(recoveries) if recoveries else None}, accuracy within 1 point "
-                  f"{result['algorithms'][algorithm]['within_1_point']}/{len(gaps)}", flush=True)
-            pairs = []
-            for repeat in range(args.goodput_repeats):
-                flags = ("--epochs", str(args.goodput_epochs))
-                clean = train(tmp / f"{algorithm}-goodput-{repeat}-clean", algorithm, repeat, *flags)
-                churn = train(tmp / f"{algorithm}-goodput-{repeat}-churn", algorithm, repeat, *flags,
-                              "--max-restarts", "10", kill_every=args.kill_every)
-                c, k = clean["summary"], churn["summary"]
-                batch = c["global_batch"] // WORKERS
-                pair = {"repeat": repeat, "no_fault_samples_per_s": c["samples_per_s"], "kills": len(churn["kills"]),
-                        "returncode": churn["returncode"], "membership": k["membership"] if k else None,
-                        "churn_wall_s": k["wall_time_s"] if k else None,
-                        "useful_samples_per_s": useful_samples(k, batch) / k["wall_time_s"] if k else None}
-                pair["goodput"] = (pair["useful_samples_per_s"] / c["samples_per_s"]
-                                   if pair["useful_samples_per_s"] is not None else None)
-                pairs.append(pair)
-                print(f"{algorithm} goodput {repeat}: {pair['kills']} kills, {pair['goodput']}", flush=True)
-            goodputs = [p["goodput"] for p in pairs if p["goodput"] is not None]
-            result["algorithms"][algorithm]["goodput"] = {**spread(goodputs), "pairs": pairs,
-                                                          "at_least_0_85": bool(goodputs) and
-                                                          statistics.median(goodputs) >= 0.85}
-    print(f"wrote {write_result(args.out, result)}")
+            if args.part != "goodput":
+                kill_part(tmp, algorithm, args.seeds, result)
+            if args.part != "kill":
+                goodput_part(tmp, algorithm, args, goodput)
+    if args.part != "goodput":
+        print(f"wrote {write_result(args.out, result)}")
+    if args.part != "kill":
+        print(f"wrote {write_result(args.goodput_out, goodput)}")
+
+
+def kill_part(tmp: Path, algorithm: str, seeds: int, result: dict) -> None:
+    rows = []
+    for seed in range(seeds):
+        clean = train(tmp / f"{algorithm}-{seed}-clean", algorithm, seed)
+        summary = clean["summary"]
+        assert clean["returncode"] == 0 and summary is not None, clean["stderr_tail"]
+        for restart in (False, True):
+            row = churn_case(tmp, algorithm, seed, restart, summary["steps"], summary["final_test_accuracy"])
+            row["no_fault_accuracy"] = summary["final_test_accuracy"]
+            rows.append(row)
+            print(f"{algorithm} seed {seed} {'restart' if restart else 'kill'}: worker {row['victim']} at step "
+                  f"{row['step']}: {'ok' if row['passed'] else 'FAILED'}, {row['workers_at_end']} workers at "
+                  f"the end, recovery {row['recovery_s']}, accuracy {row['accuracy_minus_no_fault']}",
+                  flush=True)
+    kills = [r for r in rows if not r["restart"]]
+    restarts = [r for r in rows if r["restart"]]
+    gaps = [r["accuracy_minus_no_fault"] for r in kills if r["accuracy_minus_no_fault"] is not None]
+    recoveries = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
+    result["algorithms"][algorithm] = {
+        "kill_passed": sum(r["passed"] for r in kills), "kill_runs": len(kills),
+        "restart_passed": sum(r["passed"] for r in restarts), "restart_runs": len(restarts),
+        "hung": sum(r["hung"] for r in rows), "left_running": sum(bool(r["left_running"]) for r in rows),
+        "recovery_s": spread(recoveries),
+        "accuracy_minus_no_fault": spread(gaps),
+        "within_1_point": sum(abs(g) <= 0.01 for g in gaps),
+        "recovery_at_most_3_s": bool(recoveries) and statistics.median(recoveries) <= 3.0,
+        "runs": rows}
+    print(f"{algorithm}: kill {result['algorithms'][algorithm]['kill_passed']}/{len(kills)}, restart "
+          f"{result['algorithms'][algorithm]['restart_passed']}/{len(restarts)}, recovery median "
+          f"{statistics.median(recoveries) if recoveries else None}, accuracy within 1 point "
+          f"{result['algorithms'][algorithm]['within_1_point']}/{len(gaps)}", flush=True)
+
+
+def goodput_part(tmp: Path, algorithm: str, args: argparse.Namespace, goodput: dict) -> None:
+    pairs = []
+    for repeat in range(args.goodput_repeats):
+        flags = ("--epochs", str(args.goodput_epochs))
+        clean = train(tmp / f"{algorithm}-goodput-{repeat}-clean", algorithm, repeat, *flags)
+        churn = train(tmp / f"{algorithm}-goodput-{repeat}-churn", algorithm, repeat, *flags,
+                      "--max-restarts", "10", kill_every=args.kill_every)
+        c, k = clean["summary"], churn["summary"]
+        batch = c["global_batch"] // WORKERS
+        pair = {"repeat": repeat, "no_fault_samples_per_s": c["samples_per_s"], "kills": len(churn["kills"]),
+                "returncode": churn["returncode"], "membership": k["membership"] if k else None,
+                "churn_wall_s": k["wall_time_s"] if k else None,
+                "useful_samples_per_s": useful_samples(k, batch) / k["wall_time_s"] if k else None}
+        pair["goodput"] = (pair["useful_samples_per_s"] / c["samples_per_s"]
+                           if pair["useful_samples_per_s"] is not None else None)
+        pairs.append(pair)
+        print(f"{algorithm} goodput {repeat}: {pair['kills']} kills, {pair['goodput']}", flush=True)
+    goodputs = [p["goodput"] for p in pairs if p["goodput"] is not None]
+    goodput["algorithms"][algorithm] = {**spread(goodputs), "pairs": pairs,
+                                        "at_least_0_85": bool(goodputs) and statistics.median(goodputs) >= 0.85}
 
 
 if __name__ == "__main__":

@@ -384,24 +384,30 @@ class DistributedOptimizer:
     def _elastic_update(self, ctx: StepContext) -> None:
         """The step; when a peer is lost on the way, the survivors agree, rebuild the group and
         redo it with their own gradients (or, behind a survivor that finished it, take its state)."""
-        own = None if self.algorithm.keeps_local_gradients() \
+        needs = self.algorithm.redo_needs_gradients
+        own = None if not needs or self.algorithm.keeps_local_gradients() \
             else [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        redo = False
         while True:
             try:
-                self._update(ctx)
+                if redo:
+                    self.algorithm.redo(ctx)
+                else:
+                    self._update(ctx)
                 return
             except Exception as exc:
                 if not Membership.is_loss(exc):
                     raise
                 seen = time.perf_counter()
-                own = self.algorithm.local_gradients() or own
-            if own is None:
+                own = (self.algorithm.local_gradients() or own) if needs else None
+            if needs and own is None:
                 raise WorkerFailure(f"worker {self.id}: lost a peer at step {self.steps} with no copy of its own "
                                     "gradients to redo the step") from None
-            finished = self._recover(seen, own)
-            if finished:  # a survivor finished this step before the loss: its state is ours now
+            if self._recover(seen, own):  # behind a survivor that finished this step: its state is ours now
                 self.steps -= 1  # step() counts it
-                return
+                if not self.algorithm.redo_when_behind:
+                    return
+            redo = True
 
     def _collective(self, fn: Any) -> Any:
         """``fn()``, a collective outside a step (a barrier, a gather), redone over the survivors
@@ -426,8 +432,8 @@ class DistributedOptimizer:
                 p.grad = g
         change = self._rebuild(lambda: membership.recover(self.steps, seen))
         behind = change.steps[self.id] < max(change.steps.values())
-        if behind or len(set(change.steps.values())) > 1:
-            self._take_state(change.members.index(change.leader))
+        if len(set(change.steps.values())) > 1:  # who is behind takes the leader's state
+            self._take_state(change.members.index(change.leader), receive=behind)
         log.warning("worker %d: lost worker(s) %s at step %d; %d workers go on (recovered in %.2f s)", self.id,
                     change.lost, self.steps, self.workers, change.seconds)
         return behind
@@ -436,12 +442,12 @@ class DistributedOptimizer:
         """At a step's end: when the members agreed to admit waiting workers after this step,
         open the group with them and hand them this run's state (collective)."""
         assert self.membership is not None
-        growth = self.membership.planned_growth(self.steps)
+        growth = self.membership.planned_growth(self.steps, self.algorithm.admission_step)
         if growth is None or growth.at != self.steps:
             return
         since, membership = time.perf_counter(), self.membership
         change = self._rebuild(lambda: membership.grow(growth, self.steps, since))
-        self._take_state(0)
+        self._take_state(0, receive=False)  # the members keep their own (DiLoCo's inner state differs)
         log.warning("worker %d: worker(s) %s joined after step %d; %d workers go on (in %.2f s)", self.id,
                     change.joined, self.steps, self.workers, time.perf_counter() - since)
 
@@ -473,15 +479,18 @@ class DistributedOptimizer:
         self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
 
     @torch.no_grad()
-    def _take_state(self, src: int) -> None:
-        """Every member takes rank ``src``'s parameters, buffers, optimizer state, the algorithm's
-        replicated state and the step count (collective over the group; set-up traffic, not
-        counted as training). A worker that has not stepped yet (one that joins) first makes its
-        optimizer's state tensors, with a step on zero gradients that leaves its parameters."""
+    def _take_state(self, src: int, receive: bool = True) -> None:
+        """Rank ``src`` hands its parameters, buffers, optimizer state, the algorithm's replicated
+        state and its step count to the workers that ``receive`` them (collective over the group;
+        the others take part with scratch copies; set-up traffic, not counted as training). A
+        worker that has not stepped yet (one that joins) first makes its optimizer's state
+        tensors, with a step on zero gradients that leaves its parameters."""
         from distrain.runtime.membership import wait_work
 
+        receive = receive and self.rank != src
+
         def broadcast(t: torch.Tensor) -> None:
-            wait_work(dist.broadcast(t, src=src, async_op=True))
+            wait_work(dist.broadcast(t if receive or self.rank == src else t.clone(), src=src, async_op=True))
 
         mine = self._state_tensors()
         leader = torch.tensor([len(mine), sum(t.numel() for t in mine), self.steps], dtype=torch.int64)
@@ -497,8 +506,9 @@ class DistributedOptimizer:
         replica = self.algorithm.replica_state()
         for t in replica:
             broadcast(t)
-        self.algorithm.load_replica_state(replica)
-        self.steps = int(leader[2])
+        if receive:
+            self.algorithm.load_replica_state(replica)
+            self.steps = int(leader[2])
 
     def _state_tensors(self) -> list[torch.Tensor]:
         tensors = [*self.model.parameters(), *self.model.buffers()]

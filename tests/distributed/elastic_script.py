@@ -7,9 +7,12 @@ as step ``AT`` begins, or between its backward and its step when ``WHERE`` is ``
 With ``WHERE`` ``rejoin`` the workers go on past ``STEPS`` until the restarted one has joined, and
 4 steps after that.
 
-Usage: elastic_script.py OUT STEPS VICTIM AT WHERE
+``SETTINGS`` (optional) is a JSON object of wrap() settings (e.g. DiLoCo's).
+
+Usage: elastic_script.py OUT STEPS VICTIM AT WHERE [SETTINGS]
 """
 
+import json
 import os
 import signal
 import sys
@@ -33,7 +36,8 @@ def main() -> None:
     torch.set_num_threads(1)
     model = torch.nn.Linear(DIM, 1, bias=False).double()
     torch.nn.init.zeros_(model.weight)
-    opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    settings = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), **settings)
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
 
     def more() -> bool:

@@ -8,6 +8,7 @@ it average the survivors' only (no step lost, none applied twice), under SGD wit
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +38,12 @@ def reference(victim: int, at: int, back: int | None = None, steps: int = STEPS,
     return w
 
 
-def launch(out: Path, victim: int, at: int, where: str, *flags: str) -> subprocess.CompletedProcess:
-    """Run the script through ``distrain launch --workers 4`` with ``flags``."""
+def launch(out: Path, victim: int, at: int, where: str, *flags: str,
+           settings: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the script through ``distrain launch --workers 4`` with ``flags`` (and the script's
+    wrap() ``settings``)."""
     command = [sys.executable, "-m", "distrain", "launch", "--workers", str(WORKERS), "--timeout", "60", *flags,
-               str(SCRIPT), str(out), str(STEPS), str(victim), str(at), where]
+               str(SCRIPT), str(out), str(STEPS), str(victim), str(at), where, *([json.dumps(settings)] if settings else [])]
     return subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=Path(__file__).parents[2])
 
 
@@ -97,3 +100,64 @@ def test_a_restarted_worker_joins_with_the_others_state(tmp_path: Path):
         assert result["changes"][-1]["members"] == [0, 2, 3, 1] and result["changes"][-1]["joined_at_step"] == back
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
     assert not torch.allclose(reference(1, at, None, steps), expected)  # the joiner's gradients count
+
+
+#: DiLoCo as model averaging: H inner steps of SGD with momentum, then the shared parameters become
+#: the live workers' average (outer SGD, learning rate 1, no momentum).
+DILOCO = {"algorithm": "diloco", "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}
+
+
+def diloco_reference(victim: int, at: int, back: int | None, steps: int, h: int = 4, lr: float = 0.1,
+                     momentum: float = 0.9) -> torch.Tensor:
+    """The shared parameters after ``steps`` inner steps: ``victim`` is gone from step ``at`` (its
+    round's progress with it) until step ``back``, a round's end, where it takes the first other
+    worker's parameters and momentum."""
+    dim = gradient(0, 0).numel()
+    shared = torch.zeros(dim, dtype=torch.float64)
+    local = {r: shared.clone() for r in range(WORKERS)}
+    buf: dict[int, torch.Tensor | None] = dict.fromkeys(range(WORKERS))
+    for step in range(steps):
+        live = [r for r in range(WORKERS) if not (r == victim and at <= step < (steps if back is None else back))]
+        if step == back:
+            leader = min(r for r in live if r != victim)
+            local[victim], buf[victim] = local[leader].clone(), buf[leader].clone()
+        for r in live:
+            g = gradient(r, step)
+            buf[r] = g.clone() if buf[r] is None else momentum * buf[r] + g
+            local[r] = local[r] - lr * buf[r]
+        if (step + 1) % h == 0:
+            shared = shared - torch.stack([shared - local[r] for r in live]).mean(0)
+            for r in live:
+                local[r] = shared.clone()
+    return shared
+
+
+@pytest.mark.parametrize("victim,at", [(0, 5), pytest.param(2, 6, marks=pytest.mark.slow)])
+def test_diloco_survivors_redo_the_round_without_the_lost_worker(tmp_path: Path, victim: int, at: int):
+    """Killed mid-round: the survivors find it gone at the round's sync and redo the sync among
+    themselves, so the round averages the survivors' local progress only."""
+    done = launch(tmp_path, victim, at, "start", settings=DILOCO)
+    assert done.returncode == 0, done.stderr
+    survivors = sorted(set(range(WORKERS)) - {victim})
+    expected = diloco_reference(victim, at, None, STEPS)
+    for r in survivors:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        [change] = result["changes"]
+        assert change["workers"] == [victim] and change["members"] == survivors
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    assert not torch.allclose(diloco_reference(victim, STEPS, None, STEPS), expected, atol=1e-3)
+
+
+def test_diloco_restarted_worker_joins_at_a_rounds_end(tmp_path: Path):
+    done = launch(tmp_path, 1, 5, "rejoin", "--max-restarts", "1", settings=DILOCO)
+    assert done.returncode == 0, done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    steps = results[0]["steps"]
+    lost, joined = results[0]["changes"]
+    back = joined["joined_at_step"]
+    assert lost["workers"] == [1] and joined["workers"] == [1] and back % DILOCO["sync_every"] == 0
+    expected = diloco_reference(1, 5, back, steps)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    assert not torch.allclose(diloco_reference(1, 5, None, steps), expected, atol=1e-3)

@@ -69,3 +69,20 @@ def test_a_restarted_worker_joins_and_ends_with_the_same_parameters(tmp_path):
     first_life = [s for s in steps if s <= 12]  # what its first life had flushed before SIGKILL
     assert steps == [*range(1, len(first_life) + 1), *range(back + 1, total + 1)]
     assert [line["event"] for line in lines if "event" in line] == ["joined"]
+
+
+def test_a_hung_worker_is_found_by_its_silence_and_left_behind(tmp_path):
+    """Worker 2 stops (SIGSTOP) at step 12: its connections stay open, but its heartbeat stops; the
+    others find it silent within a few seconds of waiting, go on without it, and when they have
+    finished the launcher removes it."""
+    run_dir = tmp_path / "run"
+    mark = tmp_path / "stopped-at"
+    run = run_cli([*RUN, "--run-dir", str(run_dir)], DISTRAIN_INJECT_STOP="2:12", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    [change] = summary["membership"]
+    assert change["workers"] == [2] and change["members"] == [0, 1, 3] and change["lost_at_step"] == 12
+    stopped_at = float(mark.read_text().split()[0])
+    assert change["unix_time"] - stopped_at < 8.0  # heartbeats every second, silent after 3 s of waiting
+    assert summary["workers_at_end"] == 3

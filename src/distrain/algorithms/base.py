@@ -71,6 +71,13 @@ class Algorithm:
     #: True when the survivors of a lost worker can go on with this algorithm: they rebuild the
     #: group and redo the interrupted step (see :mod:`distrain.runtime.membership`).
     elastic: bool = False
+    #: An elastic step interrupted by a lost peer is redone (:meth:`redo`) with this worker's own
+    #: gradients of that step (algorithms that average gradients); False for those whose step is
+    #: local until a sync.
+    redo_needs_gradients: bool = True
+    #: Whether a worker behind the furthest survivor, once it took that survivor's state, redoes
+    #: that survivor's interrupted step with it (a sync every worker must join), or is done.
+    redo_when_behind: bool = False
     #: Set by the driver of an elastic run: keep this worker's own gradients of the step in
     #: flight where averaging overwrites them before ``after_backward`` (see ``local_gradients``).
     keep_local: bool = False
@@ -173,6 +180,18 @@ class Algorithm:
         """Where the learning-rate schedule stands at ``step`` (asynchronous budgets follow the
         workers' joint progress or the clock)."""
         return step
+
+    def redo(self, ctx: StepContext) -> None:
+        """The step a lost peer interrupted, again, over the survivors' new group (``.grad``
+        holds this worker's own gradients again): by default the whole update."""
+        self.after_backward(ctx)
+        self.apply_update(ctx)
+        self.after_update(ctx)
+
+    def admission_step(self, proposed: int) -> int:
+        """The first step count from ``proposed`` on at which a worker may join (every step by
+        default; a round's boundary for algorithms that sync every so many steps)."""
+        return proposed
 
     def keeps_local_gradients(self) -> bool:
         """Whether :meth:`local_gradients` has this step's gradients (without copying them)."""

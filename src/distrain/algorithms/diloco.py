@@ -121,6 +121,21 @@ class DiLoCo(Algorithm):
     name = "diloco"
     replicated = False  # the workers' models part between syncs
     compresses = True  # the pseudo-gradient
+    # Elastic (one fragment, no overlap, no compression, a fixed H): a sync a lost peer
+    # interrupted is redone over the survivors with their own pseudo-gradients (the inner steps
+    # are local), and a worker that joins enters at a round's end.
+    redo_needs_gradients = False
+    redo_when_behind = True
+
+    @classmethod
+    def survives(cls, config: Any) -> bool:
+        o, c = config.outer, config.cluster
+        return (o.fragments == 1 and o.overlap_steps == 0 and o.sync_every != AUTO and config.compress.compress == "none"
+                and c.device == "cpu" and 1 < c.workers and c.min_workers < c.workers)
+
+    @property
+    def elastic(self) -> bool:
+        return self.compressor is None and len(self.bounds) == 1 and self.overlap == 0 and not self.auto
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -165,6 +180,7 @@ class DiLoCo(Algorithm):
         self._resumed = False  # load_state_dict restored the periods' starts
         self._compute_since_sync = 0.0  # compute seconds of the inner steps since the last sync
         self._last_ratio = 0.0  # the adaptive policy's last ratio for a round
+        self._interrupted: list[int] = []  # fragments whose exchange a lost peer interrupted (elastic)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
@@ -281,7 +297,11 @@ class DiLoCo(Algorithm):
         """The outer step of one fragment, and its merge into this worker's parameters."""
         assert self.transport is not None
         if pending.handle is not None:
-            pending.handle.wait()
+            try:
+                pending.handle.wait()
+            except Exception:
+                self._interrupted.append(pending.fragment)  # redone over the survivors (elastic runs)
+                raise
         if self.auto:
             self._sync_seconds = self._exchange_seconds()
         i = pending.fragment
@@ -314,6 +334,32 @@ class DiLoCo(Algorithm):
         messages where the link model times them, else their measured time (start to completion)."""
         assert self.transport is not None
         return sum(e.delay for e in self.transport.stats.since(self._recorded_at_sync))
+
+    def redo(self, ctx: StepContext) -> None:
+        """Over the survivors: the syncs a lost peer interrupted, with this worker's pseudo-gradient
+        (its parameters have not moved since), and their outer steps."""
+        interrupted, self._interrupted = self._interrupted, []
+        for fragment in interrupted:
+            self._start_sync(fragment)
+        self._apply_due(flush=True)
+
+    def admission_step(self, proposed: int) -> int:
+        """A worker joins at a round's end, where every member holds the shared parameters."""
+        return -(-proposed // self.sync_every) * self.sync_every
+
+    def replica_state(self) -> list[torch.Tensor]:
+        interrupted = torch.zeros(len(self.bounds), dtype=torch.int64)
+        interrupted[self._interrupted] = 1
+        counters = torch.tensor([self.inner_steps, self.outer_steps, *self.synced_at], dtype=torch.int64)
+        return [self.shared, self.buffer, torch.tensor(self.has_buffer, dtype=torch.int64), counters, interrupted]
+
+    def load_replica_state(self, tensors: list[torch.Tensor]) -> None:
+        _, _, has_buffer, counters, interrupted = tensors  # shared and buffer were broadcast in place
+        self.has_buffer = [bool(v) for v in has_buffer.tolist()]
+        self.inner_steps, self.outer_steps = int(counters[0]), int(counters[1])
+        self.synced_at = [int(v) for v in counters[2:].tolist()]
+        self._interrupted = [i for i, v in enumerate(interrupted.tolist()) if v]
+        self._resumed = True
 
     def end(self) -> None:
         """A stop between syncs (SIGTERM, or a user loop that ends mid-period): sync what moved
@@ -371,6 +417,7 @@ class DiLoCo(Algorithm):
             "sync_every": self.sync_every, "next_sync": self.next_sync,
             "pending": [{"fragment": p.fragment, "due": p.due, "delta": p.delta.detach().cpu().clone()}
                         for p in self._pending],
+            "interrupted": torch.tensor(self._interrupted, dtype=torch.int64),
         }
         if self.compressor is not None:
             state["compressor"] = self.compressor.state_dict()
@@ -387,6 +434,7 @@ class DiLoCo(Algorithm):
         device = self.params[0].device if self.params else torch.device("cpu")
         self._pending = [_Pending(int(p["fragment"]), int(p["due"]), p["delta"].to(device), None)
                          for p in state.get("pending", [])]
+        self._interrupted = [int(v) for v in state.get("interrupted", torch.zeros(0)).tolist()]
         if self.compressor is not None and "compressor" in state:
             self.compressor.load_state_dict(state["compressor"])
         self._resumed = True

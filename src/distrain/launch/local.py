@@ -36,8 +36,8 @@ from distrain.launch.common import (
     server_count,
 )
 from distrain.runtime.faults import Interrupted
-from distrain.runtime.health import declare_dead
-from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY
+from distrain.runtime.health import declare_dead, declared_dead
+from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, LeftOut
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 EXIT_BAD_INPUT = 2
 #: Exit status of a worker that stopped on SIGTERM / Ctrl-C after saving a checkpoint.
 EXIT_INTERRUPTED = 130
+#: Exit status of a worker the others went on without (it was silent, e.g. stopped, while they
+#: agreed on the members): lost, as if it had died.
+EXIT_LEFT_OUT = 3
 #: Seconds workers get, after SIGTERM / Ctrl-C, to agree on a step, checkpoint and leave.
 STOP_GRACE_S = 10.0
 #: Where a failed worker leaves its reason, inside the run directory: ``rank-<r>.txt`` (one line,
@@ -76,6 +79,9 @@ def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_d
         code = EXIT_BAD_INPUT
     except (Interrupted, KeyboardInterrupt):
         code = EXIT_INTERRUPTED
+    except LeftOut as exc:
+        _report(run_dir, rank, str(exc))
+        code = EXIT_LEFT_OUT
     except DistrainError as exc:  # distrain's own one-line failures: a lost peer, a non-finite loss
         # The traceback matters only when the user's code raised underneath (e.g. a model factory).
         _report(run_dir, rank, str(exc), traceback.format_exc() if exc.__cause__ is not None else None)
@@ -175,6 +181,9 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
         if due is not None and time.monotonic() >= due:  # the survivors are stuck, or too slow to stop
             _stop(pending)
             break
+        if restart is not None and any(p.exitcode == 0 for p in ranks) \
+                and all(declared_dead(store, ranks[p]) for p in pending):
+            _stop(pending)  # the members finished; the others were left out (e.g. stopped) and lost
         ready = multiprocessing.connection.wait([p.sentinel for p in pending], timeout=0.5)
         for p in [p for p in pending if p.sentinel in ready]:
             p.join()
@@ -182,10 +191,12 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
             if p.exitcode not in (0, EXIT_INTERRUPTED):
                 failures.append((ranks[p], p.exitcode, p))
                 declare_dead(store, ranks[p])  # the survivors of an elastic run know at once
-                if not survivable or p.exitcode == EXIT_BAD_INPUT or (restart is not None and p.exitcode > 0):
+                if not survivable or p.exitcode == EXIT_BAD_INPUT or (restart is not None and p.exitcode > 0
+                                                                      and p.exitcode != EXIT_LEFT_OUT):
                     # (an elastic run goes on without a process that died, not one that failed: its error is the news)
                     failed_at = failed_at or time.monotonic()
-                elif restart is not None and signals is not None and signals.at is None:
+                elif restart is not None and signals is not None and signals.at is None \
+                        and not any(q.exitcode == 0 for q in ranks):  # nobody has finished: it can still join
                     again = restart(ranks[p])
                     if again is not None:
                         log.warning("%s; started again, it joins the others with their state",

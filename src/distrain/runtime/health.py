@@ -121,6 +121,14 @@ def declare_dead(store: dist.Store | None, rank: int) -> None:
         log.debug("could not declare rank %d dead: %s", rank, exc)
 
 
+def declared_dead(store: dist.Store | None, rank: int) -> bool:
+    """Whether process ``rank`` was declared dead in the run's store (False when it cannot say)."""
+    try:
+        return store is not None and store.check([DEAD_KEY.format(rank)])
+    except Exception:  # noqa: BLE001
+        return False
+
+
 class Liveness:
     """Which workers the others have given up on (asynchronous algorithms drop them and go on).
 

@@ -76,6 +76,11 @@ class RunEnded(Exception):
     """A worker asked to join a run whose members have already stopped training."""
 
 
+class LeftOut(WorkerFailure):
+    """This worker was silent while the others agreed on the members, and they went on without
+    it (launchers count it lost, like a worker that died, and may start it again)."""
+
+
 class MembershipChanged(Exception):
     """Raised inside a wait when another worker has flagged that the membership changed."""
 
@@ -169,9 +174,16 @@ class Membership:
 
     # -- noticing a change ---------------------------------------------------------------------
 
-    def changed(self) -> bool:
-        """Whether a survivor has flagged a change of this epoch's membership."""
-        return self.store.check([self._key("changed")])
+    def changed(self, waited: float = 0.0) -> bool:
+        """Whether a survivor has flagged a change of this epoch's membership; after a wait of
+        ``waited`` seconds longer than ``stale_after``, also whether a member has gone silent (a
+        hung process: its connections stay open, but its heartbeat stops), which this flags."""
+        if self.store.check([self._key("changed")]):
+            return True
+        if waited > self.stale_after and self._gone([m for m in self.members if m != self.me]):
+            self.flag()
+            return True
+        return False
 
     def flag(self) -> None:
         self.store.set(self._key("changed"), repr(time.time()))
@@ -239,7 +251,7 @@ class Membership:
         for m in lost:  # every survivor sees them dead from now on (gossip, summaries)
             declare_dead(self.store, m)
         if self.me not in members:
-            raise WorkerFailure(f"worker {self.me} was left out of the run at step {steps}: the other workers "
+            raise LeftOut(f"worker {self.me} was left out of the run at step {steps}: the other workers "
                                 f"agreed on {members} without it (its heartbeat was late)")
         if len(members) < self.min_workers:
             raise WorkerFailure(f"worker {self.me}: lost worker(s) {lost} at step {steps}; {len(members)} left, "
@@ -253,13 +265,14 @@ class Membership:
 
     # -- growing: workers that join ---------------------------------------------------------------
 
-    def planned_growth(self, steps: int) -> Growth | None:
+    def planned_growth(self, steps: int, align: Callable[[int], int] = int) -> Growth | None:
         """At a step's end, with ``steps`` completed: when the members admit the workers waiting to
         join (None: nobody waits). One store request per step while workers may join.
 
         The first member to see a joiner proposes ``steps + 2`` (compare-and-set: one proposal
-        wins). Synchronous members are at most one step apart and each asks at every step's end,
-        so none has passed the agreed step when it learns it."""
+        wins), or the first step count after it that ``align`` allows (an outer round's end).
+        Synchronous members are at most one step apart and each asks at every step's end, so none
+        has passed the agreed step when it learns it."""
         if self.growth is not None:
             return self.growth
         if not self.accepts_joins:
@@ -267,7 +280,7 @@ class Membership:
         joins = int(self.store.add(JOINS_KEY, 0))
         if joins <= self.admitted:
             return None
-        agreed = self.store.compare_set(self._key("grow"), "", f"{steps + 2}:{joins}")
+        agreed = self.store.compare_set(self._key("grow"), "", f"{align(steps + 2)}:{joins}")
         at, count = (int(v) for v in (agreed.decode() if isinstance(agreed, bytes) else str(agreed)).split(":"))
         self.growth = Growth(at, count)
         return self.growth
@@ -370,9 +383,9 @@ def elastic_run(store: dist.Store | None) -> bool:
 _watch = threading.local()
 
 
-def watch_waits(check: Callable[[], bool] | None) -> None:
-    """Make every wait of this thread (``wait_work``) poll ``check`` (None: stop); when it
-    returns True the wait raises :class:`MembershipChanged`."""
+def watch_waits(check: Callable[[float], bool] | None) -> None:
+    """Make every wait of this thread (``wait_work``) poll ``check(seconds waited)`` (None:
+    stop); when it returns True the wait raises :class:`MembershipChanged`."""
     _watch.check = check
 
 
@@ -383,7 +396,7 @@ def wait_work(work: dist.Work) -> None:
     if check is None:
         work.wait()
         return
-    poll = datetime.timedelta(seconds=POLL_S)
+    poll, began = datetime.timedelta(seconds=POLL_S), time.monotonic()
     while True:
         try:
             work.wait(timeout=poll)
@@ -391,5 +404,5 @@ def wait_work(work: dist.Work) -> None:
         except RuntimeError as exc:
             if _WAIT_TIMED_OUT not in str(exc):
                 raise
-        if check():
+        if check(time.monotonic() - began):
             raise MembershipChanged("the run's membership changed")

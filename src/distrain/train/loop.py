@@ -331,6 +331,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         opt.step(losses=losses.detach())
         if len(opt.changes) > len(changes):  # an elastic run lost workers and goes on without them
             algorithm, transport = opt.algorithm, opt.transport
+            step = opt.steps - 1  # behind a survivor that finished its step (or round): where it is
             sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule)
             for change in opt.changes[len(changes):]:
                 metrics.write({"step": step + 1, **change.record()})

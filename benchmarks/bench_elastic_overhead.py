@@ -1,0 +1,67 @@
+"""What elasticity costs a run that loses nobody: the default job's step time with the survivors'
+safeguards on (the default: a copy of each bucket's own gradients as its all-reduce starts,
+waits that poll the store every 50 ms, a heartbeat a second) against ``--min-workers 4``
+(no elasticity), for the default CNN and the ~1M-parameter MLP.
+
+Per model and repeat (``--repeats``, 3), the two runs go back to back in alternating order; the
+figure is the median over repeats of the per-repeat ratio of training wall times (elastic over
+not elastic), with min and max. No target: it is the price of going on after a loss.
+
+    python benchmarks/bench_elastic_overhead.py
+
+Writes ``benchmarks/results/elastic_overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from provenance import check_repeats, ratio_spread, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MODELS = {"cnn1d": [], "mlp": ["--model", "mlp", "--model-width", "974"]}
+
+
+def train(run_dir: Path, flags: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "distrain", "train", "--no-progress", "--run-dir", str(run_dir), *flags]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT, timeout=1800)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"wall_time_s": summary["wall_time_s"], "final_test_accuracy": summary["final_test_accuracy"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", default="cnn1d,mlp")
+    parser.add_argument("--out", type=Path, default=RESULTS / "elastic_overhead.json")
+    args = parser.parse_args()
+    check_repeats(parser, args.repeats)
+    result: dict = {"repeats": args.repeats, "cpus": os.cpu_count(), "models": {}}
+    with tempfile.TemporaryDirectory(prefix="bench_elastic_overhead-") as tmp:
+        for model in args.models.split(","):
+            rows = []
+            for repeat in range(args.repeats):
+                order = ["elastic", "fixed"] if repeat % 2 == 0 else ["fixed", "elastic"]
+                row = {}
+                for kind in order:
+                    flags = [*MODELS[model], *([] if kind == "elastic" else ["--min-workers", "4"])]
+                    row[kind] = train(Path(tmp) / f"{model}-{repeat}-{kind}", flags)
+                rows.append(row)
+                print(f"{model} repeat {repeat}: elastic {row['elastic']['wall_time_s']:.2f} s, fixed "
+                      f"{row['fixed']['wall_time_s']:.2f} s", flush=True)
+            ratio = ratio_spread([r["elastic"]["wall_time_s"] for r in rows], [r["fixed"]["wall_time_s"] for r in rows])
+            result["models"][model] = {"elastic_over_fixed_wall": ratio, "runs": rows}
+            print(f"{model}: elastic / fixed wall time {ratio['median']:.3f} (min {ratio['min']:.3f}, max "
+                  f"{ratio['max']:.3f})", flush=True)
+    print(f"wrote {write_result(args.out, result)}")
+
+
+if __name__ == "__main__":
+    main()
