@@ -422,6 +422,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                         lost, run.segment_wall_s,
                         {**lm_figures(task, train_set, test_set, test_loss), "model_parameters": count_parameters(model)},
                         membership=[c.record() for c in opt.changes], workers_at_end=opt.workers,
+                        leader=opt.id if opt.changes else None,
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
     if opt.changes:
         opt._collective(lambda: opt.transport.control_barrier())
@@ -510,7 +511,8 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
               eval_seconds: float, resume_step: int | None, interrupted: bool = False,
               lost_workers: dict[int, float] | None = None, segment_wall_s: list[float] | None = None,
               extra: dict[str, Any] | None = None, tokens_per_sample: int | None = None,
-              membership: list[dict[str, Any]] | None = None, workers_at_end: int | None = None) -> dict[str, Any]:
+              membership: list[dict[str, Any]] | None = None, workers_at_end: int | None = None,
+              leader: int | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers,
     each ``[steps, samples, wall, compute, exposed comm, *sent per peer, *received per peer, cpu]``
     (see :mod:`distrain.train.metrics` for the meaning of each field). A language model's
@@ -519,7 +521,9 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
     A resumed run's rows, times and ``segment_wall_s`` (each segment's training time) cover every
     segment of the run, not only the last; ``resumed_from_step`` is where the last one started.
     """
-    wall = next((r[2] for r in rows if r[2] > 0), 0.0)  # rank 0's, or the first survivor's (lost: zeros)
+    # rank 0's, or the first survivor's (lost: zeros); in an elastic run the writer's, a member from
+    # the start (a worker that joined has counters of its second life only)
+    wall = rows[leader][2] if leader is not None else next((r[2] for r in rows if r[2] > 0), 0.0)
     n = len(rows)
     workers, servers = rows[:world], rows[world:]
     samples = sum(r[1] for r in workers)
