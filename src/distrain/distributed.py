@@ -27,6 +27,11 @@ Every algorithm runs this way: allreduce, dpsgd, d2, adpsgd, prague, diloco, and
 servers are the last ``servers`` ranks (``distrain launch --workers 4 --servers 2 train.py``, or
 ``torchrun --nproc-per-node 6 train.py`` with ``servers=2``): on those ranks ``wrap()`` serves
 until every worker has called ``finish()`` and then exits the process with status 0.
+
+Elastic runs (``allreduce``, ``diloco``; ``distrain launch --max-restarts R``): a worker started
+again after its loss joins the others inside ``wrap()``, which returns once it holds their state,
+with ``opt.steps`` where they are; loop with ``while opt.steps < total:``. If the others have
+finished by then, ``wrap()`` exits the process with status 0.
 """
 
 from __future__ import annotations
@@ -54,7 +59,14 @@ from distrain.data.partition import labels_of, partition_indices
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import grads_finite, nonfinite_error, start_heartbeat
-from distrain.runtime.membership import JOIN_ENV, Change, Membership, enter_run, watch_waits
+from distrain.runtime.membership import (
+    JOIN_ENV,
+    Change,
+    Membership,
+    RunEnded,
+    enter_run,
+    watch_waits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +132,13 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
     """
     cfg = _configure(config, settings, model, process_group, optimizer)
     if os.environ.get(JOIN_ENV) and not dist.is_initialized():  # a worker started again after its loss
+        try:
+            joined = enter_run(cfg)
+        except RunEnded as exc:  # the others finished before it could join: nothing left to do
+            log.warning("%s; it leaves", exc)
+            raise SystemExit(0) from None
         return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                                    owns_group=True, joined=enter_run(cfg))
+                                    owns_group=True, joined=joined)
     created = _join(cfg)
     try:
         workers = cfg.cluster.workers
