@@ -65,6 +65,7 @@ from distrain.runtime.membership import (
     Membership,
     RunEnded,
     enter_run,
+    wait_work,
     watch_waits,
 )
 
@@ -268,6 +269,9 @@ class DistributedOptimizer:
         self.ids = list(joined.members) if joined is not None else list(range(self.workers))
         self.id = joined.me if joined is not None else self.rank
         self.membership = joined or self._elastic_membership()
+        if self.membership is not None:
+            self.algorithm.keep_local = True
+            watch_waits(self.membership.changed)  # this thread's waits leave as soon as a survivor flags a loss
         #: membership changes so far (elastic runs), as records for metrics and the summary
         self.changes: list[Change] = []
         self._retired: tuple[list[int], list[int], float] | None = None  # traffic of groups left behind
@@ -290,14 +294,10 @@ class DistributedOptimizer:
         self._forward_hook = model.register_forward_pre_hook(self._forward_started, prepend=True)
         self._final: torch.nn.Module | None = None
         if joined is not None:  # the members wait in their step's end for this worker to take their state
-            self.algorithm.keep_local = True
-            watch_waits(joined.changed)
             self._take_state(0)
-            self.changes.append(joined.changes[-1] if joined.changes else self._joined_change(joined))
+            self.changes.append(self._joined_change(joined))
             self._started = True
-            self.emulation.start()
-            self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
-            self._last_step_end = time.perf_counter()
+            self._begin()
             log.warning("worker %d joined the run at step %d with %d workers", self.id, self.steps, self.workers)
 
     def _joined_change(self, joined: Membership) -> Change:
@@ -317,12 +317,8 @@ class DistributedOptimizer:
             return None
         from distrain.comm.group import backend_for
 
-        membership = Membership.from_env(self.ids, self.id, min_workers=c.min_workers, backend=backend_for(self.config),
-                                         timeout=c.timeout)
-        if membership is not None:
-            self.algorithm.keep_local = True
-            watch_waits(membership.changed)  # this thread's waits leave as soon as a survivor flags a loss
-        return membership
+        return Membership.from_env(self.ids, self.id, min_workers=c.min_workers, backend=backend_for(self.config),
+                                   timeout=c.timeout)
 
     # -- the user's optimizer, seen through -------------------------------------------------------
 
@@ -351,7 +347,11 @@ class DistributedOptimizer:
         if self.membership is None:
             dist.barrier(group=self.workers_group)
         else:
-            self._collective(lambda: self.transport.control_barrier())
+            self.control_barrier()
+        self._begin()
+
+    def _begin(self) -> None:
+        """The emulated network's clock and the algorithm's start now."""
         self.emulation.start()
         self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
         self._last_step_end = time.perf_counter()
@@ -425,6 +425,15 @@ class DistributedOptimizer:
                 if not self.algorithm.redo_when_behind:
                     return
             redo = True
+
+    def control_barrier(self) -> None:
+        """Wait for every worker (bookkeeping; in an elastic run, over the survivors of any loss)."""
+        self._collective(lambda: self.transport.control_barrier())
+
+    def control_all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every worker's ``tensor``, in rank order (:attr:`ids` names them); bookkeeping, and in an
+        elastic run over the survivors of any loss."""
+        return self._collective(lambda: self.transport.control_all_gather(tensor))
 
     def _collective(self, fn: Any) -> Any:
         """``fn()``, a collective outside a step (a barrier, a gather), redone over the survivors
@@ -502,20 +511,21 @@ class DistributedOptimizer:
         the others take part with scratch copies; set-up traffic, not counted as training). A
         worker that has not stepped yet (one that joins) first makes its optimizer's state
         tensors, with a step on zero gradients that leaves its parameters."""
-        from distrain.runtime.membership import wait_work
-
         receive = receive and self.rank != src
 
         def broadcast(t: torch.Tensor) -> None:
             wait_work(dist.broadcast(t if receive or self.rank == src else t.clone(), src=src, async_op=True))
 
+        def shape(tensors: list[torch.Tensor]) -> tuple[int, int]:
+            return len(tensors), sum(t.numel() for t in tensors)
+
         mine = self._state_tensors()
-        leader = torch.tensor([len(mine), sum(t.numel() for t in mine), self.steps], dtype=torch.int64)
+        leader = torch.tensor([*shape(mine), self.steps], dtype=torch.int64)
         broadcast(leader)
         if int(leader[0]) != len(mine) and not self.optimizer.state:
             self._prime_optimizer()
             mine = self._state_tensors()
-        if (int(leader[0]), int(leader[1])) != (len(mine), sum(t.numel() for t in mine)):
+        if (int(leader[0]), int(leader[1])) != shape(mine):
             raise WorkerFailure(f"worker {self.id}: its optimizer state does not match the other workers' (a peer "
                                 "was lost in the first steps); it cannot take their state")
         for t in mine:
@@ -567,14 +577,12 @@ class DistributedOptimizer:
     def peer_traffic(self) -> tuple[list[int], list[int], float]:
         """Bytes sent to and received from each peer (by worker id; with servers, by global
         rank) and seconds in exchanges, over every group this worker has been in."""
-        transports = [self.transport, *self.algorithm.transports()]
-        width = len(self._retired[0]) if self._retired is not None else len(self.transport.stats.sent)
-        sent, received = [0] * width, [0] * width
-        busy = 0.0
-        if self._retired is not None:
-            sent, received, busy = list(self._retired[0]), list(self._retired[1]), self._retired[2]
-        ids = self.ids if self._retired is not None else list(range(width))
-        for t in transports:
+        if self._retired is None:  # the group it started in: peers by their rank in it
+            width = len(self.transport.stats.sent)
+            sent, received, busy, ids = [0] * width, [0] * width, 0.0, range(width)
+        else:  # what the groups left behind carried, and the current one's peers by worker id
+            sent, received, busy, ids = [*self._retired[0]], [*self._retired[1]], self._retired[2], self.ids
+        for t in [self.transport, *self.algorithm.transports()]:
             for r, (a, b) in enumerate(zip(t.stats.sent, t.stats.received, strict=True)):
                 sent[ids[r]] += a
                 received[ids[r]] += b
@@ -617,7 +625,7 @@ class DistributedOptimizer:
         self.algorithm.end()  # parameter servers stop serving once every worker has ended
         if self.membership is not None:  # a survivor still in its last step may take our state
             self.membership.close()
-            self._collective(lambda: self.transport.control_barrier())
+            self.control_barrier()
             watch_waits(None)
         self._final = self.algorithm.eval_model()
         control = self.algorithm.control_transport() or self.transport

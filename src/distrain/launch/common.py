@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +208,19 @@ def run_role(cfg: TrainConfig, rank: int, world: int, run_dir: str | Path, **use
         serve(cfg, run_dir)
         return None
     return train(cfg, run_dir, workers_group=group, **user)
+
+
+@dataclass
+class Restarts:
+    """How many lost workers may still be started again (``--max-restarts``), and how:
+    ``start(rank)`` starts a process that joins the others."""
+
+    left: int
+    start: Callable[[int], Any]
+
+    def __call__(self, rank: int) -> Any:
+        """The process started again for ``rank``, or None when no restart is left."""
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        return self.start(rank)

@@ -25,6 +25,7 @@ from distrain.config import TrainConfig
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
 from distrain.launch.checks import finished_before_start, preflight
 from distrain.launch.common import (
+    Restarts,
     check_port_free,
     claim_run_dir,
     configure_worker_logging,
@@ -277,12 +278,8 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     survives = ALGORITHMS[cfg.algo.algorithm].survives(cfg)
     if survives and cfg.cluster.max_restarts:
         store.set(RESTARTS_KEY, str(cfg.cluster.max_restarts))  # the members look for joiners at every step
-    restarts = {"left": cfg.cluster.max_restarts}
 
-    def restart(rank: int) -> mp.Process | None:
-        if restarts["left"] <= 0:
-            return None
-        restarts["left"] -= 1
+    def start_again(rank: int) -> mp.Process:
         p = ctx.Process(target=_worker, name=f"distrain-worker-{rank}",
                         args=(rank, nprocs, cfg, addr, port, str(run_dir), user, os.getpid(), True))
         procs.append(p)  # signalled and stopped with the others
@@ -293,7 +290,8 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
         for p in procs:
             p.start()
         _supervise(list(procs), grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
-                   signals=signals, survivable=survives, store=store, restart=restart if survives else None)
+                   signals=signals, survivable=survives, store=store,
+                   restart=Restarts(cfg.cluster.max_restarts, start_again) if survives else None)
     except Interrupted:
         from distrain.runtime.checkpoint import CheckpointStore
 

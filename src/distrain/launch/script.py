@@ -28,7 +28,7 @@ from distrain.comm.group import store_of
 from distrain.config import TrainConfig
 from distrain.distributed import SETTINGS_ENV
 from distrain.errors import ConfigError
-from distrain.launch.common import PR_SET_PDEATHSIG, free_port
+from distrain.launch.common import PR_SET_PDEATHSIG, Restarts, free_port
 from distrain.runtime.health import declare_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run
 
@@ -177,20 +177,6 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         del store
 
 
-@dataclass
-class Restarts:
-    """How many lost workers may still be started again, and how."""
-
-    left: int
-    start: Any  # rank -> _Process
-
-    def __call__(self, rank: int) -> _Process | None:
-        if self.left <= 0:
-            return None
-        self.left -= 1
-        return self.start(rank)
-
-
 def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float, store: Any = None,
                restart: Restarts | None = None) -> int:
     """Wait for every process; on the first failure or a signal, stop the others. Once one has
@@ -209,11 +195,10 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
             return 130 if interrupted[0] == signal.SIGINT else 143
         codes = [p.proc.poll() for p in procs]
         failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0) and p not in lost), None)
-        code = None if failed is None else codes[procs.index(failed)]
-        if failed is not None and code is not None and code < 0 and elastic_run(store):  # died (a signal): go on
+        code = 0 if failed is None else int(codes[procs.index(failed)])  # type: ignore[arg-type]
+        if failed is not None and code < 0 and elastic_run(store):  # died (a signal): the others go on
             declare_dead(store, failed.rank)
             lost.append(failed)
-            code = int(codes[procs.index(failed)])  # type: ignore[arg-type]
             again = restart(failed.rank) if restart is not None and first_done is None else None
             if again is None:
                 print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}; the others go on without it",
@@ -224,7 +209,6 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                 procs.append(again)
             continue
         if failed is not None:
-            code = int(codes[procs.index(failed)])  # type: ignore[arg-type]
             _stop_all(procs)
             for t in failed.threads:
                 t.join(timeout=5)  # its last lines are read before they are quoted

@@ -121,6 +121,18 @@ def declare_dead(store: dist.Store | None, rank: int) -> None:
         log.debug("could not declare rank %d dead: %s", rank, exc)
 
 
+def silent(store: dist.Store, ranks: list[int] | set[int], stale_after: float) -> list[int]:
+    """Of ``ranks``: those declared dead, or whose heartbeat is missing or older than
+    ``stale_after`` seconds."""
+    now, out = time.time(), []
+    for r in sorted(ranks):
+        beat = KEY.format(r)
+        if store.check([DEAD_KEY.format(r)]) or not store.check([beat]) \
+                or now - float(store.get(beat).decode()) > stale_after:
+            out.append(r)
+    return out
+
+
 def declared_dead(store: dist.Store | None, rank: int) -> bool:
     """Whether process ``rank`` was declared dead in the run's store (False when it cannot say)."""
     try:
@@ -173,11 +185,4 @@ class Liveness:
 
     def silent(self, ranks: list[int] | set[int]) -> list[int]:
         """Of ``ranks``: those declared dead, or whose heartbeat is missing or stale."""
-        store = self._client()
-        now, out = time.time(), []
-        for r in sorted(ranks):
-            beat = KEY.format(r)
-            if store.check([DEAD_KEY.format(r)]) or not store.check([beat]) \
-                    or now - float(store.get(beat).decode()) > self.stale_after:
-                out.append(r)
-        return out
+        return silent(self._client(), ranks, self.stale_after)

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from distrain.errors import ConfigError, WorkerFailure
-from distrain.runtime.health import DEAD_KEY, KEY, declare_dead
+from distrain.runtime.health import DEAD_KEY, declare_dead, silent
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
@@ -203,13 +203,7 @@ class Membership:
 
     def _gone(self, ids: list[int]) -> list[int]:
         """Of ``ids``: declared dead, or silent (heartbeat missing or stale)."""
-        now, out = time.time(), []
-        for m in ids:
-            beat = KEY.format(m)
-            if self.store.check([DEAD_KEY.format(m)]) or not self.store.check([beat]) \
-                    or now - float(self.store.get(beat).decode()) > self.stale_after:
-                out.append(m)
-        return out
+        return silent(self.store, ids, self.stale_after)
 
     def agree(self, steps: int) -> tuple[list[int], dict[int, int]]:
         """Register for the next epoch with ``steps`` completed; return the agreed members (in

@@ -97,9 +97,25 @@ def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | No
         raise DataError("the training set is empty")
     if world > n:
         raise ConfigError("--workers", f"must be at most the number of training samples ({n}), got {world}")
+    return train_set, split(cfg, train_set, world)[rank], test_set
+
+
+def split(cfg: TrainConfig, train_set: Dataset, workers: int) -> list[np.ndarray]:
+    """Every worker's shard of ``train_set`` (indices): ``--partition`` iid or dirichlet, seeded."""
+    d = cfg.data
+    n = len(train_set)  # type: ignore[arg-type]
     labels = labels_of(train_set) if d.partition != "iid" else np.zeros(n, dtype=np.int64)
-    parts = partition_indices(labels, world, d.partition, alpha=d.dirichlet_alpha, seed=cfg.run.seed)
-    return train_set, parts[rank], test_set
+    return partition_indices(labels, workers, d.partition, alpha=d.dirichlet_alpha, seed=cfg.run.seed)
+
+
+def lr_schedule(cfg: TrainConfig, workers: int, warmup_steps: int, total_steps: int) -> tuple[LRSchedule, int]:
+    """The learning-rate schedule for ``workers`` workers (the linear scaling rule on their global
+    batch, with warm-up and decay), and that global batch."""
+    o = cfg.optim
+    global_batch = workers * cfg.data.batch_size
+    peak = scaled_lr(o.lr, global_batch, o.reference_batch, enabled=o.lr_scaling)
+    return LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=warmup_steps, total_steps=total_steps,
+                      decay=o.lr_decay), global_batch
 
 
 def control_all_gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
@@ -210,10 +226,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
 
     # --- optimizer and learning rate: linear scaling rule with warm-up --------------------------
     o = cfg.optim
-    global_batch = world * cfg.data.batch_size
-    peak = scaled_lr(o.lr, global_batch, o.reference_batch, enabled=o.lr_scaling)
-    schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=round(o.warmup_epochs * steps_per_epoch),
-                          total_steps=total_steps, decay=o.lr_decay)
+    schedule, global_batch = lr_schedule(cfg, world, round(o.warmup_epochs * steps_per_epoch), total_steps)
+    peak = schedule.peak_lr
     optimizer = build_optimizer(o.optimizer, model.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
     joined: Membership | None = None
     if joining:
@@ -407,13 +421,14 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
     run = totals.plus(counters(step, wall, cpu), eval_seconds, time_to_target)
     mine = torch.tensor(run.row, dtype=torch.float64)
-    rows = [[0.0] * len(mine) for _ in range(dist.get_world_size() if not opt.changes else world)]  # lost: zeros
-    if opt.changes:  # elastic: the survivors' rows, by worker id
-        for i, row in enumerate(opt._collective(lambda: opt.transport.control_all_gather(mine))):
-            rows[opt.ids[i]] = row.tolist()
-        algorithm, transport = opt.algorithm, opt.transport
+    elastic = opt.membership is not None
+    rows = [[0.0] * len(mine) for _ in range(world if elastic else dist.get_world_size())]  # lost: zeros
     control = algorithm.control_transport() or transport  # the survivors, if workers were lost
-    if not opt.changes:
+    if elastic:  # the members' rows, by worker id
+        for i, row in enumerate(opt.control_all_gather(mine)):
+            rows[opt.ids[i]] = row.tolist()
+        algorithm, transport = opt.algorithm, opt.transport  # a loss on the way rebuilt them
+    else:
         for i, row in enumerate(control.control_all_gather(mine)):
             rows[i if control is transport else dist.get_global_rank(control.group, i)] = row.tolist()
     lost = {m: c.at for c in opt.changes for m in c.lost} or algorithm.lost_workers
@@ -424,8 +439,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                         membership=[c.record() for c in opt.changes], workers_at_end=opt.workers,
                         leader=opt.id if opt.changes else None,
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
-    if opt.changes:
-        opt._collective(lambda: opt.transport.control_barrier())
+    if elastic:
+        opt.control_barrier()
     else:
         control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
     watch_waits(None)
@@ -460,14 +475,9 @@ def regroup(cfg: TrainConfig, opt: DistributedOptimizer, train_set: Dataset,
     """After an elastic run lost workers: the training set split again over the survivors (so
     every epoch from the next one sees every sample), and the learning rate scaled to the new
     global batch (linear scaling rule)."""
-    d, o = cfg.data, cfg.optim
-    labels = labels_of(train_set) if d.partition != "iid" else np.zeros(len(train_set), dtype=np.int64)  # type: ignore[arg-type]
-    parts = partition_indices(labels, opt.workers, d.partition, alpha=d.dirichlet_alpha, seed=cfg.run.seed)
-    global_batch = opt.workers * d.batch_size
-    peak = scaled_lr(o.lr, global_batch, o.reference_batch, enabled=o.lr_scaling)
-    schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=schedule.warmup_steps,
-                          total_steps=schedule.total_steps, decay=schedule.decay)
-    return ShardSampler(parts[opt.rank], d.batch_size, cfg.run.seed, opt.id), schedule, global_batch
+    parts = split(cfg, train_set, opt.workers)
+    schedule, global_batch = lr_schedule(cfg, opt.workers, schedule.warmup_steps, schedule.total_steps)
+    return ShardSampler(parts[opt.rank], cfg.data.batch_size, cfg.run.seed, opt.id), schedule, global_batch
 
 
 def leads(algorithm: Any, transport: Transport) -> bool:
