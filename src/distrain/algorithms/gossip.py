@@ -44,6 +44,7 @@ from distrain.algorithms.base import Algorithm, StepContext, copy_module
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.health import Liveness
+from distrain.runtime.membership import LeftOut
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ MAX_SNAPSHOTS = 512
 SNAPSHOT_BYTES = 2**30
 
 
-class LeftBehind(WorkerFailure):
+class LeftBehind(LeftOut):
     """This worker was silent past --peer-timeout (hung, stopped) and its peers declared it dead
-    and went on without it: it leaves, with this one line."""
+    and went on without it: it leaves, with this one line (and counts as lost, not failed)."""
 
     def __init__(self, rank: int) -> None:
         super().__init__(f"worker {rank} was silent past --peer-timeout and its peers went on without it; leaving")

@@ -125,6 +125,10 @@ class TransportStats:
         return list(self.exchanges)[len(self.exchanges) - new:] if new > 0 else []
 
 
+#: Operations made of sends and receives (their waits differ from a collective's in elastic runs).
+POINT_TO_POINT = frozenset({"send", "recv", "exchange"})
+
+
 class Handle:
     """A pending exchange; ``wait()`` blocks until it is done and records its delay.
 
@@ -166,8 +170,9 @@ class Handle:
                 raise WorkerFailure(f"{self._op}: the emulated link did not release the message within {limit:.0f} s")
             if self._error is not None:
                 raise self._error
+        p2p = self._op in POINT_TO_POINT
         for work in self._works:
-            wait_work(work)
+            wait_work(work, p2p=p2p, group=self._transport.group)
         if self._after is not None:
             self._after()
         self._done = True
@@ -381,7 +386,7 @@ class Transport:
         start = time.perf_counter()
         work = dist.irecv(tensor, src=None, group=self.group)
         with blocked():
-            wait_work(work)
+            wait_work(work, p2p=True, group=self.group)
             # The sender's rank in ``self.group`` (not a global rank); ``_source_rank`` is what
             # torch.distributed.recv uses, without the deprecation warning of ``source_rank``.
             src = work._source_rank()

@@ -68,8 +68,9 @@ CLOSED_KEY = PREFIX + "/closed"
 JOIN_ENV = "DISTRAIN_JOIN"
 #: How often a wait polls the store for a membership change (seconds).
 POLL_S = 0.05
-#: gloo's message when a timed wait ends before the work does (the work goes on).
-_WAIT_TIMED_OUT = "Operation timed out"
+#: gloo's messages when a timed wait ends before the work does (the work goes on): a collective's,
+#: and a point-to-point send's or receive's ("Timed out waiting 50ms for recv operation ...").
+_WAIT_TIMED_OUT = ("Operation timed out", "Timed out waiting")
 
 
 class RunEnded(Exception):
@@ -383,12 +384,16 @@ def watch_waits(check: Callable[[float], bool] | None) -> None:
     _watch.check = check
 
 
-def wait_work(work: dist.Work) -> None:
+def wait_work(work: dist.Work, p2p: bool = False, group: dist.ProcessGroup | None = None) -> None:
     """``work.wait()``, leaving early with :class:`MembershipChanged` when this thread's watch
-    (:func:`watch_waits`) sees the membership change."""
+    (:func:`watch_waits`) sees the membership change. ``p2p``: ``work`` is a send or a receive on
+    ``group`` (None: the default group), whose waits cannot be timed (see :func:`_wait_p2p`)."""
     check = getattr(_watch, "check", None)
     if check is None:
         work.wait()
+        return
+    if p2p:
+        _wait_p2p(work, check, group)
         return
     poll, began = datetime.timedelta(seconds=POLL_S), time.monotonic()
     while True:
@@ -396,7 +401,54 @@ def wait_work(work: dist.Work) -> None:
             work.wait(timeout=poll)
             return
         except RuntimeError as exc:
-            if _WAIT_TIMED_OUT not in str(exc):
+            if not any(text in str(exc) for text in _WAIT_TIMED_OUT):
                 raise
         if check(time.monotonic() - began):
             raise MembershipChanged("the run's membership changed")
+
+
+def _wait_p2p(work: dist.Work, check: Callable[[float], bool], group: dist.ProcessGroup | None) -> None:
+    """A send's or receive's wait under a watch. gloo answers a timed-out point-to-point wait by
+    closing every connection of the group, so the wait runs untimed in a thread of its own while
+    this one polls the watch; on a change this worker closes the group's connections itself (a
+    receive that cannot arrive, timed out at once), which ends that wait and every peer's wait on
+    this worker at once."""
+    done, failed = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="distrain-p2p-wait", daemon=True).start()
+    began = time.monotonic()
+    while not done.wait(POLL_S):
+        if check(time.monotonic() - began):
+            close_connections(group)
+            raise MembershipChanged("the run's membership changed")
+    if failed:
+        raise failed[0]
+
+
+#: The tag of the receive that :func:`close_connections` times out (no message ever carries it).
+_NEVER_SENT_TAG = 0x5EA1
+
+
+def close_connections(group: dist.ProcessGroup | None = None) -> None:
+    """Close this worker's connections in ``group``: its pending sends and receives fail now,
+    here and at its peers (see :func:`_wait_p2p`)."""
+    import torch
+
+    world = dist.get_world_size(group)
+    if world < 2:
+        return
+    peer = (dist.get_rank(group) + 1) % world
+    peer = dist.get_global_rank(group, peer) if group is not None else peer
+    try:
+        dist.irecv(torch.zeros(1), src=peer, group=group, tag=_NEVER_SENT_TAG).wait(
+            timeout=datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass
