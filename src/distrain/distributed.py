@@ -416,11 +416,12 @@ class DistributedOptimizer:
                 if not Membership.is_loss(exc):
                     raise
                 seen = time.perf_counter()
+                log.debug("worker %d: a peer is lost at step %d: %r", self.id, self.steps, exc)
                 own = (self.algorithm.local_gradients() or own) if needs else None
             if needs and own is None:
                 raise WorkerFailure(f"worker {self.id}: lost a peer at step {self.steps} with no copy of its own "
                                     "gradients to redo the step") from None
-            if self._recover(seen, own):  # behind a survivor that finished this step: its state is ours now
+            if self._recover(seen, own, in_step=True):  # behind a survivor that finished this step, or realigned
                 self.steps -= 1  # step() counts it
                 if not self.algorithm.redo_when_behind:
                     return
@@ -446,17 +447,26 @@ class DistributedOptimizer:
                     raise
                 self._recover(time.perf_counter(), None)
 
-    def _recover(self, seen: float, own: list[torch.Tensor | None] | None) -> bool:
-        """Rebuild over the survivors (see :mod:`distrain.runtime.membership`); True when this
-        worker was behind the furthest survivor and took its parameters and optimizer state (its
-        step in flight is done), False when the step in flight is to be redone (``.grad`` holds
-        this worker's own gradients again)."""
+    def _recover(self, seen: float, own: list[torch.Tensor | None] | None, in_step: bool = False) -> bool:
+        """Rebuild over the survivors (see :mod:`distrain.runtime.membership`); True when the step
+        in flight (``in_step``) is done: this worker was behind the furthest survivor and took its
+        parameters and optimizer state, or (decentralized algorithms) the survivors averaged their
+        models and this worker now stands at the furthest one's step count; False when it is to be
+        redone (``.grad`` holds this worker's own gradients again)."""
         assert self.membership is not None
         membership = self.membership
         if own is not None:  # the new buckets take them in (the old ones may be half averaged)
             for p, g in zip(self.params, own, strict=True):
                 p.grad = g
-        change = self._rebuild(lambda: membership.recover(self.steps, seen))
+        realigns = self.algorithm.realigns
+        done = self.steps + 1 if in_step and realigns else self.steps  # gossip: the local update is in
+        change = self._rebuild(lambda: membership.recover(done, seen))
+        if realigns:
+            self.steps = max(change.steps.values())
+            self.algorithm.realign()
+            log.warning("worker %d: lost worker(s) %s at step %d; %d workers average their models and go on "
+                        "(recovered in %.2f s)", self.id, change.lost, done, self.workers, change.seconds)
+            return True
         behind = change.steps[self.id] < max(change.steps.values())
         if len(set(change.steps.values())) > 1:  # who is behind takes the leader's state
             self._take_state(change.members.index(change.leader), receive=behind)
@@ -491,6 +501,7 @@ class DistributedOptimizer:
         change: Change = change_members()
         self._build(change.members)
         self.algorithm.load_state_dict(state)
+        self.algorithm.membership_changed()
         self.changes.append(change)
         return change
 
@@ -606,6 +617,8 @@ class DistributedOptimizer:
         algorithms have a consensus only after :meth:`finish`."""
         if self._final is not None:
             return self._final
+        if self.membership is not None and not self.algorithm.replicated:  # over the survivors of any loss
+            return self._collective(lambda: self.algorithm.eval_model())
         return self.algorithm.eval_model()
 
     def finish(self) -> torch.nn.Module:

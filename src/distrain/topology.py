@@ -172,6 +172,21 @@ def check_connected(graph: Graph) -> None:
                                         f"components: {shown}); models would never agree")
 
 
+def diameter(graph: Graph) -> int:
+    """The most hops between two workers (0 for one worker); the graph must be connected."""
+    longest = 0
+    for start in range(graph.n):
+        hops, frontier = {start: 0}, [start]
+        while frontier:
+            i = frontier.pop(0)
+            for j in graph.neighbors[i]:
+                if j not in hops:
+                    hops[j] = hops[i] + 1
+                    frontier.append(j)
+        longest = max(longest, *hops.values())
+    return longest
+
+
 def bipartite_sets(graph: Graph) -> tuple[list[int], list[int]]:
     """The two colour classes (active, passive) of a bipartite graph; the first holds worker 0.
 

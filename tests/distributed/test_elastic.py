@@ -161,3 +161,109 @@ def test_diloco_restarted_worker_joins_at_a_rounds_end(tmp_path: Path):
         assert result["workers"] == WORKERS and result["steps"] == steps, r
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
     assert not torch.allclose(diloco_reference(1, 5, None, steps), expected, atol=1e-3)
+
+
+#: D-PSGD on the complete graph with uniform weights, adapt then combine: every step averages the
+#: live workers' models after their local steps (momentum stays local), so every worker stands at
+#: the same step when one is lost and the result does not depend on timing.
+GOSSIP = {"algorithm": "dpsgd", "topology": "complete", "mixing": "uniform", "gossip_order": "atc"}
+
+
+def gossip_reference(victim: int, at: int, back: int | None, steps: int, lr: float = 0.1,
+                     momentum: float = 0.9) -> torch.Tensor:
+    """The workers' common model after ``steps`` steps: each live worker steps on its own momentum
+    buffer, then the live workers' models are averaged; ``victim`` is gone from step ``at`` until
+    step ``back``, where it takes the first other worker's model and momentum buffer."""
+    x = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
+    buf: dict[int, torch.Tensor] = {r: torch.zeros_like(x) for r in range(WORKERS)}
+    for step in range(steps):
+        live = [r for r in range(WORKERS) if not (r == victim and at <= step < (steps if back is None else back))]
+        if step == back:
+            buf[victim] = buf[min(r for r in live if r != victim)].clone()
+        for r in live:
+            g = gradient(r, step)
+            buf[r] = g.clone() if step == 0 else momentum * buf[r] + g
+        x = torch.stack([x - lr * buf[r] for r in live]).mean(0)
+    return x
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", pytest.param("d2", marks=pytest.mark.slow)])
+def test_gossip_survivors_average_their_models_and_go_on(tmp_path: Path, algorithm: str):
+    """Worker 0 killed as step 3 begins: the survivors keep their step's local update, average their
+    models over themselves and go on gossiping among three. (D2 on the complete graph with uniform
+    weights takes the same steps: its correction starts again from zero over the new members.)"""
+    victim, at = 0, 3
+    done = launch(tmp_path, victim, at, "start", settings={**GOSSIP, "algorithm": algorithm})
+    assert done.returncode == 0, done.stderr
+    survivors = sorted(set(range(WORKERS)) - {victim})
+    expected = gossip_reference(victim, at, None, STEPS)
+    for r in survivors:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        [change] = result["changes"]
+        assert change["workers"] == [victim] and change["members"] == survivors and change["lost_at_step"] == at + 1
+        assert result["steps"] == STEPS and result["workers"] == WORKERS - 1, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(gossip_reference(victim, STEPS, None, STEPS), expected)
+
+
+def test_gossip_restarted_worker_joins_with_a_members_model(tmp_path: Path):
+    done = launch(tmp_path, 1, 3, "rejoin", "--max-restarts", "1", settings=GOSSIP)
+    assert done.returncode == 0, done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    steps = results[0]["steps"]
+    lost, joined = results[0]["changes"]
+    back = joined["joined_at_step"]
+    assert lost["workers"] == [1] and joined["workers"] == [1] and joined["members"] == [0, 2, 3, 1] and back > 3
+    expected = gossip_reference(1, 3, back, steps)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(gossip_reference(1, 3, None, steps), expected)
+
+
+def ring_reference(victim: int, positions: dict[int, int], steps: int, lr: float = 0.1,
+                   momentum: float = 0.9) -> torch.Tensor:
+    """D-PSGD's consensus after ``steps`` steps on the default ring of 4 (combine then adapt, lazy
+    Metropolis weights: 2/3 for itself, 1/6 per neighbour; local momentum), ``victim`` lost: each
+    survivor ``r`` stood at ``positions[r]`` steps with its last step's local update in, the
+    survivors averaged their models and went on from the furthest count on a ring of 3 (the same
+    weights), skipping the steps a survivor behind did not take."""
+    dim = gradient(0, 0).numel()
+    x = [torch.zeros(dim, dtype=torch.float64) for _ in range(WORKERS)]
+    buf: list[torch.Tensor | None] = [None] * WORKERS
+    at_loss: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a survivor's model and momentum buffer
+    for t in range(max(positions.values())):
+        grads = [gradient(r, t) for r in range(WORKERS)]
+        buf = [g.clone() if b is None else momentum * b + g for b, g in zip(buf, grads, strict=True)]
+        for r, c in positions.items():  # a survivor that stopped in this step: its local update only
+            if c == t + 1:
+                at_loss[r] = (x[r] - lr * buf[r], buf[r])
+        x = [2 / 3 * x[r] + (x[(r - 1) % WORKERS] + x[(r + 1) % WORKERS]) / 6 - lr * buf[r] for r in range(WORKERS)]
+    survivors = sorted(positions)
+    common = torch.stack([at_loss[r][0] for r in survivors]).mean(0)
+    xs = {r: common.clone() for r in survivors}
+    bufs = {r: at_loss[r][1] for r in survivors}
+    for t in range(max(positions.values()), steps):
+        for r in survivors:
+            bufs[r] = momentum * bufs[r] + gradient(r, t)
+        total = sum(xs.values())
+        xs = {r: 2 / 3 * xs[r] + (total - xs[r]) / 6 - lr * bufs[r] for r in survivors}
+    return torch.stack(list(xs.values())).mean(0)
+
+
+@pytest.mark.slow  # the complete graph's case runs in CI
+def test_gossip_on_a_ring_survivors_a_step_apart_realign(tmp_path: Path):
+    """On the ring, workers away from the lost one may be a step ahead when the loss shows: the
+    survivors' recorded positions say where each stood; the result follows from them."""
+    victim, at = 2, 3
+    done = launch(tmp_path, victim, at, "start", settings={"algorithm": "dpsgd"})
+    assert done.returncode == 0, done.stderr
+    survivors = sorted(set(range(WORKERS)) - {victim})
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in survivors}
+    positions = {r: result["changes"][0]["lost_at_step"] for r, result in results.items()}
+    assert all(at <= p <= at + 2 for p in positions.values()), positions
+    expected = ring_reference(victim, positions, STEPS)
+    for r, result in results.items():
+        assert result["steps"] == STEPS and result["changes"][0]["members"] == survivors, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(ring_reference(victim, {r: p + 1 for r, p in positions.items()}, STEPS), expected)

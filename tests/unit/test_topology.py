@@ -153,3 +153,11 @@ def test_decentralized_settings_are_checked_before_any_worker_starts():
     assert err.value.setting == "--mixing"
     TrainConfig.from_dict({"algorithm": "d2", "topology": "torus", "workers": 6}).validate()
     TrainConfig.from_dict({"algorithm": "allreduce", "topology": "torus", "workers": 5}).validate()  # not used
+
+
+def test_diameter_counts_the_most_hops_between_two_workers():
+    from distrain.topology import build_topology, diameter
+
+    assert [diameter(build_topology("ring", n)) for n in (1, 2, 3, 4, 5, 8)] == [0, 1, 1, 2, 2, 4]
+    assert diameter(build_topology("complete", 6)) == 1
+    assert diameter(build_topology("torus", 9)) == 2  # 3 x 3, wrapping

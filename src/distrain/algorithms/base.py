@@ -78,6 +78,11 @@ class Algorithm:
     #: Whether a worker behind the furthest survivor, once it took that survivor's state, redoes
     #: that survivor's interrupted step with it (a sync every worker must join), or is done.
     redo_when_behind: bool = False
+    #: Decentralized algorithms, whose workers each hold their own model and may stand a few
+    #: steps apart: after a loss no step is redone; every survivor keeps its step's local update,
+    #: the survivors' models are averaged (:meth:`realign`) and all go on from the furthest one's
+    #: step count.
+    realigns: bool = False
     #: Set by the driver of an elastic run: keep this worker's own gradients of the step in
     #: flight where averaging overwrites them before ``after_backward`` (see ``local_gradients``).
     keep_local: bool = False
@@ -187,6 +192,13 @@ class Algorithm:
         self.after_backward(ctx)
         self.apply_update(ctx)
         self.after_update(ctx)
+
+    def realign(self) -> None:
+        """After a loss (``realigns``): make every survivor's model their average (collective)."""
+
+    def membership_changed(self) -> None:
+        """Called on the algorithm rebuilt over a new group once its state is loaded (a loss or a
+        join): state tied to the old group's shape may be reset here."""
 
     def admission_step(self, proposed: int) -> int:
         """The first step count from ``proposed`` on at which a worker may join (every step by

@@ -68,6 +68,10 @@ class D2(DPSGD):
         # m_{t+1} = x_{t+1} - (x_t + delta_t) = mixed - (half - m_t)
         self.correction.add_(mixed).sub_(self.outgoing)
 
+    def membership_changed(self) -> None:
+        """Over new members (a new W) D2 starts again from a D-PSGD step."""
+        self.correction.zero_()
+
     def info(self) -> dict[str, Any]:
         return {**super().info(), "made_lazy": self.lazy}
 

@@ -25,6 +25,17 @@ stay local: each worker's buffer accumulates its own gradients and is never aver
 keeps the traffic at one model per neighbour per step; since the average of the buffers then
 follows the momentum of the average gradient, the average model is still SGD with momentum.
 
+Elastic: when a worker is lost (SIGKILL, a crash of its machine) the survivors go on. A worker
+learns of the loss in its step's exchange, after its own optimizer step; the survivors agree on
+the new members (:mod:`distrain.runtime.membership`), build the topology again over themselves
+(a ring where ``--topology`` cannot be built for their number), and every survivor's model
+becomes the survivors' average, counted as traffic: a mixing step with the uniform matrix, which
+is doubly stochastic, so the average model still follows SGD. Workers a step or two behind (gossip
+lets workers up to the topology's diameter apart) take the furthest one's step count; their own
+updates are all in the average. Momentum stays local. A worker that joins takes rank 0's model and
+optimizer state, at least the topology's diameter steps after it asked, so no member has passed
+that step.
+
 The consensus model (the average of every worker's model, computed with an all-reduce at
 evaluation points) is what gets evaluated; ``consensus_distance`` in metrics.jsonl is the mean
 over workers of ``||x_i - x_avg||^2`` at those points. The spectral gap of ``W`` is written to
@@ -45,7 +56,15 @@ import torch
 
 from distrain.algorithms.base import Algorithm, StepContext, copy_module
 from distrain.comm.transport import Handle, Transport
-from distrain.topology import Graph, build_topology, eigenvalues, mixing_matrix, spectral_gap
+from distrain.errors import ConfigError
+from distrain.topology import (
+    Graph,
+    build_topology,
+    diameter,
+    eigenvalues,
+    mixing_matrix,
+    spectral_gap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +96,15 @@ class DPSGD(Algorithm):
 
     name = "dpsgd"
     replicated = False
+    # Elastic: survivors average their models and go on (see the module docstring).
+    elastic = True
+    realigns = True
+    redo_needs_gradients = False
+
+    @classmethod
+    def survives(cls, config: Any) -> bool:
+        c = config.cluster
+        return c.device == "cpu" and 1 < c.workers and c.min_workers < c.workers
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -89,7 +117,7 @@ class DPSGD(Algorithm):
         super().setup(model, optimizer, transport)
         a = self.config.algo
         rank = transport.rank
-        self.graph: Graph = build_topology(a.topology, transport.world_size)
+        self.graph: Graph = self._topology(a.topology, transport.world_size)
         self.W = self.mixing_weights(mixing_matrix(self.graph, a.mixing))
         self.peers = list(self.graph.neighbors[rank])
         self.self_weight = float(self.W[rank, rank])
@@ -100,12 +128,24 @@ class DPSGD(Algorithm):
         self.incoming = [torch.empty_like(self.outgoing) for _ in self.peers]
         self._handles: list[Handle] = []
         self._pending = False
+        self._failed: Exception | None = None  # an exchange that could not start (a peer already gone)
+        self._realigned = False  # every worker holds the same model (after a loss, until the next step)
         self._consensus_distance: float | None = None
         # Copied before any hook is registered on ``model`` (a hook would drag ``self`` along).
         self.consensus = copy_module(model)
         self._hooks = []
         if self.order == "cta" and self.peers:
             self._hooks.append(model.register_forward_pre_hook(self._on_forward))
+
+    def _topology(self, name: str, n: int) -> Graph:
+        """``name`` over ``n`` workers; after a change of members, a ring where it cannot be built."""
+        try:
+            return build_topology(name, n)
+        except ConfigError:
+            if n == self.config.cluster.workers:
+                raise
+            log.warning("%s: the %s topology cannot be built for %d workers; gossiping over a ring", self.name, name, n)
+            return build_topology("ring", n)
 
     # -- knobs subclasses change ----------------------------------------------------------------
 
@@ -119,15 +159,20 @@ class DPSGD(Algorithm):
 
     def _start_exchange(self) -> None:
         assert self.transport is not None
-        self._handles = [self.transport.exchange(self.outgoing, buf, peer)
-                         for peer, buf in zip(self.peers, self.incoming, strict=True)]
-        self._pending = True
+        self._handles, self._pending = [], True
+        try:
+            for peer, buf in zip(self.peers, self.incoming, strict=True):
+                self._handles.append(self.transport.exchange(self.outgoing, buf, peer))
+        except Exception as exc:  # a peer already gone: the step's wait reports it, after the local update
+            self._failed = exc
 
     def _finish_exchange(self) -> None:
-        for handle in self._handles:
+        handles, failed = self._handles, self._failed
+        self._handles, self._pending, self._failed = [], False, None
+        for handle in handles:
             handle.wait()
-        self._handles = []
-        self._pending = False
+        if failed is not None:
+            raise failed
 
     def _mix_into(self, out: torch.Tensor) -> torch.Tensor:
         """``out += W_ii * outgoing + sum_j W_ij * incoming_j`` (``out`` is float64: the models'
@@ -146,6 +191,7 @@ class DPSGD(Algorithm):
             self._start_exchange()
 
     def after_backward(self, ctx: StepContext) -> None:
+        self._realigned = False
         if self.order == "cta" and self.peers and not self._pending:  # the model was not called via forward()
             self.flat.read(out=self.outgoing)
             self._start_exchange()
@@ -173,12 +219,39 @@ class DPSGD(Algorithm):
     def after_atc_mix(self, mixed: torch.Tensor) -> None:
         """atc: see the mixed vector before it becomes the model."""
 
+    # -- elastic ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def realign(self) -> None:
+        """Every survivor's model (and floating-point buffers) becomes the survivors' average."""
+        assert self.transport is not None and self.model is not None
+        n = self.transport.world_size
+        total = self.flat.read()
+        self.transport.all_reduce(total).wait()
+        self.flat.write(total.div_(n))
+        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        if buffers:
+            summed = torch.cat([b.reshape(-1) for b in buffers])
+            self.transport.all_reduce(summed).wait()
+            for b, chunk in zip(buffers, summed.div_(n).split([b.numel() for b in buffers]), strict=True):
+                b.copy_(chunk.view_as(b))
+        self._realigned = True
+
+    def admission_step(self, proposed: int) -> int:
+        """Members stand up to the topology's diameter steps apart: a joiner enters that much later."""
+        return proposed + diameter(self.graph)
+
     # -- the consensus model ----------------------------------------------------------------------
 
     @torch.no_grad()
     def eval_model(self) -> torch.nn.Module:
-        """The average of every worker's model (collective: every worker calls it)."""
+        """The average of every worker's model (collective: every worker calls it, except right
+        after the survivors of a loss averaged their models, when each holds it)."""
         assert self.transport is not None and self.model is not None
+        if self._realigned:
+            self.consensus.load_state_dict(self.model.state_dict())
+            self._consensus_distance = 0.0
+            return self.consensus
         n = self.transport.world_size
         mine = self.flat.read()
         average = self.transport.control_all_reduce(mine.clone()).div_(n)

@@ -304,6 +304,21 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     changes: list[Any] = list(opt.changes)  # membership changes handled so far (elastic runs)
     for change in changes:  # a joiner's own entry
         metrics.write({"step": start_step, **change.record()})
+
+    def follow_changes() -> None:
+        """After workers were lost or joined (elastic runs): the new group's objects, the data split
+        again, the learning rate scaled, the events in metrics, and where this worker stands (a
+        survivor behind one that finished its step or round, or a decentralized one realigned)."""
+        nonlocal algorithm, transport, step, sampler, schedule, global_batch, changes
+        if len(opt.changes) == len(changes):
+            return
+        algorithm, transport = opt.algorithm, opt.transport
+        step = opt.steps - 1
+        sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule)
+        for change in opt.changes[len(changes):]:
+            metrics.write({"step": step + 1, **change.record()})
+        changes = list(opt.changes)
+
     model.train()
     opt.start()  # together: emulated bandwidth traces and asynchronous algorithms' clocks start now
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -343,13 +358,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         # Aggregate, update, average; a non-finite gradient stops here, or is dropped (skip). An
         # emulated slow worker's compute is stretched here; compute time leaves out network waits.
         opt.step(losses=losses.detach())
-        if len(opt.changes) > len(changes):  # an elastic run lost workers and goes on without them
-            algorithm, transport = opt.algorithm, opt.transport
-            step = opt.steps - 1  # behind a survivor that finished its step (or round): where it is
-            sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule)
-            for change in opt.changes[len(changes):]:
-                metrics.write({"step": step + 1, **change.record()})
-            changes = list(opt.changes)
+        follow_changes()
         if opt.skipped:
             finite, losses = False, torch.zeros_like(losses)
         compute_seconds += opt.last_compute_seconds
@@ -374,6 +383,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
             t_eval = time.perf_counter()
             eval_model = opt.eval_model()  # collective for decentralized algorithms
+            follow_changes()  # a loss found there: the survivors' average is what is evaluated
             if leads(algorithm, transport):
                 measured = task.evaluate(eval_model, test_set, device)
                 record.update(measured)
