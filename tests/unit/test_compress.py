@@ -21,7 +21,8 @@ from distrain.compress import (
     payload_nbytes,
 )
 
-SPECS = ["none", "fp16", "bf16", "topk:0.1", "randomk:0.1", "group_topk:0.1:group=16", "qsgd:8bit", "qsgd:4bit"]
+SPECS = ["none", "fp16", "bf16", "topk:0.1", "randomk:0.1", "group_topk:0.1:group=16", "qsgd:8bit", "qsgd:4bit",
+         "sparseloco:0.1:chunk=16"]
 SHAPES = [(1,), (37,), (5, 7, 3), (2, 1000)]
 
 
