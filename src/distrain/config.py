@@ -396,7 +396,8 @@ class CompressConfig:
     """
 
     compress: str = _opt("none", "compressor spec: none, fp16, bf16, topk:RATIO, randomk:RATIO, "
-                         "group_topk:RATIO[:group=N], qsgd:8bit|4bit (RATIO = kept fraction in (0, 1])")
+                         "group_topk:RATIO[:group=N], qsgd:8bit|4bit, int8|int4[:block=N], "
+                         "sparseloco:RATIO[:bits=B][:chunk=N][:decay=D] (RATIO = kept fraction in (0, 1])")
     error_feedback: str = _opt("on", "keep what a lossy compressor dropped and add it to the next step", ("on", "off"))
     sparse_collective: str = _opt("allgather", "how sparse payloads (topk, group_topk) are summed: all-gather of "
                                   "every worker's payload (n - 1 latency-bound rounds when all workers keep the same "
@@ -421,7 +422,7 @@ class CompressConfig:
 
     def density_schedule(self) -> tuple[float, float]:
         """(warm-up, decay) epochs: as set, else :data:`SPARSIFIER_WARMUP` for a compressor that
-        keeps a ratio of the gradient (topk, group_topk, randomk, adaptive), else no warm-up."""
+        keeps a ratio of the gradient (topk, group_topk, randomk, adaptive, sparseloco), else no warm-up."""
         from distrain.compress import build_compressor
 
         sparsifier = self.compress.strip() != "none" and build_compressor(self.compress).ratio is not None

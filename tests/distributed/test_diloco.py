@@ -59,11 +59,11 @@ def _body(rank: int, world: int, optimizer: str, momentum: float, compress: str 
             "sent": sum(transport.stats.sent), "outer_steps": algorithm.outer_steps}
 
 
-def reference(optimizer: str, momentum: float, quantize: Any = None) -> torch.Tensor:
+def reference(optimizer: str, momentum: float, quantize: Any = None, decay: float = 1.0) -> torch.Tensor:
     """The outer optimizer written out by hand: per period each worker takes H SGD steps from the
     shared parameters; the mean of (shared - local) is the outer gradient. ``quantize``: what a
-    worker's pseudo-gradient becomes on the wire (with error feedback: the residual it left is
-    added to the next one)."""
+    worker's pseudo-gradient becomes on the wire (with error feedback: the residual it left,
+    times ``decay``, is added to the next one)."""
     shared = torch.cat([p.detach().reshape(-1) for p in model().parameters()])
     buffer = None
     residual = [torch.zeros(4) for _ in range(WORKERS)]
@@ -82,7 +82,7 @@ def reference(optimizer: str, momentum: float, quantize: Any = None) -> torch.Te
                         p -= INNER_LR * p.grad
             delta = shared - torch.cat([p.detach().reshape(-1) for p in net.parameters()])
             if quantize is not None:
-                meant = delta + residual[w]
+                meant = delta + decay * residual[w]
                 delta = quantize(meant)
                 residual[w] = meant - delta
             deltas.append(delta)
@@ -122,6 +122,36 @@ def test_int8_pseudo_gradients_with_error_feedback_match_the_reference():
         # gathered: each worker sends its payload (64 int8 codes + one float32 scale) once per period
         assert r["sent"] == PERIODS * (64 + 4) * (WORKERS - 1)
     assert not torch.allclose(want, dense, rtol=0, atol=1e-7)  # the quantization did change something
+
+
+def sparseloco_by_hand(x: torch.Tensor) -> torch.Tensor:
+    """Chunks of 3 at ratio 0.67: the first (3 values) keeps its 2 largest magnitudes, the second
+    (1 value) its one; 2 bits each: the sign, and which half of the chunk's kept range [lo, hi]
+    the magnitude falls in, decoded at that half's centre."""
+    out = torch.zeros_like(x)
+    for start, stop, k in ((0, 3, 2), (3, 4, 1)):
+        part = x[start:stop]
+        keep = part.abs().topk(k).indices
+        magnitude = part[keep].abs()
+        lo, hi = magnitude.min(), magnitude.max()
+        half = (hi - lo) / 2
+        upper = (magnitude - lo >= half) & (half > 0)
+        out[start + keep] = torch.sign(part[keep]) * (lo + torch.where(upper, 1.5, 0.5) * half)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_sparseloco_pseudo_gradients_with_decaying_error_feedback_match_the_reference():
+    # SparseLoCo's arrangement: the decaying residual in place of outer momentum, a plain outer step
+    results = run_group(_body, WORKERS, args=("sgd", 0.0, "sparseloco:0.67:chunk=3:decay=0.5"), timeout=90)
+    want = reference("sgd", 0.0, sparseloco_by_hand, decay=0.5)
+    for r in results:
+        torch.testing.assert_close(r["params"], want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(r["eval"], want, rtol=0, atol=1e-6)
+        # gathered once per period: 3 entries of 2 index bits + 2 code bits (2 bytes), 2 chunks' (lo, hi)
+        assert r["sent"] == PERIODS * (2 + 2 * 8) * (WORKERS - 1)
+    assert not torch.allclose(want, reference("sgd", 0.0, top2_by_hand, decay=0.5), rtol=0, atol=1e-6)  # quantized
+    assert not torch.allclose(want, reference("sgd", 0.0, sparseloco_by_hand), rtol=0, atol=1e-6)  # decayed
 
 
 def top2_by_hand(x: torch.Tensor) -> torch.Tensor:
@@ -331,3 +361,30 @@ def test_auto_raises_h_on_a_slow_link_and_every_worker_follows_the_same_periods(
     for name, rate in (("fast", 100e6 / 8), ("slow", 500e3 / 8)):
         assert syncs[name] == pytest.approx(2 * (params * 4 / 2 / rate + 0.001), rel=0.05), (name, syncs)
     assert finals["slow"] == high and finals["fast"] < finals["slow"], finals
+
+
+@pytest.mark.slow  # ~6 s; the reference test above runs SparseLoCo through DiLoCo in CI
+@pytest.mark.timeout(240)
+def test_distrain_train_diloco_with_sparseloco_sends_the_packed_size_and_ends_in_consensus(tmp_path):
+    from distrain.compress import build_compressor
+    from distrain.launch import launch_local
+    from distrain.models import build_model, count_parameters
+    from distrain.runtime.checkpoint import CheckpointStore
+    from tests.conftest import small_config
+
+    world, spec = 3, "sparseloco:0.02:chunk=256:decay=0.9"
+    cfg = small_config(str(tmp_path / "run"), workers=world, algorithm="diloco", sync_every=4, epochs=2, compress=spec,
+                       outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
+    summary = launch_local(cfg)
+    steps = summary["steps"]
+    params = count_parameters(build_model("mlp", (32,), 10, width=32, depth=2))
+    payload = build_compressor(spec).wire_bytes(params)
+    assert payload < 0.02 * params * 4  # under 2% of the float32 bytes, ranges and indices included
+    per_sync = payload * (world - 1)  # the packed payload, gathered
+    assert summary["bytes_sent_per_worker"] == [-(-steps // 4) * per_sync] * world
+    finals = [CheckpointStore(tmp_path / "run", r, world).load(steps)["model"] for r in range(world)]
+    for other in finals[1:]:
+        for name, tensor in finals[0].items():
+            assert torch.equal(other[name], tensor), name
+    # 10 syncs of 2% of the pseudo-gradient learn little (0.35 here, 0.74 dense), but well above chance (0.1)
+    assert summary["final_test_accuracy"] > 0.2, summary["final_test_accuracy"]

@@ -21,7 +21,8 @@ from distrain.compress import (
     payload_nbytes,
 )
 
-SPECS = ["none", "fp16", "bf16", "topk:0.1", "randomk:0.1", "group_topk:0.1:group=16", "qsgd:8bit", "qsgd:4bit"]
+SPECS = ["none", "fp16", "bf16", "topk:0.1", "randomk:0.1", "group_topk:0.1:group=16", "qsgd:8bit", "qsgd:4bit",
+         "sparseloco:0.1:chunk=16"]
 SHAPES = [(1,), (37,), (5, 7, 3), (2, 1000)]
 
 
@@ -224,3 +225,46 @@ def test_error_feedback_of_a_sparsifier_matches_compensate_minus_sent(spec):
         reference = compensated - ef.decompress(payload, ctx)
         assert torch.equal(ef.residuals[0], reference) and torch.equal(g, before)
         assert torch.equal(payload[1], compensated[payload[0]])
+
+
+@pytest.mark.parametrize("inner", [lambda: GroupTopK(0.05, group=64), lambda: build_compressor("int4", error_feedback=False)])
+def test_error_feedback_decays_the_residual_before_adding(inner):
+    """With ``residual_decay`` D each step compresses ``g + D e`` and keeps ``(g + D e) - sent``,
+    for sparsifiers (in place) and for the others alike."""
+    compressor = inner()
+    compressor.residual_decay = 0.5
+    ef = ErrorFeedback(compressor)
+    reference = torch.zeros(300)
+    for step in range(5):
+        g = randn(300, seed=step)
+        meant = g + 0.5 * reference
+        payload, ctx = ef.compress(g, CompressInfo(step=step))
+        sent = ef.decompress(payload, ctx)
+        torch.testing.assert_close(sent + ef.residuals[0], meant, rtol=0, atol=1e-6)
+        reference = meant - sent
+    assert float(reference.abs().max()) > 0  # something was held back and decayed
+
+
+def devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("spec", ["group_topk:0.05:group=64", "int8", "qsgd:4bit"])
+def test_error_feedback_residuals_live_in_cpu_memory(spec, device):
+    ef = build_compressor(spec)
+    reference = torch.zeros(500, dtype=torch.float64)
+    for step in range(3):
+        g = randn(500, seed=step).to(device)
+        meant = g.double().cpu() + reference
+        payload, ctx = ef.compress(g, CompressInfo(step=step))
+        sent = ef.decompress(payload, ctx)
+        assert sent.device.type == device and ef.residuals[0].device.type == "cpu"
+        reference = meant - sent.double().cpu()
+        torch.testing.assert_close(ef.residuals[0].double(), reference, rtol=0, atol=1e-6)
+    other = build_compressor(spec)
+    other.load_state_dict({k: v.to(device) for k, v in ef.state_dict().items()})
+    assert other.residuals[0].device.type == "cpu" and torch.equal(other.residuals[0], ef.residuals[0])
+    kept = ErrorFeedback(build_compressor(spec, error_feedback=False), residual_device=None)
+    kept.compress(randn(500).to(device), CompressInfo())
+    assert kept.residuals[0].device.type == device

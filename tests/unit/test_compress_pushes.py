@@ -12,7 +12,8 @@ from distrain.compress.pushes import PACKED, PushDecoder, ShardPush
 from distrain.config import TrainConfig
 from distrain.errors import ConfigError
 
-SPECS = ["fp16", "bf16", "qsgd:8bit", "qsgd:4bit", "topk:0.1", "group_topk:0.05:group=64", "randomk:0.1"]
+SPECS = ["fp16", "bf16", "qsgd:8bit", "qsgd:4bit", "topk:0.1", "group_topk:0.05:group=64", "randomk:0.1",
+         "sparseloco:0.05:chunk=128"]
 
 
 def shard(numel: int = 1001, seed: int = 0) -> torch.Tensor:

@@ -34,9 +34,11 @@ steps; every period's H is in the metrics (``sync_every``, ``sync_seconds``). It
 ``--fragments 1``.
 
 With ``--compress`` the pseudo-gradient is compressed before it is exchanged (``int8`` and
-``int4`` block quantization, ``fp16``/``bf16``, ``topk``/``group_topk``/``randomk``, ``qsgd``),
-with error feedback (``--error-feedback on``, the default): what a worker's pseudo-gradient
-lost to compression is added to its next one. Summable payloads are all-reduced, sparse ones go
+``int4`` block quantization, ``fp16``/``bf16``, ``topk``/``group_topk``/``randomk``, ``qsgd``,
+``sparseloco``: chunked top-k with 2-bit values), with error feedback (``--error-feedback on``,
+the default): what a worker's pseudo-gradient lost to compression is added to its next one (its
+residual kept in CPU memory; ``sparseloco:R:decay=D`` decays it, which SparseLoCo pairs with
+``--outer-optimizer sgd --outer-lr 1 --outer-momentum 0``). Summable payloads are all-reduced, sparse ones go
 through the sparse ring (``--sparse-collective``), the others are gathered and summed after
 decoding. A compressed exchange completes at the sync step (only a dense one overlaps the inner
 steps); its outer step is still applied T steps later.
@@ -50,6 +52,7 @@ Example::
 
     distrain train --algorithm diloco --sync-every 32 --outer-lr 0.7 --outer-momentum 0.9
     distrain train --algorithm diloco --sync-every 64 --fragments 4 --overlap-steps 2 --compress int4
+    distrain train --algorithm diloco --compress sparseloco:0.02:decay=0.95 --outer-optimizer sgd --outer-lr 1 --outer-momentum 0
     opt = distrain.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-4), algorithm="diloco",
                         sync_every=64)
 """

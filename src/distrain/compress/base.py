@@ -66,7 +66,9 @@ class Compressor:
     * ``lossy``: whether error feedback has anything to feed back;
     * ``keeps_values``: the payload is ``[indices, values]`` with ``values`` the input's own
       elements at ``indices`` (top-k, group top-k), so what was not sent is the input with those
-      elements zeroed and error feedback needs no decompression.
+      elements zeroed and error feedback needs no decompression;
+    * ``residual_decay``: error feedback multiplies the residual by it before adding the next
+      tensor (1: nothing fades; SparseLoCo's ``decay=D`` is below 1).
     """
 
     name: str = "base"
@@ -74,6 +76,7 @@ class Compressor:
     sparse: bool = False
     lossy: bool = True
     keeps_values: bool = False
+    residual_decay: float = 1.0
     #: the kept fraction for compressors that sparsify; None for the others
     ratio: float | None = None
 

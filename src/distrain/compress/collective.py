@@ -8,8 +8,8 @@ follows from what the compressor declares:
 * ``summable`` (none, fp16, bf16, random-k): all-reduce the payload tensors in place;
 * ``sparse`` (top-k, group top-k): the sparse ring or the sparse all-gather of
   :mod:`distrain.comm.sparse_ring`, so each worker may keep a different number of elements;
-* otherwise (QSGD): all-gather the payloads (equal sizes on every worker) and sum their
-  decompressions in rank order.
+* otherwise (QSGD, int8/int4, SparseLoCo): all-gather the payloads (equal sizes on every worker)
+  and sum their decompressions in rank order.
 """
 
 from __future__ import annotations

@@ -3,6 +3,14 @@
 Compressed SGD with error feedback converges like SGD (Stich et al. 2018, Karimireddy et al.
 2019): each step compresses ``g + e`` instead of ``g`` and keeps ``e <- (g + e) - C(g + e)``, so
 nothing is lost, only delayed; every coordinate is eventually sent.
+
+A compressor may ask for the residual to decay (``residual_decay`` D < 1, e.g. ``sparseloco``'s
+``decay=D``): each step then compresses ``g + D e``, so old, unsent mass fades rather than waiting
+for its turn (SparseLoCo, Sarfi et al. 2025, where the decaying residual stands in for DiLoCo's outer
+momentum).
+
+The residuals are kept in CPU memory whatever the tensor's device (a model-sized buffer per key
+that a GPU need not hold); each step moves the one in use to the tensor's device and back.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ class ErrorFeedback(Compressor):
     """Wrap any compressor with residual memory, one residual per tensor key.
 
     Args:
-        compressor: the compressor to wrap; its payloads, collective kind and wire size are kept.
+        compressor: the compressor to wrap; its payloads, collective kind and wire size are kept;
+            its ``residual_decay`` (1 for all but a few) scales the residual before it is added.
+        residual_device: where the residuals live (CPU); None keeps each on its tensor's device.
 
     Example::
 
@@ -28,12 +38,14 @@ class ErrorFeedback(Compressor):
         torch.save(ef.state_dict(), "ef.pt")   # tensors only
     """
 
-    def __init__(self, compressor: Compressor) -> None:
+    def __init__(self, compressor: Compressor, residual_device: torch.device | str | None = "cpu") -> None:
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("compressor already has error feedback")
         self.inner = compressor
         self.name = compressor.name
         self.summable, self.sparse, self.lossy = compressor.summable, compressor.sparse, compressor.lossy
+        self.decay = float(compressor.residual_decay)
+        self.residual_device = None if residual_device is None else torch.device(residual_device)
         self.residuals: dict[int, torch.Tensor] = {}
 
     @property
@@ -41,11 +53,25 @@ class ErrorFeedback(Compressor):
         return self.inner.ratio
 
     def compensate(self, tensor: torch.Tensor, key: int) -> torch.Tensor:
-        """``tensor`` plus the residual kept for ``key`` (a new tensor; the input is untouched)."""
+        """``tensor`` plus the (decayed) residual kept for ``key``, on ``tensor``'s device (a new
+        tensor; the input is untouched)."""
         residual = self.residuals.get(key)
         if residual is None or residual.shape != tensor.shape:
             return tensor.clone()
-        return tensor + residual
+        residual = residual.to(tensor.device)
+        return tensor + residual if self.decay == 1.0 else torch.add(tensor, residual, alpha=self.decay)
+
+    def _keep(self, key: int, residual: torch.Tensor) -> None:
+        """Store ``residual`` for ``key`` on the residual device, into the old buffer if it fits."""
+        device = self.residual_device
+        if device is None or residual.device == device:
+            self.residuals[key] = residual
+            return
+        old = self.residuals.get(key)
+        if old is not None and (old.shape, old.dtype, old.device) == (residual.shape, residual.dtype, device):
+            self.residuals[key] = old.copy_(residual)
+        else:
+            self.residuals[key] = residual.to(device)
 
     def compress(self, tensor: torch.Tensor, info: CompressInfo) -> tuple[Payload, Any]:
         if self.inner.keeps_values:
@@ -56,25 +82,28 @@ class ErrorFeedback(Compressor):
         # out of place, because a payload may be a view of ``compensated`` (the identity).
         sent = self.inner.decompress(payload, ctx)
         residual = compensated - sent
-        self.residuals[info.key] = residual
         self.after_send(sent.reshape(-1).nonzero().squeeze(1), bool(residual.any()), info.key)
+        self._keep(info.key, residual)
         return payload, ctx
 
     def _compress_kept(self, tensor: torch.Tensor, info: CompressInfo) -> tuple[Payload, Any]:
         """The same for sparsifiers that send the input's own values: the residual becomes the
         compensated tensor, in place, with the sent elements zeroed (exactly ``compensated -
-        sent``), so a step costs no dense decompression, subtraction or new residual tensor."""
+        sent``), so a step costs no dense decompression, subtraction or new residual tensor
+        (where the residual lives on the tensor's device: on the CPU, for CPU tensors)."""
         residual = self.residuals.get(info.key)
         if residual is not None and (residual.shape, residual.dtype, residual.device) == (
                 tensor.shape, tensor.dtype, tensor.device):
+            if self.decay != 1.0:
+                residual.mul_(self.decay)
             compensated = residual.add_(tensor)  # the same sum as tensor + residual, in place
         else:
             compensated = self.compensate(tensor, info.key).contiguous()
         payload, ctx = self.inner.compress(compensated, info)  # its values are copies
         indices = payload[0]
         compensated.view(-1).index_fill_(0, indices, 0.0)
-        self.residuals[info.key] = compensated
         self.after_send(indices, indices.numel() < compensated.numel(), info.key)
+        self._keep(info.key, compensated)
         return payload, ctx
 
     def after_send(self, indices: torch.Tensor, held_back: bool, key: int) -> None:
@@ -96,7 +125,8 @@ class ErrorFeedback(Compressor):
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residuals = {int(k.split(".", 1)[1]): v.clone() for k, v in state.items() if k.startswith("residual.")}
+        self.residuals = {int(k.split(".", 1)[1]): v.to(self.residual_device or v.device, copy=True)
+                          for k, v in state.items() if k.startswith("residual.")}
         self.inner.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("inner.")})
 
     def spec(self) -> str:

@@ -70,7 +70,7 @@ class ShardPush:
         payload, ctx = c.compress(shard, info)
         if c.sparse:
             indices, values = payload
-        elif c.ratio is not None:  # random-k: its indices come from a seed, send them anyway
+        elif c.ratio is not None:  # random-k (indices from a seed), sparseloco: the decoded values
             dense = c.decompress(payload, ctx).reshape(-1)
             indices = dense.nonzero().view(-1)
             values = dense[indices]

@@ -3,7 +3,10 @@
 Examples: ``none``, ``fp16``, ``bf16``, ``topk:0.01``, ``randomk:0.01``,
 ``group_topk:0.01:group=1024``, ``qsgd:8bit``, ``qsgd:4bit``, ``int8``, ``int4:block=32``,
 ``adaptive:base=0.01:min=0.001:max=0.1`` (group top-k with a ratio per worker and step, see
-:mod:`distrain.compress.adaptive`).
+:mod:`distrain.compress.adaptive`), ``sparseloco:0.02``, ``sparseloco:0.01:bits=2:chunk=4096:decay=0.95``
+(chunked top-k with the kept values in ``bits`` bits, 1 to 8, default 2; ``chunk`` elements per
+chunk, 2 to 2^24, default 4096; error feedback's residual decay in (0, 1], default 1; see
+:mod:`distrain.compress.sparseloco`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from distrain.compress.none import NoneCompressor
 from distrain.compress.qsgd import QSGD
 from distrain.compress.quantize import DEFAULT_BLOCK, BlockQuantizer
 from distrain.compress.randomk import RandomK
+from distrain.compress.sparseloco import DEFAULT_CHUNK, MAX_CHUNK, SparseLoCo
 from distrain.compress.topk import TopK
 from distrain.errors import ConfigError
 
@@ -122,6 +126,27 @@ def _blocks(bits: int) -> Callable[[Spec, int], Compressor]:
     return build
 
 
+def _integer(spec: Spec, key: str, default: int, allowed: str) -> int:
+    text = spec.options.get(key, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{key} must be {allowed}, got {text!r}") from None
+
+
+def _sparseloco(spec: Spec, seed: int) -> Compressor:
+    _no_options(spec, ("bits", "chunk", "decay"))
+    ratio = _ratio(spec)
+    bits = _integer(spec, "bits", 2, "an integer from 1 to 8")
+    chunk = _integer(spec, "chunk", DEFAULT_CHUNK, f"an integer from 2 to {MAX_CHUNK}")
+    text = spec.options.get("decay", "1")
+    try:
+        decay = float(text)
+    except ValueError:
+        raise ValueError(f"decay must be a number in (0, 1], got {text!r}") from None
+    return SparseLoCo(ratio, bits=bits, chunk=chunk, decay=decay)
+
+
 COMPRESSORS: dict[str, Entry] = {
     "none": Entry("none", _plain(NoneCompressor)),
     "fp16": Entry("fp16", _plain(lambda: FP16Compressor(torch.float16))),
@@ -132,6 +157,7 @@ COMPRESSORS: dict[str, Entry] = {
     "qsgd": Entry("qsgd:8bit|4bit", _qsgd),
     "int8": Entry("int8[:block=N]", _blocks(8)),
     "int4": Entry("int4[:block=N]", _blocks(4)),
+    "sparseloco": Entry("sparseloco:RATIO[:bits=B][:chunk=N][:decay=D]", _sparseloco),
     "adaptive": Entry("adaptive:base=R:min=R:max=R[:alpha=A:beta=B:dead=D:spare=S:recent=N:window=N:history=N:group=N]", _adaptive),
 }
 """Registered names -> how to build them; RATIO is the kept fraction in (0, 1]."""
