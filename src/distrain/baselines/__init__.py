@@ -28,11 +28,14 @@ BASELINES: dict[str, type[Peer]] = {p.name: p for p in (PlainDDP, DDPFp16, DDPPo
 
 
 def build_peer(spec: str) -> Peer:
-    """``name[:option]`` -> a Peer; ConfigError (naming --baselines) lists the valid names."""
+    """``name[:option]`` -> a Peer; ConfigError (naming --baselines) lists the valid names, or
+    names what is missing to run it."""
     name, _, option = spec.strip().partition(":")
     if name not in BASELINES:
         raise ConfigError("--baselines", f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
-    return BASELINES[name](option or None)
+    peer = BASELINES[name](option or None)
+    peer.check_available()
+    return peer
 
 
 def check_baseline(spec: str, cfg: TrainConfig) -> None:
