@@ -1,15 +1,15 @@
-"""The shared worker of the baselines: PyTorch's own data parallelism in distrain's harness.
+"""The shared worker of the baselines: PyTorch's DDP and torchft in distrain's harness.
 
 Most baselines ("peers") are plain ``torch.nn.parallel.DistributedDataParallel`` plus at most a
-communication hook and an after-step action, all PyTorch public APIs; a peer that communicates
-on its own trains the bare model and synchronises inside ``optimizer.step()``.
+communication hook and an after-step action, all PyTorch public APIs; the torchft peers train the
+bare model and synchronise inside ``optimizer.step()`` (:mod:`distrain.baselines.torchft_peers`).
 This worker gives every peer the same data shards, model, initial parameters, learning-rate
 schedule, evaluation points, emulated network and run-directory format (``config.json``,
 ``metrics/rank<r>.jsonl``, ``summary.json``) as ``distrain train``, so ``distrain compare`` and
 ``distrain report`` treat them alike.
 
-Traffic is counted and delayed by :mod:`distrain.baselines.wire` (DDP's gloo collectives
-cannot go through the Transport). Compute slowdown (``--slow-worker``) stretches each
+Traffic is counted and delayed by :mod:`distrain.baselines.wire` (DDP's and torchft's gloo
+collectives cannot go through the Transport). Compute slowdown (``--slow-worker``) stretches each
 step's forward and backward time as in the distrain loop; the last bucket's hook call marks the
 end of backward.
 
@@ -70,7 +70,7 @@ class Peer:
     Subclasses set ``name`` and override :meth:`register` (and :meth:`after_step`,
     :meth:`eval_model`, :meth:`metrics` where they do more than DDP does). A peer with
     ``uses_ddp = False`` trains the bare model, and :meth:`serve` runs what it needs beside its
-    workers (a coordination server).
+    workers (torchft's lighthouse).
 
     Args:
         option: the text after the name in the spec (``ddp-powersgd:2`` -> ``"2"``), or None.
@@ -120,6 +120,10 @@ class Peer:
     def info(self) -> dict[str, Any]:
         """Facts about the setup for config.json."""
         return {"baseline": self.name, "option": self.option}
+
+    def summary_fields(self) -> dict[str, Any]:
+        """Keys this peer adds to summary.json (none for DDP)."""
+        return {}
 
     def close(self) -> None:
         """After the run, or when it fails: release what :meth:`register` opened."""
@@ -253,7 +257,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     summary = summarize(out_cfg, run_dir, [r.tolist() for r in rows], world, total_steps, global_batch, accuracy,
                         test_loss, time_to_target, eval_seconds, None,
                         extra={**lm_figures(task, train_set, test_set, test_loss),
-                               "model_parameters": count_parameters(module)},
+                               "model_parameters": count_parameters(module), **peer.summary_fields()},
                         tokens_per_sample=lm_tokens(task, sample_shape)) if rank == 0 else None
     dist.barrier()  # nobody tears the group down before the summary exists
     return summary
