@@ -6,21 +6,27 @@ the same steps as DiLoCo with outer SGD at lr 1, i.e. averages.)"""
 from __future__ import annotations
 
 import copy
+import os
 import socket
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from distrain.baselines.common import launch_peer
 from distrain.baselines.wire import WireMeter
 from distrain.comm.transport import ring_share
 from distrain.config import TrainConfig
+from distrain.errors import WorkerFailure
+from tests.conftest import small_config
 from tests.harness import run_group
 
 pytest.importorskip("torchft", reason="the torchft peers need torchft: pip install 'distrain[peers]'")
 
 from distrain.baselines import build_peer  # noqa: E402
 from distrain.baselines.lighthouse import Lighthouse  # noqa: E402
+from distrain.baselines.torchft_peers import TorchftDiLoCo  # noqa: E402
 
 WORKERS, H, ROUNDS, TAIL = 2, 3, 2, 1  # the TAIL steps after the last sync are not in the synced model
 INNER_LR, INNER_MOMENTUM = 0.1, 0.5
@@ -133,3 +139,37 @@ def test_torchft_diloco_matches_distrains_outer_step(tmp_path: Path) -> None:
     # After the last sync each worker goes on from the shared parameters with its own data.
     torch.testing.assert_close(results[0]["local"], local0, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(results[0]["local"], results[1]["local"])
+
+
+class FailingDiLoCo(TorchftDiLoCo):
+    """torchft-diloco whose worker 1 fails after its first sync (module level: the workers import it)."""
+
+    def after_step(self, model: torch.nn.Module) -> None:
+        super().after_step(model)
+        if dist.get_rank() == 1 and self.steps == H + 1:
+            raise RuntimeError("worker 1 fails on purpose")
+
+
+def _children() -> list[int]:
+    """Live processes whose parent is this one (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_a_failed_worker_stops_the_run_and_the_lighthouse(tmp_path: Path) -> None:
+    before = _children()
+    cfg = small_config(str(tmp_path / "run"), workers=2, sync_every=H, timeout=10)
+    with pytest.raises(WorkerFailure, match="worker 1 exited with status 1"):
+        launch_peer(cfg, FailingDiLoCo(None))
+    assert (tmp_path / "run" / "logs" / "lighthouse.log").exists()
+    assert _children() == before  # the lighthouse and both workers were stopped and reaped
