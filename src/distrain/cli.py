@@ -245,8 +245,9 @@ def build_parser() -> Parser:
     compare.add_argument("--algorithms", default=None, metavar="LIST", help="comma-separated algorithms (default: allreduce)")
     compare.add_argument("--compress", default=None, metavar="LIST", dest="compressors", help="comma-separated compressor specs tried with every algorithm (default: none)")
     compare.add_argument("--network", default=None, metavar="LIST", dest="networks", help="comma-separated network presets (default: none)")
-    compare.add_argument("--baselines", default=None, metavar="LIST", help="PyTorch baselines, run once per network: ddp, ddp-fp16, "
-                         "ddp-powersgd[:RANK], localsgd[:PERIOD]")
+    compare.add_argument("--baselines", default=None, metavar="LIST", help="PyTorch and torchft baselines, run once per network: ddp, "
+                         "ddp-fp16, ddp-powersgd[:RANK], localsgd[:PERIOD], torchft-diloco[:H], torchft-localsgd[:H] "
+                         "(H: --sync-every; the torchft ones need pip install 'distrain[peers]')")
     compare.add_argument("--repeats", type=int, default=None, metavar="R", help="runs per configuration; repeat k uses --seed + k (default: 1)")
     compare.add_argument("--baseline", default=None, metavar="NAME", help="configuration the speed-ups are measured against (default: the first)")
     compare.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/<scenario or compare>-<time>)")

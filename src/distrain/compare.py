@@ -57,8 +57,8 @@ class Grid:
         algorithms: distrain algorithm names (``allreduce``, ``dpsgd``, ...).
         compress: compressor specs tried with every algorithm (``none``, ``group_topk:0.01``, ...).
         networks: emulated network presets (``none`` = the real network).
-        baselines: PyTorch baselines (``ddp``, ``ddp-fp16``, ``ddp-powersgd:2``, ``localsgd:4``),
-            run once per network.
+        baselines: PyTorch and torchft baselines (``ddp``, ``ddp-fp16``, ``ddp-powersgd:2``,
+            ``localsgd:4``, ``torchft-diloco``, ``torchft-localsgd:16``), run once per network.
         repeats: runs per configuration (repeat k uses seed + k).
         out: output directory.
         baseline: label of the configuration speed-ups are measured against (default: the first).

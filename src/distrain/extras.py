@@ -24,6 +24,7 @@ PACKAGES: dict[str, tuple[str, str]] = {
     "matplotlib": ("matplotlib", "plots"),
     "yaml": ("PyYAML", "yaml"),
     "tokenizers": ("tokenizers", "lm"),
+    "torchft": ("torchft", "peers"),
 }
 
 

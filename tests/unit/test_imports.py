@@ -47,12 +47,14 @@ def test_pyproject_core_dependencies_and_extras() -> None:
     assert not {"matplotlib", "scikit-learn", "mnist1d", "pyyaml", "tokenizers"} & set(names)
     assert {"torch", "numpy", "tqdm", "tomli"} <= set(names)
     assert "tomli>=1.1;python_version<'3.11'" in core
-    extras = {k: [d.split(">")[0] for d in v] for k, v in project["optional-dependencies"].items()}
+    extras = {k: [d.split(">")[0].split("=")[0] for d in v] for k, v in project["optional-dependencies"].items()}
     assert extras["data"] == ["scikit-learn", "mnist1d"]
     assert extras["plots"] == ["matplotlib"]
     assert extras["yaml"] == ["PyYAML"]
     assert extras["lm"] == ["tokenizers"]
-    assert extras["all"] == ["distrain[data,plots,yaml,lm]"]
+    assert extras["peers"] == ["torchft"]
+    assert "torchft==0.2.0; sys_platform == 'linux'" in project["optional-dependencies"]["peers"]
+    assert extras["all"] == ["distrain[data,plots,yaml,lm,peers]"]
     assert "distrain[all]" in extras["dev"]
     # Every package the code asks for by name is installed by the extra the error names.
     for package, extra in PACKAGES.values():

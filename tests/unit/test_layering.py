@@ -84,7 +84,7 @@ def test_lower_layers_import_no_loop_launcher_or_front_end():
 
 def test_import_distrain_loads_no_optional_extra_and_no_algorithm():
     code = ("import sys, distrain\n"
-            "heavy = [m for m in ('matplotlib', 'sklearn', 'mnist1d', 'yaml', 'distrain.algorithms') if m in sys.modules]\n"
+            "heavy = [m for m in ('matplotlib', 'sklearn', 'mnist1d', 'yaml', 'torchft', 'distrain.algorithms') if m in sys.modules]\n"
             "print(','.join(heavy))")
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
                           timeout=120, check=True)

@@ -1,14 +1,17 @@
-"""The shared DDP worker of the baselines: PyTorch's own data parallelism in distrain's harness.
+"""The shared worker of the baselines: PyTorch's DDP and torchft in distrain's harness.
 
-Each baseline ("peer") is plain ``torch.nn.parallel.DistributedDataParallel`` plus at most a
-communication hook and an after-step action, all PyTorch public APIs. This worker gives it the
-same data shards, model, initial parameters, learning-rate schedule, evaluation points, emulated
-network and run-directory format (``config.json``, ``metrics/rank<r>.jsonl``, ``summary.json``)
-as ``distrain train``, so ``distrain compare`` and ``distrain report`` treat both alike.
+Most baselines ("peers") are plain ``torch.nn.parallel.DistributedDataParallel`` plus at most a
+communication hook and an after-step action, all PyTorch public APIs; the torchft peers train the
+bare model and synchronise inside ``optimizer.step()`` (:mod:`distrain.baselines.torchft_peers`).
+This worker gives every peer the same data shards, model, initial parameters, learning-rate
+schedule, evaluation points, emulated network and run-directory format (``config.json``,
+``metrics/rank<r>.jsonl``, ``summary.json``) as ``distrain train``, so ``distrain compare`` and
+``distrain report`` treat them alike.
 
-Traffic is counted and delayed by :mod:`distrain.baselines.wire` (DDP's gloo collectives cannot
-go through the Transport). Compute slowdown (``--slow-worker``) stretches each step's forward and
-backward time as in the distrain loop; the last bucket's hook call marks the end of backward.
+Traffic is counted and delayed by :mod:`distrain.baselines.wire` (DDP's and torchft's gloo
+collectives cannot go through the Transport). Compute slowdown (``--slow-worker``) stretches each
+step's forward and backward time as in the distrain loop; the last bucket's hook call marks the
+end of backward.
 
 Example::
 
@@ -18,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -64,7 +68,9 @@ class Peer:
     """One baseline: how DDP communicates (a comm hook) and what follows each optimizer step.
 
     Subclasses set ``name`` and override :meth:`register` (and :meth:`after_step`,
-    :meth:`eval_model`, :meth:`metrics` where they do more than DDP does).
+    :meth:`eval_model`, :meth:`metrics` where they do more than DDP does). A peer with
+    ``uses_ddp = False`` trains the bare model, and :meth:`serve` runs what it needs beside its
+    workers (torchft's lighthouse).
 
     Args:
         option: the text after the name in the spec (``ddp-powersgd:2`` -> ``"2"``), or None.
@@ -73,6 +79,8 @@ class Peer:
     name = "peer"
     #: What the option means, for error messages (None: the peer takes no option).
     option_help: str | None = None
+    #: Whether the worker wraps the model in DDP (False: the peer communicates on its own).
+    uses_ddp = True
 
     def __init__(self, option: str | None = None) -> None:
         if option is not None and self.option_help is None:
@@ -80,19 +88,30 @@ class Peer:
         self.option = option
         self.meter: WireMeter | None = None
 
+    def check_available(self) -> None:
+        """Refuse a baseline this installation cannot run at all (a missing package), before any
+        run of a grid starts (ConfigError naming ``--baselines``)."""
+
     def check_config(self, cfg: TrainConfig) -> None:
         """Refuse settings this baseline cannot honour (ConfigError naming the flag)."""
 
-    def register(self, model: DDP, meter: WireMeter, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> None:
-        """Register the communication hook on ``model``; ``meter`` counts and delays its traffic."""
+    def serve(self, cfg: TrainConfig, run_dir: Path) -> contextlib.AbstractContextManager[None]:
+        """What the launcher runs beside the workers while they train (nothing for DDP); entered
+        before any worker starts, so what it sets on the peer reaches every worker."""
+        return contextlib.nullcontext()
+
+    def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meter: WireMeter, cfg: TrainConfig,
+                 steps_per_epoch: int, total_steps: int) -> None:
+        """Register the communication hook on ``model`` (DDP) or ``optimizer``; ``meter`` counts
+        and delays its traffic."""
         self.meter = meter
 
-    def after_step(self, model: DDP) -> None:
+    def after_step(self, model: torch.nn.Module) -> None:
         """After each ``optimizer.step()`` (model averaging)."""
 
-    def eval_model(self, model: DDP) -> torch.nn.Module:
+    def eval_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model to evaluate; every worker calls this at evaluation points (may be collective)."""
-        return model.module
+        return model.module if isinstance(model, DDP) else model
 
     def metrics(self) -> dict[str, float]:
         """Extra numbers for this step's metrics line."""
@@ -102,18 +121,26 @@ class Peer:
         """Facts about the setup for config.json."""
         return {"baseline": self.name, "option": self.option}
 
+    def summary_fields(self) -> dict[str, Any]:
+        """Keys this peer adds to summary.json (none for DDP)."""
+        return {}
+
+    def close(self) -> None:
+        """After the run, or when it fails: release what :meth:`register` opened."""
+
 
 def check_peer_config(peer: Peer, cfg: TrainConfig) -> None:
-    """What no DDP baseline supports, then the peer's own checks."""
+    """What no baseline supports, then the peer's own checks."""
     if cfg.network.emulation == "netns":
-        raise ConfigError("--emulation", "the DDP baselines run with the in-process link model only; use --emulation model")
+        raise ConfigError("--emulation", "the baselines run with the in-process link model only; use --emulation model")
     if cfg.compress.compress != "none":
         raise ConfigError("--compress", f"{peer.name} brings its own communication; run it with --compress none")
     if cfg.run.resume != "none":
         raise ConfigError("--resume", f"{peer.name} does not checkpoint or resume; use --resume none")
     if cfg.cluster.device == "cuda" and cfg.network.network != "none":
         raise ConfigError("--network", "emulated networks for the DDP baselines are CPU (gloo) only")
-    ddp_buckets(cfg)
+    if peer.uses_ddp:
+        ddp_buckets(cfg)
     peer.check_config(cfg)
 
 
@@ -130,7 +157,10 @@ def ddp_buckets(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, Any] | None:
-    """Run one DDP worker of ``peer`` (the default process group must exist); the summary on rank 0."""
+    """Run one worker of ``peer`` (the default process group must exist); the summary on rank 0.
+
+    With DDP the default group carries the training traffic; a peer that communicates on its
+    own uses it only for the start barrier and the summary's rows."""
     run_dir = Path(run_dir)
     torch.set_num_threads(cfg.run.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -147,15 +177,15 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     module = build_model(cfg.model.model, sample_shape, num_classes, width=cfg.model.model_width,
                          depth=cfg.model.model_depth, size=cfg.model.model_size).to(device)
     torch.manual_seed(cfg.run.seed + rank)
-    model = DDP(module, **ddp_buckets(cfg))
-    peer.register(model, meter, cfg, steps_per_epoch, total_steps)
+    model = DDP(module, **ddp_buckets(cfg)) if peer.uses_ddp else module
 
     o = cfg.optim
     global_batch = world * cfg.data.batch_size
     peak = scaled_lr(o.lr, global_batch, o.reference_batch, enabled=o.lr_scaling)
     schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=round(o.warmup_epochs * steps_per_epoch),
                           total_steps=total_steps, decay=o.lr_decay)
-    optimizer = build_optimizer(o.optimizer, model.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
+    optimizer = build_optimizer(o.optimizer, module.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
+    peer.register(model, optimizer, meter, cfg, steps_per_epoch, total_steps)
     out_cfg = copy.deepcopy(cfg)
     out_cfg.algo.algorithm = peer_label(peer)  # what summary.json and config.json call this run
     if rank == 0:
@@ -227,7 +257,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     summary = summarize(out_cfg, run_dir, [r.tolist() for r in rows], world, total_steps, global_batch, accuracy,
                         test_loss, time_to_target, eval_seconds, None,
                         extra={**lm_figures(task, train_set, test_set, test_loss),
-                               "model_parameters": count_parameters(module)},
+                               "model_parameters": count_parameters(module), **peer.summary_fields()},
                         tokens_per_sample=lm_tokens(task, sample_shape)) if rank == 0 else None
     dist.barrier()  # nobody tears the group down before the summary exists
     return summary
@@ -258,6 +288,7 @@ def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: 
         print(f"distrain: worker {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
         code = 1
     finally:
+        peer.close()
         close_group()
     exit_now(code)  # not sys.exit: gloo's threads can abort interpreter teardown after a good run
 
@@ -277,14 +308,15 @@ def launch_peer(cfg: TrainConfig, peer: Peer) -> dict[str, Any]:
     addr = cfg.cluster.master_addr
     port = cfg.cluster.master_port or free_port(addr)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, name=f"distrain-{peer.name}-{rank}",
-                         args=(rank, cfg.cluster.workers, cfg, f"tcp://{addr}:{port}", str(run_dir), peer, os.getpid()))
-             for rank in range(cfg.cluster.workers)]
-    for p in procs:
-        p.start()
-    try:
-        _supervise(procs, grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers)
-    except BaseException:
-        _stop(procs)
-        raise
+    with peer.serve(cfg, run_dir):
+        procs = [ctx.Process(target=_worker, name=f"distrain-{peer.name}-{rank}",
+                             args=(rank, cfg.cluster.workers, cfg, f"tcp://{addr}:{port}", str(run_dir), peer, os.getpid()))
+                 for rank in range(cfg.cluster.workers)]
+        try:
+            for p in procs:
+                p.start()
+            _supervise(procs, grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers)
+        except BaseException:
+            _stop(procs)
+            raise
     return json.loads((run_dir / "summary.json").read_text())

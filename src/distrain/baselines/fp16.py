@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -15,6 +16,7 @@ class DDPFp16(Peer):
 
     name = "ddp-fp16"
 
-    def register(self, model: DDP, meter: WireMeter, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> None:
-        super().register(model, meter, cfg, steps_per_epoch, total_steps)
+    def register(self, model: DDP, optimizer: torch.optim.Optimizer, meter: WireMeter, cfg: TrainConfig,
+                 steps_per_epoch: int, total_steps: int) -> None:
+        super().register(model, optimizer, meter, cfg, steps_per_epoch, total_steps)
         model.register_comm_hook(MeteredState(meter, None, fp16_compress_hook, fp16_wire), metered_hook)

@@ -56,8 +56,9 @@ class PostLocalSGD(Peer):
         self.averager: PeriodicModelAverager | None = None
         self.warmup = 0
 
-    def register(self, model: DDP, meter: WireMeter, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> None:
-        super().register(model, meter, cfg, steps_per_epoch, total_steps)
+    def register(self, model: DDP, optimizer: torch.optim.Optimizer, meter: WireMeter, cfg: TrainConfig,
+                 steps_per_epoch: int, total_steps: int) -> None:
+        super().register(model, optimizer, meter, cfg, steps_per_epoch, total_steps)
         self.warmup = math.ceil(cfg.compress.density_schedule()[0] * steps_per_epoch)
         state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=self.warmup,
                                   post_local_gradient_allreduce=False)

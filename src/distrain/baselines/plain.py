@@ -6,6 +6,7 @@ equivalent, so that :mod:`distrain.baselines.wire` can count and (emulated netwo
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -19,6 +20,7 @@ class PlainDDP(Peer):
 
     name = "ddp"
 
-    def register(self, model: DDP, meter: WireMeter, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> None:
-        super().register(model, meter, cfg, steps_per_epoch, total_steps)
+    def register(self, model: DDP, optimizer: torch.optim.Optimizer, meter: WireMeter, cfg: TrainConfig,
+                 steps_per_epoch: int, total_steps: int) -> None:
+        super().register(model, optimizer, meter, cfg, steps_per_epoch, total_steps)
         model.register_comm_hook(MeteredState(meter, None, allreduce_hook, dense_wire), metered_hook)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -59,8 +60,9 @@ class DDPPowerSGD(Peer):
         self.rank = int(option) if option is not None else DEFAULT_RANK
         self.state: PowerSGDState | None = None
 
-    def register(self, model: DDP, meter: WireMeter, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> None:
-        super().register(model, meter, cfg, steps_per_epoch, total_steps)
+    def register(self, model: DDP, optimizer: torch.optim.Optimizer, meter: WireMeter, cfg: TrainConfig,
+                 steps_per_epoch: int, total_steps: int) -> None:
+        super().register(model, optimizer, meter, cfg, steps_per_epoch, total_steps)
         warmup = math.ceil(cfg.compress.density_schedule()[0] * steps_per_epoch)
         # PyTorch needs >= 2 dense iterations with error feedback: DDP rebuilds buckets after the first.
         self.state = PowerSGDState(process_group=None, matrix_approximation_rank=self.rank,
