@@ -203,7 +203,8 @@ class DiLoCo(Algorithm):
         spec = c.compress.strip()
         #: the pseudo-gradient's compressor (with error feedback when lossy and asked for), or None
         self.compressor = (None if spec == "none" else
-                           build_compressor(spec, error_feedback=c.error_feedback == "on", seed=self.config.run.seed))
+                           build_compressor(spec, error_feedback=c.error_feedback == "on", seed=self.config.run.seed,
+                                            residual_device="cpu"))
 
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])

@@ -9,8 +9,10 @@ A compressor may ask for the residual to decay (``residual_decay`` D < 1, e.g. `
 for its turn (SparseLoCo, Sarfi et al. 2025, where the decaying residual stands in for DiLoCo's outer
 momentum).
 
-The residuals are kept in CPU memory whatever the tensor's device (a model-sized buffer per key
-that a GPU need not hold); each step moves the one in use to the tensor's device and back.
+With ``residual_device="cpu"`` (DiLoCo's pseudo-gradients) the residuals are kept in CPU memory
+whatever the tensor's device (a model-sized buffer per key that a GPU need not hold); each sync
+moves the one in use to the tensor's device and back. By default each stays on its tensor's
+device, as a gradient compressed at every step wants.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class ErrorFeedback(Compressor):
     Args:
         compressor: the compressor to wrap; its payloads, collective kind and wire size are kept;
             its ``residual_decay`` (1 for all but a few) scales the residual before it is added.
-        residual_device: where the residuals live (CPU); None keeps each on its tensor's device.
+        residual_device: where the residuals live (e.g. "cpu"); None keeps each on its tensor's device.
 
     Example::
 
@@ -38,7 +40,7 @@ class ErrorFeedback(Compressor):
         torch.save(ef.state_dict(), "ef.pt")   # tensors only
     """
 
-    def __init__(self, compressor: Compressor, residual_device: torch.device | str | None = "cpu") -> None:
+    def __init__(self, compressor: Compressor, residual_device: torch.device | str | None = None) -> None:
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("compressor already has error feedback")
         self.inner = compressor

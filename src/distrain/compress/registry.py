@@ -183,7 +183,8 @@ def parse_spec(text: str) -> Spec:
     return Spec(name, tuple(args), options)
 
 
-def build_compressor(text: str, *, error_feedback: bool = True, seed: int = 0) -> Compressor:
+def build_compressor(text: str, *, error_feedback: bool = True, seed: int = 0,
+                     residual_device: str | None = None) -> Compressor:
     """Build the compressor a ``--compress`` spec names, wrapped in error feedback when lossy.
 
     Args:
@@ -191,6 +192,9 @@ def build_compressor(text: str, *, error_feedback: bool = True, seed: int = 0) -
         error_feedback: wrap lossy compressors in :class:`ErrorFeedback`. Random-k then sends
             its raw values rather than the unbiased, rescaled ones (see :class:`RandomK`).
         seed: shared by all workers (random-k draws the same indices everywhere from it).
+        residual_device: where error feedback keeps its residuals ("cpu" for DiLoCo's
+            pseudo-gradients, sent every H steps); None: on each tensor's device (a gradient
+            compressed every step would otherwise cross to the CPU and back each time).
 
     Raises:
         ConfigError: naming ``--compress`` and what is allowed.
@@ -210,7 +214,7 @@ def build_compressor(text: str, *, error_feedback: bool = True, seed: int = 0) -
         return compressor
     if isinstance(compressor, RandomK):
         compressor.unbiased = False
-    return ErrorFeedback(compressor)
+    return ErrorFeedback(compressor, residual_device=residual_device)
 
 
 def validate_spec(text: str) -> None:
