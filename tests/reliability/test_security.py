@@ -77,3 +77,26 @@ def test_readme_has_a_security_section():
     section = text[text.index("## Security"):]
     section = section[: section.find("\n## ", 1)]
     assert "no authentication" in section and "encryption" in section and "trusted" in section
+
+
+def test_the_launchers_store_listens_on_loopback_only():
+    """torch's TCPStore listens on every interface unless handed a socket: the launcher's is bound
+    to the run's address (127.0.0.1)."""
+    import socket
+
+    from distrain.comm.group import store_of
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    store = store_of("127.0.0.1", port, 5.0, host=True)
+    try:
+        rows = [line.split() for name in ("tcp", "tcp6") if Path(f"/proc/net/{name}").exists()
+                for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]]
+        listening = [row[1] for row in rows if row[3] == "0A" and int(row[1].split(":")[1], 16) == port]
+        assert listening == [f"0100007F:{port:04X}"], listening  # 127.0.0.1, and nowhere else ([::] included)
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        del store

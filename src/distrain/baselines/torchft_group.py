@@ -41,6 +41,7 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from distrain.baselines.wire import WireMeter
+from distrain.comm.group import listen_on
 from distrain.errors import DistrainError
 
 # The Manager warns on CPU, at every new quorum, that it cannot reset NCCL's flight recorder.
@@ -122,11 +123,12 @@ def open_replica(rank: int, replicas: int, lighthouse: str, meter: WireMeter, ti
     through the lighthouse at ``lighthouse``; every wait (collectives, quorum, connections) is
     bounded by ``timeout`` seconds."""
     limit = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=limit)
+    fd, port = listen_on("127.0.0.1", 0)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=limit, master_listen_fd=fd)
     group = MeteredGloo(meter, limit)
     manager = Manager(  # waits for the lighthouse to listen, up to connect_timeout
         pg=group, load_state_dict=None, state_dict=None, min_replica_size=replicas, use_async_quorum=False,
         timeout=limit, quorum_timeout=limit, connect_timeout=min(limit, CONNECT_TIMEOUT), rank=0, world_size=1,
-        store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse, replica_id=replica_id(rank),
+        store_addr="127.0.0.1", store_port=port, lighthouse_addr=lighthouse, replica_id=replica_id(rank),
         hostname="127.0.0.1", checkpoint_transport=NoCheckpoints(), init_sync=False, max_retries=0)
     return Replica(manager, group, store)

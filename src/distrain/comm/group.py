@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,7 +47,25 @@ def store_of(addr: str, port: int, timeout: float, *, host: bool = False) -> dis
     """The rendezvous store at ``addr:port``: host it (the launcher), or connect to it (a worker,
     failing after ``timeout`` seconds if nobody answers)."""
     return dist.TCPStore(addr, port, is_master=host, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout))
+                         timeout=datetime.timedelta(seconds=timeout),
+                         master_listen_fd=listen_on(addr, port)[0] if host else None)
+
+
+def listen_on(addr: str, port: int) -> tuple[int, int]:
+    """A listening socket bound to ``addr:port`` only (port 0: a free one), as a file descriptor
+    for a TCPStore to serve on, and its port (torch's store, left to itself, listens on every
+    interface whatever its host)."""
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(where)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    bound = sock.getsockname()[1]
+    return sock.detach(), bound  # the store owns it now
 
 
 def close_group() -> None:
