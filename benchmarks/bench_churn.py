@@ -1,8 +1,9 @@
 """Elastic training under churn: a worker killed outright (SIGKILL) at a random step, and workers
 killed every 30 s with restarts on.
 
-For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco`` goes on too), on the default job
-(``distrain train``: MNIST-1D, the CNN, 4 workers) and for each of ``--seeds`` seeds (20):
+For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2`` and
+``ps`` (with 2 servers; a worker is killed, never a server; no restarts) go on too), on the default
+job (``distrain train``: MNIST-1D, the CNN, 4 workers) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
 * **kill**: ``DISTRAIN_INJECT_KILL`` kills a random worker (rank 0 included) as a random step
@@ -54,6 +55,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 WORKERS = 4
 TIMEOUT_S = 600
+#: Flags an algorithm needs besides ``--algorithm`` (ps: two servers; the victim is a worker).
+EXTRA = {"ps": ("--servers", "2")}
+#: Algorithms whose lost workers are not started again (no kill + restart case).
+NO_RESTARTS = {"ps"}
 
 
 def children(pid: int) -> list[int]:
@@ -89,7 +94,7 @@ def train(run_dir: Path, algorithm: str, seed: int, *flags: str, env: dict | Non
     """One ``distrain train`` run; with ``kill_every``, a random live worker is killed every so many
     seconds (until the run ends). Returns what the run showed."""
     cmd = [sys.executable, "-m", "distrain", "train", "--algorithm", algorithm, "--workers", str(WORKERS),
-           "--seed", str(seed), "--no-progress", "--run-dir", str(run_dir), *flags]
+           "--seed", str(seed), "--no-progress", "--run-dir", str(run_dir), *EXTRA.get(algorithm, ()), *flags]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -145,6 +150,9 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
     summary = out.pop("summary")
     killed_at = float(mark.read_text().split()[0]) if mark.is_file() else None
     lost = [c for c in (summary or {}).get("membership", []) if c["event"] == "lost"]
+    if not lost and summary and summary.get("lost_workers"):  # no membership change: the servers lost it
+        declared = summary["lost_workers"]
+        lost = [{"unix_time": min(declared.values()), "workers": sorted(int(r) for r in declared)}]
     row = {"seed": seed, "victim": victim, "step": step, "restart": restart, **out,
            "workers_at_end": summary["workers_at_end"] if summary else None,
            "final_test_accuracy": summary["final_test_accuracy"] if summary else None,
@@ -192,7 +200,7 @@ def kill_part(tmp: Path, algorithm: str, seeds: int, result: dict) -> None:
         clean = train(tmp / f"{algorithm}-{seed}-clean", algorithm, seed)
         summary = clean["summary"]
         assert clean["returncode"] == 0 and summary is not None, clean["stderr_tail"]
-        for restart in (False, True):
+        for restart in (False,) if algorithm in NO_RESTARTS else (False, True):
             row = churn_case(tmp, algorithm, seed, restart, summary["steps"], summary["final_test_accuracy"])
             row["no_fault_accuracy"] = summary["final_test_accuracy"]
             rows.append(row)

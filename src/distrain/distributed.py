@@ -51,20 +51,21 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, Subset
 
-from distrain.algorithms import StepContext, build_algorithm
+from distrain.algorithms import ALGORITHMS, StepContext, build_algorithm
 from distrain.algorithms.parameter_server import serve, server_optimizer
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError, WorkerFailure
-from distrain.runtime.faults import grads_finite, nonfinite_error, start_heartbeat
+from distrain.runtime.faults import grads_finite, nonfinite_error, start_heartbeat, store_client
 from distrain.runtime.membership import (
     JOIN_ENV,
     Change,
     Membership,
     RunEnded,
     enter_run,
+    mark_elastic,
     wait_work,
     watch_waits,
 )
@@ -145,6 +146,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
         workers = cfg.cluster.workers
         servers = dist.get_world_size() - workers
         group = dist.new_group(list(range(workers))) if servers else None  # collective: servers too
+        if servers and ALGORITHMS[cfg.algo.algorithm].survives(cfg):  # distrain launch keeps the others going
+            mark_elastic(store_client(cfg.cluster.timeout))
         if dist.get_rank() >= workers:
             _serve(cfg, optimizer)  # a parameter server: serve until the workers are done, then exit
         return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,

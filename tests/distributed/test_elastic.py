@@ -267,3 +267,31 @@ def test_gossip_on_a_ring_survivors_a_step_apart_realign(tmp_path: Path):
         assert result["steps"] == STEPS and result["changes"][0]["members"] == survivors, r
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
     assert not torch.allclose(ring_reference(victim, {r: p + 1 for r, p in positions.items()}, STEPS), expected)
+
+
+def ps_reference(victim: int, at: int, steps: int = STEPS, lr: float = 0.1, momentum: float = 0.9) -> torch.Tensor:
+    """The parameters the servers end with: SGD with momentum on the sum of the pushes over the
+    number of workers (``victim``'s from step ``at`` on missing)."""
+    w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
+    buf = None
+    for step in range(steps):
+        g = torch.stack([gradient(r, step) for r in range(WORKERS) if not (r == victim and step >= at)]).sum(0) / WORKERS
+        buf = g.clone() if buf is None else momentum * buf + g
+        w = w - lr * buf
+    return w
+
+
+def test_parameter_servers_serve_the_workers_left(tmp_path: Path):
+    """Two servers, worker 0 killed as step 3 begins: each server finds its push missing, declares
+    it dead and serves the other three; the run ends over the survivors and the servers."""
+    victim, at = 0, 3
+    done = launch(tmp_path, victim, at, "start", "--servers", "2", settings={"algorithm": "ps"})
+    assert done.returncode == 0, done.stderr
+    assert f"lost worker {victim} at step {at + 1}" in done.stderr
+    expected = ps_reference(victim, at)
+    for r in sorted(set(range(WORKERS)) - {victim}):
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["steps"] == STEPS, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
+    assert not (tmp_path / f"worker{victim}.pt").exists()
+    assert not torch.allclose(ps_reference(victim, STEPS), expected, atol=1e-4)

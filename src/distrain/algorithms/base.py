@@ -227,6 +227,11 @@ class Algorithm:
         ranks): their traffic counts as this worker's."""
         return []
 
+    def leads(self, transport: Transport) -> bool:
+        """Whether this worker evaluates and writes the summary (``transport``: the loop's):
+        rank 0, or the first of the survivors once some were lost."""
+        return (self.control_transport() or transport).rank == 0
+
     def control_transport(self) -> Transport | None:
         """After training: the transport for the final collectives (evaluation, summary) when
         some workers were lost and the others went on without them; None: every worker."""

@@ -57,6 +57,16 @@ payload's size, checked by the server before it allocates); each pull is the flo
 shard. When a worker's training ends it sends ``[-1, 0]`` (:data:`STOP`) to every server, which
 serves until every worker has.
 
+Elastic (``--ps-mode sync``, flat, ``--min-workers`` below ``--workers``): a server whose
+receive from a worker fails (the worker's process died: its connection resets) declares it
+dead in the store and serves the others; the round in progress completes without that
+worker's push (or with it, if it arrived first: a gradient counts once), and every later round
+sums the survivors' gradients over ``--workers`` as before, i.e. their average at the learning
+rate scaled to the smaller global batch (linear scaling rule). The workers never wait for one
+another, so nothing is redone. At the end the survivors and the servers each register as
+finished and close the run over those that did (:func:`survivors_transport`). A lost server, a
+hung worker, async mode and node groups still stop the run; a lost worker is not started again.
+
 The servers step the workers' optimizer on their shards: the same class and hyperparameters
 (:func:`server_optimizer`; one parameter group, or groups that differ only in their
 parameters), at the learning rate each push carries, so a scheduler attached to the workers'
@@ -84,6 +94,7 @@ import torch.distributed as dist
 
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.algorithms.hierarchical import NodeGroups, node_process_groups
+from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo
 from distrain.compress.gradients import sgd_momentum, take_momentum
@@ -93,7 +104,8 @@ from distrain.compress.registry import build_compressor
 from distrain.compress.warmup import DensityWarmup
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.optim.optimizers import LARS, build_optimizer
-from distrain.runtime.faults import FaultWatch, maybe_injected_kill
+from distrain.runtime.faults import FaultWatch, is_comm_error, maybe_injected_kill, store_client
+from distrain.runtime.health import DEAD_KEY, declare_dead, finishers
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
 
@@ -275,6 +287,27 @@ def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def elastic_servers(cfg: TrainConfig) -> bool:
+    """Whether the servers go on without a lost worker (see the module docstring)."""
+    c = cfg.cluster
+    return (cfg.ps.ps_mode == "sync" and not cfg.algo.workers_per_node and c.device == "cpu" and 1 < c.workers
+            and c.min_workers < c.workers and "TORCHELASTIC_RUN_ID" not in os.environ)
+
+
+def survivors_transport(rank: int, world: int, timeout: float) -> tuple[StoreGroup | None, dict[int, float]]:
+    """After serving or training (every process of an elastic parameter-server run calls it):
+    the processes that finished, as a group over the store for the closing bookkeeping (None when
+    all did), and the workers lost on the way (global rank -> when declared dead)."""
+    store = store_client(timeout)
+    if store is None:
+        return None, {}
+    finished = finishers(store, rank, world, timeout)
+    lost = {r: float(store.get(DEAD_KEY.format(r)).decode()) for r in range(world) if r not in finished}
+    if not lost:
+        return None, {}
+    return StoreGroup(store, finished, rank, timeout), lost
+
+
 class ParameterServer(Algorithm):
     """The worker side: push gradient shards, pull parameter shards."""
 
@@ -282,8 +315,15 @@ class ParameterServer(Algorithm):
     compresses = True
 
     @classmethod
+    def survives(cls, config: Any) -> bool:
+        return elastic_servers(config)
+
+    @classmethod
     def check_config(cls, cfg: TrainConfig) -> None:
         super().check_config(cfg)
+        if cfg.cluster.max_restarts:
+            raise ConfigError("--max-restarts", "ps does not start a lost worker again (with --ps-mode sync the servers "
+                                                "go on without it); use 0")
         if cfg.optim.optimizer == "lars":
             raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
         if cfg.ps.ps_mode == "async" and cfg.run.resume not in ("none", ""):
@@ -296,7 +336,8 @@ class ParameterServer(Algorithm):
         self.num_workers = self.config.cluster.workers
         self.servers = [self.num_workers + s for s in range(self.config.ps.servers)]
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        # The wire and the servers' shards are float32, whatever the model's floating-point type.
+        self.flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to(torch.float32)
         self.grad = torch.zeros_like(self.flat)
         self.bounds = shard_bounds(self.flat.numel(), len(self.servers))
         largest = max(hi - lo for lo, hi in self.bounds) * 4
@@ -307,6 +348,9 @@ class ParameterServer(Algorithm):
         self.clock = 0
         self._clock_header = torch.zeros(2, dtype=torch.int64)  # [clock, learning rate's float64 bits]
         self._ended = False
+        self._control: StoreGroup | None = None  # over the processes that finished (elastic, some lost)
+        self._settled = False  # the processes that finished are known
+        self._store: Any = None  # the rendezvous store, to read which workers the servers lost
         c = self.config.compress
         self.push: ShardPush | None = None
         self.ratio, self.momentum, self.weight_decay = 1.0, 0.0, 0.0
@@ -337,7 +381,7 @@ class ParameterServer(Algorithm):
         """Worker 0 tells every server its shard size and the run length, and sends the start values."""
         if self.transport.rank != 0:
             return
-        torch.cat([p.detach().reshape(-1) for p in self.params], out=self.flat)  # after any resume
+        self.flat.copy_(torch.cat([p.detach().reshape(-1) for p in self.params]))  # after any resume
         handles: list[Handle] = []
         for server, (lo, hi) in zip(self.servers, self.bounds, strict=True):
             header = torch.tensor([hi - lo, total_steps, steps_per_epoch], dtype=torch.int64)
@@ -346,7 +390,8 @@ class ParameterServer(Algorithm):
             h.wait()
 
     def after_backward(self, ctx: StepContext) -> None:
-        torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self.params], out=self.grad)
+        self.grad.copy_(torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
+                                   for p in self.params]))
         info, dense = self._push_info(ctx) if self.push is not None else (None, True)
         if self.push is not None and self.momentum and self.weight_decay:  # the servers' SGD has none
             self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]), alpha=self.weight_decay)
@@ -395,6 +440,27 @@ class ParameterServer(Algorithm):
         stop = torch.tensor([STOP, 0], dtype=torch.int64)
         for h in [self.transport.send(stop, server) for server in self.servers]:
             h.wait()
+
+    def control_transport(self) -> StoreGroup | None:  # type: ignore[override]
+        """Once this worker's training has ended, in an elastic run: the processes that finished,
+        when some workers were lost (they register as finished; see :func:`survivors_transport`)."""
+        if not self._ended or not elastic_servers(self.config):
+            return None
+        if not self._settled:
+            assert self.transport is not None
+            self._settled = True
+            self._control, self.lost_workers = survivors_transport(dist.get_rank(), dist.get_world_size(),
+                                                                   self.config.cluster.timeout)
+        return self._control
+
+    def leads(self, transport: Transport) -> bool:
+        """In an elastic run, while training: the first worker the servers have not lost."""
+        if self._ended or not elastic_servers(self.config):
+            return super().leads(transport)
+        if self._store is None:
+            self._store = store_client(self.config.cluster.timeout)
+        live = [r for r in range(self.num_workers) if self._store is None or not self._store.check([DEAD_KEY.format(r)])]
+        return bool(live) and transport.rank == live[0]
 
     def metrics(self) -> dict[str, float]:
         if self.push is None:
@@ -457,6 +523,8 @@ class ShardServer:
                      self.index, like.param_groups[0]["momentum"], self.optimizer.momentum, pushes, cfg.ps.max_staleness)
         self.shard.grad = torch.zeros(numel)
         self.updates = 0
+        self.lost: dict[int, float] = {}  # workers lost while serving (elastic runs) -> when
+        self._store_client: Any = None
         self.steps = 0  # the workers' steps served (sync: rounds; async: the most any worker pushed)
         self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
         c = cfg.compress
@@ -503,33 +571,73 @@ class ShardServer:
     def _run_sync(self, start_step: int) -> None:
         pushers = self.pushers
         headers = torch.zeros(len(pushers), 2, dtype=torch.int64)
-        grads = torch.zeros(len(pushers), self.shard.numel())
+        grads = torch.zeros(len(pushers), self.shard.numel())  # a lost worker's row stays zero
         every = self.cfg.run.checkpoint_every
         step = start_step
+        live = list(range(len(pushers)))  # rows of the workers still pushing
         while True:
             maybe_injected_kill(self.transport.rank, step)  # fault injection for tests
             if self.watch is not None:
                 self.watch.step = step
-            for i, w in enumerate(pushers):
-                self.transport.recv(headers[i], w).wait()
-            clocks = headers[:, 0]
+            for i in list(live):
+                self._serve(i, live, step, grads, lambda i=i: self.transport.recv(headers[i], pushers[i]).wait())
+            clocks = headers[live, 0]
             if bool((clocks == STOP).all()):
                 break
             if not bool((clocks == step + 1).all()):
-                raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers {pushers} sent clocks "
-                                    f"{clocks.tolist()} (-1: training ended)")
-            for h in [h for i, w in enumerate(pushers) if (h := self._recv_push(grads[i], w)) is not None]:
-                h.wait()
-            lr = float(headers[:, 1].clone().view(torch.float64).mean())
+                raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers "
+                                    f"{[pushers[i] for i in live]} sent clocks {clocks.tolist()} (-1: training ended)")
+            for i in list(live):
+                self._serve(i, live, step, grads, lambda i=i: (h := self._recv_push(grads[i], pushers[i])) and h.wait())
+            lr = float(headers[live, 1].clone().view(torch.float64).mean())
             self._step(grads.sum(0).div_(self.num_workers), lr)
-            for h in [self.transport.send(self.shard.data, w) for w in pushers]:
-                h.wait()
+            handles = {i: self._serve(i, live, step, grads, lambda i=i: self.transport.send(self.shard.data, pushers[i]))
+                       for i in list(live)}
+            for i, h in handles.items():
+                if h is not None:
+                    self._serve(i, live, step, grads, h.wait)
             step = self.steps = step + 1
             if every and step % every == 0:
                 self.save(step)
             self._stop_requested(step - 1)
         if step > start_step and not (every and step % every == 0):
             self.save(step)
+
+    def _serve(self, i: int, live: list[int], step: int, grads: torch.Tensor, fn: Any) -> Any:
+        """``fn()``, an exchange with pusher row ``i`` (its result; None once the worker is lost);
+        in an elastic run a worker whose process died (its connection reset) is lost: declared
+        dead, its row zeroed, the others served."""
+        if i not in live:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            if not (elastic_servers(self.cfg) and is_comm_error(exc)):
+                raise
+            worker = self.pushers[i]
+            live.remove(i)
+            grads[i].zero_()
+            self.lost[worker] = time.time()
+            declare_dead(self._store(), worker)
+            log.warning("server %d: lost worker %d at step %d; serving the other %d", self.index, worker, step + 1,
+                        len(live))
+            if len(live) < max(1, self.cfg.cluster.min_workers):
+                raise WorkerFailure(f"server {self.index}: lost worker {worker} at step {step + 1}; {len(live)} "
+                                    f"left, fewer than --min-workers {self.cfg.cluster.min_workers}") from exc
+            return None
+
+    def _store(self) -> Any:
+        if self._store_client is None:
+            self._store_client = store_client(self.cfg.cluster.timeout)
+        return self._store_client
+
+    def control_transport(self) -> Transport | StoreGroup:
+        """After serving: the transport for the closing collectives, over the processes that
+        finished when workers were lost in an elastic run."""
+        if not elastic_servers(self.cfg):
+            return self.transport
+        control, _ = survivors_transport(self.transport.rank, self.transport.world_size, self.cfg.cluster.timeout)
+        return control or self.transport
 
     def _run_async(self) -> None:
         """Apply pushes in arrival order; hold back answers to workers too far ahead."""
@@ -637,6 +745,7 @@ def _serve(cfg: TrainConfig, run_dir: str | Path | None, like: torch.optim.Optim
         server.earlier = RunTotals.from_state(state.get("totals"))
         start_step = int(state["step"])
     server.run(start_step, watch)
+    control = server.control_transport()
     if gather_totals:  # the workers' final gather of counters (train.loop), as a row that trained no samples
-        transport.control_all_gather(torch.tensor(server.totals().row, dtype=torch.float64))
-    transport.control_barrier()
+        control.control_all_gather(torch.tensor(server.totals().row, dtype=torch.float64))
+    control.control_barrier()

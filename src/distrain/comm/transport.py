@@ -265,6 +265,10 @@ class Transport:
     def prev_rank(self) -> int:
         return (self.rank - 1) % self.world_size
 
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of this group's rank ``group_rank``."""
+        return self._global(group_rank)
+
     def _global(self, group_rank: int) -> int:
         if self.group is None:
             return group_rank

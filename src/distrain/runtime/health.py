@@ -17,6 +17,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from distrain.errors import WorkerFailure
+
 log = logging.getLogger(__name__)
 
 KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/heartbeat/{}"  # per torchrun attempt
@@ -109,6 +111,29 @@ class Heartbeat:
 
 
 DEAD_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/dead/{}"
+
+
+#: A process that finished its part of the run (see :func:`finishers`).
+FINISHED_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/finished/{}"
+
+
+def finishers(store: dist.Store, rank: int, world: int, timeout: float, poll: float = 0.05) -> list[int]:
+    """Register process ``rank`` as finished and wait until each of the ``world`` processes has
+    finished too or was declared dead; return those that finished (in order). Every finisher gets
+    the same list: a finished process stays finished, and one that has not finished is waited
+    for until it is declared dead.
+
+    Raises WorkerFailure after ``timeout`` seconds with processes neither finished nor dead."""
+    store.set(FINISHED_KEY.format(rank), "1")
+    deadline = time.monotonic() + timeout
+    while True:
+        finished = [r for r in range(world) if store.check([FINISHED_KEY.format(r)])]
+        pending = [r for r in range(world) if r not in finished]
+        if all(store.check([DEAD_KEY.format(r)]) for r in pending):
+            return finished
+        if time.monotonic() > deadline:
+            raise WorkerFailure(f"process {rank}: processes {pending} neither finished nor were lost within {timeout:g} s")
+        time.sleep(poll)
 
 
 def declare_dead(store: dist.Store | None, rank: int) -> None:

@@ -162,7 +162,7 @@ class Membership:
     growth: Growth | None = None
 
     def __post_init__(self) -> None:
-        self.store.set(ELASTIC_KEY, "1")
+        mark_elastic(self.store)
         #: whether workers may join (a launcher restarts lost ones): then every step asks the store
         self.accepts_joins = self.store.check([RESTARTS_KEY])
 
@@ -362,6 +362,12 @@ def _abort(group: dist.ProcessGroup) -> None:
         group._get_backend(torch.device("cpu")).abort()
     except (RuntimeError, AttributeError, NotImplementedError) as exc:
         log.debug("could not abort the old group: %s", exc)
+
+
+def mark_elastic(store: dist.Store | None) -> None:
+    """Tell the launcher hosting ``store`` that the others go on when a process dies."""
+    if store is not None:
+        store.set(ELASTIC_KEY, "1")
 
 
 def elastic_run(store: dist.Store | None) -> bool:

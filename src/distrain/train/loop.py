@@ -440,13 +440,14 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         algorithm, transport = opt.algorithm, opt.transport  # a loss on the way rebuilt them
     else:
         for i, row in enumerate(control.control_all_gather(mine)):
-            rows[i if control is transport else dist.get_global_rank(control.group, i)] = row.tolist()
+            rows[control.global_rank(i)] = row.tolist()
     lost = {m: c.at for c in opt.changes for m in c.lost} or algorithm.lost_workers
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         lost, run.segment_wall_s,
                         {**lm_figures(task, train_set, test_set, test_loss), "model_parameters": count_parameters(model)},
-                        membership=[c.record() for c in opt.changes], workers_at_end=opt.workers,
+                        membership=[c.record() for c in opt.changes],
+                        workers_at_end=opt.workers if elastic else world - len(lost),
                         leader=opt.id if opt.changes else None,
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
     if elastic:
@@ -492,7 +493,7 @@ def regroup(cfg: TrainConfig, opt: DistributedOptimizer, train_set: Dataset,
 
 def leads(algorithm: Any, transport: Transport) -> bool:
     """Whether this worker evaluates and writes the summary: rank 0, or the first survivor."""
-    return (algorithm.control_transport() or transport).rank == 0
+    return algorithm.leads(transport)
 
 
 #: The trained model's parameters and buffers in the run directory (the consensus model for
