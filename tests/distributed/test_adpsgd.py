@@ -58,7 +58,7 @@ def jitter_rounds(seeds: int) -> list[tuple[int, int, float, int]]:
     return [(seed, 64, 0.005, 16) for seed in range(seeds)]
 
 
-CI_SEEDS = 4  # `make test`; the 20-seed stress run is marked slow
+CI_SEEDS = 2  # `make test`; the 20-seed stress run is marked slow
 AVERAGING_ROUND = (99, 250, 0.0, 1000)
 
 
@@ -75,8 +75,8 @@ def check_jitter_rounds(results: list[dict], seeds: int) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_no_deadlock_under_jitter_8_workers_4_seeds(rounds):
-    check_jitter_rounds(rounds, CI_SEEDS)  # >= 1,000 exchanges
+def test_no_deadlock_under_jitter_8_workers_2_seeds(rounds):
+    check_jitter_rounds(rounds, CI_SEEDS)  # >= 500 exchanges
 
 
 @pytest.mark.slow

@@ -235,7 +235,7 @@ def run_readme_hook_script(tmp_path: Path, runs: int) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_readme_hook_script_exits_cleanly(tmp_path):
-    assert run_readme_hook_script(tmp_path, runs=2) == []
+    assert run_readme_hook_script(tmp_path, runs=1) == []
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ def uplink_bytes(cluster: NetnsCluster, host: int) -> int:
 
 @pytest.mark.skipif(REASON is not None, reason=f"network namespaces not permitted: {REASON}")
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # CI: test_netns.py trains in namespaces
 def test_two_hosts_under_torchrun_train_together(tmp_path):
     run = tmp_path / "two-hosts"
     procs: list[subprocess.Popen] = []

@@ -87,7 +87,8 @@ PS = {"ps-sync": {}, "ps-async": {"ps_mode": "async", "max_staleness": 0}}
 
 
 @pytest.mark.parametrize("launcher", ["launch", pytest.param("torchrun", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", ["ps-sync", pytest.param("ps-async", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("ps-sync", marks=pytest.mark.slow),  # CI: test_elastic's ps case
+                                  pytest.param("ps-async", marks=pytest.mark.slow)])
 def test_parameter_servers_equal_one_process_on_the_concatenated_batches(tmp_path: Path, launcher: str, name: str):
     # The workers' StepLR halves the rate every step: the servers step at the rate each push carries.
     done = run(launcher, "ps", "sync", tmp_path, PS[name], servers=2)
@@ -156,7 +157,8 @@ RESUMABLE = {"allreduce-topk": ("allreduce", {"compress": "group_topk:0.1", "mom
              "dpsgd": ("dpsgd", {})}
 
 
-@pytest.mark.parametrize("name", ["allreduce-topk", pytest.param("dpsgd", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("allreduce-topk", marks=pytest.mark.slow),  # CI: test_resume.py
+                                  pytest.param("dpsgd", marks=pytest.mark.slow)])
 def test_a_script_resumed_from_its_checkpoint_matches_the_uninterrupted_run(tmp_path: Path, name: str):
     algorithm, settings = RESUMABLE[name]
     run("launch", algorithm, "full", tmp_path, settings)

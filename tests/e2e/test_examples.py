@@ -10,6 +10,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 from tests.reliability.common import ROOT, cli_env, kill_tagged, tagged
 
 EXAMPLES = ROOT / "examples"
@@ -53,6 +55,7 @@ def test_ddp_script_and_its_distrain_version_train_alike():
     assert ours >= plain - 0.03, (ours, plain)
 
 
+@pytest.mark.slow  # CI: the edge test above runs the same script on an emulated network
 def test_custom_loop_on_an_emulated_network_reports_its_traffic():
     out = launch(["--workers", "2", "--network", "lan", "examples/custom_loop.py", "--epochs", "0.5"])
     lines = re.findall(r"worker (\d): (\d+) steps, .* sent ([0-9.]+) kB/step, test accuracy ([0-9.]+)", out)

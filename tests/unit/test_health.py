@@ -25,3 +25,54 @@ def test_a_worker_that_stops_stamping_becomes_the_suspect():
     del master
     # With the store's host gone, rank 0 (its host) is the suspect.
     assert Heartbeat("127.0.0.1", port, rank=1, world_size=3, interval=0.1).suspects() == [0]
+
+
+def test_finishers_wait_for_every_process_to_finish_or_be_declared_dead():
+    """Four processes over one store: 2 is declared dead, the others finish in turn; every
+    finisher gets the same list, only once the last live one has finished."""
+    import threading
+
+    from distrain.runtime.health import declare_dead, finishers
+
+    store = dist.HashStore()
+    results: dict[int, list[int]] = {}
+    threads = {r: threading.Thread(target=lambda r=r: results.__setitem__(r, finishers(store, r, 4, timeout=30)))
+               for r in (0, 1, 3)}
+    for r in (0, 1):
+        threads[r].start()
+    declare_dead(store, 2)
+    threads[0].join(0.3)
+    assert threads[0].is_alive() and not results  # 3 has neither finished nor died yet
+    threads[3].start()
+    for t in threads.values():
+        t.join(30)
+    assert results == {0: [0, 1, 3], 1: [0, 1, 3], 3: [0, 1, 3]}
+
+
+def test_a_store_group_gathers_and_sums_over_its_members_only():
+    import threading
+
+    import torch
+
+    from distrain.comm.store_group import StoreGroup
+
+    store, members = dist.HashStore(), [1, 2, 4]
+    out: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    def member(me: int) -> None:
+        group = StoreGroup(store, members, me, timeout=30)
+        rows = group.control_all_gather(torch.tensor([me, 10.0 * me], dtype=torch.float64))
+        total = group.control_all_reduce(torch.full((2, 2), float(me)))
+        group.control_barrier()
+        out[me] = (rows, total)
+
+    threads = [threading.Thread(target=member, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for me in members:
+        rows, total = out[me]
+        assert [r.tolist() for r in rows] == [[1.0, 10.0], [2.0, 20.0], [4.0, 40.0]]
+        assert torch.equal(total, torch.full((2, 2), 7.0))
+    assert StoreGroup(store, members, 4).global_rank(2) == 4
