@@ -1,13 +1,16 @@
 """What elasticity costs a run that loses nobody: the default job's step time with the survivors'
 safeguards on (the default: a copy of each bucket's own gradients as its all-reduce starts,
 waits that poll the store every 50 ms, a heartbeat a second) against ``--min-workers 4``
-(no elasticity), for the default CNN and the ~1M-parameter MLP.
+(no elasticity), for the default CNN and the ~1M-parameter MLP, with ``--algorithm`` (default
+``allreduce``; for ``dpsgd`` the safeguards are the point-to-point waits that run in a thread of
+their own while the caller polls the store).
 
 Per model and repeat (``--repeats``, 3), the two runs go back to back in alternating order; the
 figure is the median over repeats of the per-repeat ratio of training wall times (elastic over
 not elastic), with min and max. No target: it is the price of going on after a loss.
 
     python benchmarks/bench_elastic_overhead.py
+    python benchmarks/bench_elastic_overhead.py --algorithm dpsgd --models cnn1d --out benchmarks/results/elastic_overhead_dpsgd.json
 
 Writes ``benchmarks/results/elastic_overhead.json``.
 """
@@ -40,10 +43,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="cnn1d,mlp")
+    parser.add_argument("--algorithm", default="allreduce")
     parser.add_argument("--out", type=Path, default=RESULTS / "elastic_overhead.json")
     args = parser.parse_args()
     check_repeats(parser, args.repeats)
-    result: dict = {"repeats": args.repeats, "cpus": os.cpu_count(), "models": {}}
+    result: dict = {"algorithm": args.algorithm, "repeats": args.repeats, "cpus": os.cpu_count(), "models": {}}
     with tempfile.TemporaryDirectory(prefix="bench_elastic_overhead-") as tmp:
         for model in args.models.split(","):
             rows = []
@@ -51,7 +55,8 @@ def main() -> None:
                 order = ["elastic", "fixed"] if repeat % 2 == 0 else ["fixed", "elastic"]
                 row = {}
                 for kind in order:
-                    flags = [*MODELS[model], *([] if kind == "elastic" else ["--min-workers", "4"])]
+                    flags = ["--algorithm", args.algorithm, *MODELS[model],
+                             *([] if kind == "elastic" else ["--min-workers", "4"])]
                     row[kind] = train(Path(tmp) / f"{model}-{repeat}-{kind}", flags)
                 rows.append(row)
                 print(f"{model} repeat {repeat}: elastic {row['elastic']['wall_time_s']:.2f} s, fixed "
