@@ -47,6 +47,17 @@ def launch(out: Path, victim: int, at: int, where: str, *flags: str,
     return subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=Path(__file__).parents[2])
 
 
+def rejoin(tmp_path: Path, victim: int, at: int,
+           settings: dict | None = None) -> tuple[subprocess.CompletedProcess, dict[int, dict], int, dict, dict]:
+    """Kill worker ``victim`` as step ``at`` begins and start it again (``--max-restarts 1``): the
+    run's process, every worker's result, the run's steps, and its lost and joined changes."""
+    done = launch(tmp_path, victim, at, "rejoin", "--max-restarts", "1", settings=settings)
+    assert done.returncode == 0, done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    lost, joined = results[0]["changes"]
+    return done, results, results[0]["steps"], lost, joined
+
+
 @pytest.mark.parametrize("victim,where", [(0, "start"), pytest.param(2, "backward", marks=pytest.mark.slow)])
 def test_survivors_redo_the_interrupted_step_without_the_lost_worker(tmp_path: Path, victim: int, where: str):
     at = 3
@@ -84,12 +95,8 @@ def test_a_restarted_worker_joins_with_the_others_state(tmp_path: Path):
     """--max-restarts 1: worker 1, killed at step 3, is started again and joins the others at a step's
     end, with their parameters and momentum; from then on its gradient counts again."""
     at = 3
-    done = launch(tmp_path, 1, at, "rejoin", "--max-restarts", "1")
-    assert done.returncode == 0, done.stderr
+    done, results, steps, lost, joined = rejoin(tmp_path, 1, at)
     assert "rank 1 failed: killed by SIGKILL; started again, it joins the others with their state" in done.stderr
-    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
-    steps = results[0]["steps"]
-    lost, joined = results[0]["changes"]
     assert lost["event"] == "lost" and lost["workers"] == [1] and lost["lost_at_step"] == at
     assert joined["event"] == "joined" and joined["workers"] == [1] and joined["members"] == [0, 2, 3, 1]
     back = joined["joined_at_step"]
@@ -149,11 +156,7 @@ def test_diloco_survivors_redo_the_round_without_the_lost_worker(tmp_path: Path,
 
 
 def test_diloco_restarted_worker_joins_at_a_rounds_end(tmp_path: Path):
-    done = launch(tmp_path, 1, 5, "rejoin", "--max-restarts", "1", settings=DILOCO)
-    assert done.returncode == 0, done.stderr
-    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
-    steps = results[0]["steps"]
-    lost, joined = results[0]["changes"]
+    _, results, steps, lost, joined = rejoin(tmp_path, 1, 5, DILOCO)
     back = joined["joined_at_step"]
     assert lost["workers"] == [1] and joined["workers"] == [1] and back % DILOCO["sync_every"] == 0
     expected = diloco_reference(1, 5, back, steps)
@@ -207,11 +210,7 @@ def test_gossip_survivors_average_their_models_and_go_on(tmp_path: Path, algorit
 
 
 def test_gossip_restarted_worker_joins_with_a_members_model(tmp_path: Path):
-    done = launch(tmp_path, 1, 3, "rejoin", "--max-restarts", "1", settings=GOSSIP)
-    assert done.returncode == 0, done.stderr
-    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
-    steps = results[0]["steps"]
-    lost, joined = results[0]["changes"]
+    _, results, steps, lost, joined = rejoin(tmp_path, 1, 3, GOSSIP)
     back = joined["joined_at_step"]
     assert lost["workers"] == [1] and joined["workers"] == [1] and joined["members"] == [0, 2, 3, 1] and back > 3
     expected = gossip_reference(1, 3, back, steps)

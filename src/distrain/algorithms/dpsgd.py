@@ -230,12 +230,19 @@ class DPSGD(Algorithm):
         self.transport.all_reduce(total).wait()
         self.flat.write(total.div_(n))
         buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        if buffers:
-            summed = torch.cat([b.reshape(-1) for b in buffers])
-            self.transport.all_reduce(summed).wait()
-            for b, chunk in zip(buffers, summed.div_(n).split([b.numel() for b in buffers]), strict=True):
-                b.copy_(chunk.view_as(b))
+        self._average_buffers(buffers, buffers, lambda t: self.transport.all_reduce(t).wait())
         self._realigned = True
+
+    def _average_buffers(self, mine: list[torch.Tensor], into: list[torch.Tensor], reduce: Any) -> None:
+        """``into[i]`` becomes the average over workers of ``mine[i]`` (floating-point buffers,
+        e.g. BatchNorm statistics), with one ``reduce`` (an in-place sum) of them all."""
+        if not mine:
+            return
+        assert self.transport is not None
+        total = torch.cat([b.reshape(-1) for b in mine])
+        reduce(total)
+        for c, chunk in zip(into, total.div_(self.transport.world_size).split([b.numel() for b in mine]), strict=True):
+            c.copy_(chunk.view_as(c))
 
     def admission_step(self, proposed: int) -> int:
         """Members stand up to the topology's diameter steps apart: a joiner enters that much later."""
@@ -258,12 +265,9 @@ class DPSGD(Algorithm):
         spread = torch.tensor([float((mine - average).pow(2).sum())], dtype=torch.float64)
         self._consensus_distance = float(self.transport.control_all_reduce(spread)) / n
         FlatParams([p for p in self.consensus.parameters() if p.requires_grad]).write(average)
-        buffers = [(b, c) for b, c in zip(self.model.buffers(), self.consensus.buffers(), strict=True)
-                   if b.is_floating_point()]
-        if buffers:  # e.g. BatchNorm statistics: averaged too
-            total = self.transport.control_all_reduce(torch.cat([b.reshape(-1) for b, _ in buffers])).div_(n)
-            for (_, c), chunk in zip(buffers, total.split([b.numel() for b, _ in buffers]), strict=True):
-                c.copy_(chunk.view_as(c))
+        pairs = [(b, c) for b, c in zip(self.model.buffers(), self.consensus.buffers(), strict=True)
+                 if b.is_floating_point()]
+        self._average_buffers([b for b, _ in pairs], [c for _, c in pairs], self.transport.control_all_reduce)
         return self.consensus
 
     def metrics(self) -> dict[str, float]:

@@ -105,7 +105,7 @@ from distrain.compress.warmup import DensityWarmup
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.optim.optimizers import LARS, build_optimizer
 from distrain.runtime.faults import FaultWatch, is_comm_error, maybe_injected_kill, store_client
-from distrain.runtime.health import DEAD_KEY, declare_dead, finishers
+from distrain.runtime.health import DEAD_KEY, declare_dead, declared_dead, finishers
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
 
@@ -294,11 +294,12 @@ def elastic_servers(cfg: TrainConfig) -> bool:
             and c.min_workers < c.workers and "TORCHELASTIC_RUN_ID" not in os.environ)
 
 
-def survivors_transport(rank: int, world: int, timeout: float) -> tuple[StoreGroup | None, dict[int, float]]:
+def survivors_transport(store: dist.Store | None, rank: int, world: int,
+                        timeout: float) -> tuple[StoreGroup | None, dict[int, float]]:
     """After serving or training (every process of an elastic parameter-server run calls it):
-    the processes that finished, as a group over the store for the closing bookkeeping (None when
-    all did), and the workers lost on the way (global rank -> when declared dead)."""
-    store = store_client(timeout)
+    the processes that finished, as a group over ``store`` (the rendezvous store) for the closing
+    bookkeeping (None when all did), and the workers lost on the way (global rank -> when declared
+    dead)."""
     if store is None:
         return None, {}
     finished = finishers(store, rank, world, timeout)
@@ -449,18 +450,23 @@ class ParameterServer(Algorithm):
         if not self._settled:
             assert self.transport is not None
             self._settled = True
-            self._control, self.lost_workers = survivors_transport(dist.get_rank(), dist.get_world_size(),
-                                                                   self.config.cluster.timeout)
+            self._control, self.lost_workers = survivors_transport(self._store_client(), dist.get_rank(),
+                                                                   dist.get_world_size(), self.config.cluster.timeout)
         return self._control
 
     def leads(self, transport: Transport) -> bool:
         """In an elastic run, while training: the first worker the servers have not lost."""
         if self._ended or not elastic_servers(self.config):
             return super().leads(transport)
+        store = self._store_client()
+        live = [r for r in range(self.num_workers) if not declared_dead(store, r)]
+        return bool(live) and transport.rank == live[0]
+
+    def _store_client(self) -> Any:
+        """The rendezvous store (a client made on first use; None without one)."""
         if self._store is None:
             self._store = store_client(self.config.cluster.timeout)
-        live = [r for r in range(self.num_workers) if self._store is None or not self._store.check([DEAD_KEY.format(r)])]
-        return bool(live) and transport.rank == live[0]
+        return self._store
 
     def metrics(self) -> dict[str, float]:
         if self.push is None:
@@ -523,8 +529,7 @@ class ShardServer:
                      self.index, like.param_groups[0]["momentum"], self.optimizer.momentum, pushes, cfg.ps.max_staleness)
         self.shard.grad = torch.zeros(numel)
         self.updates = 0
-        self.lost: dict[int, float] = {}  # workers lost while serving (elastic runs) -> when
-        self._store_client: Any = None
+        self._store: Any = None  # the rendezvous store, where lost workers are declared (elastic runs)
         self.steps = 0  # the workers' steps served (sync: rounds; async: the most any worker pushed)
         self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
         c = cfg.compress
@@ -580,7 +585,7 @@ class ShardServer:
             if self.watch is not None:
                 self.watch.step = step
             for i in list(live):
-                self._serve(i, live, step, grads, lambda i=i: self.transport.recv(headers[i], pushers[i]).wait())
+                self._with_worker(i, live, step, grads, lambda i=i: self.transport.recv(headers[i], pushers[i]).wait())
             clocks = headers[live, 0]
             if bool((clocks == STOP).all()):
                 break
@@ -588,14 +593,14 @@ class ShardServer:
                 raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers "
                                     f"{[pushers[i] for i in live]} sent clocks {clocks.tolist()} (-1: training ended)")
             for i in list(live):
-                self._serve(i, live, step, grads, lambda i=i: (h := self._recv_push(grads[i], pushers[i])) and h.wait())
+                self._with_worker(i, live, step, grads, lambda i=i: (h := self._recv_push(grads[i], pushers[i])) and h.wait())
             lr = float(headers[live, 1].clone().view(torch.float64).mean())
             self._step(grads.sum(0).div_(self.num_workers), lr)
-            handles = {i: self._serve(i, live, step, grads, lambda i=i: self.transport.send(self.shard.data, pushers[i]))
+            handles = {i: self._with_worker(i, live, step, grads, lambda i=i: self.transport.send(self.shard.data, pushers[i]))
                        for i in list(live)}
             for i, h in handles.items():
                 if h is not None:
-                    self._serve(i, live, step, grads, h.wait)
+                    self._with_worker(i, live, step, grads, h.wait)
             step = self.steps = step + 1
             if every and step % every == 0:
                 self.save(step)
@@ -603,7 +608,7 @@ class ShardServer:
         if step > start_step and not (every and step % every == 0):
             self.save(step)
 
-    def _serve(self, i: int, live: list[int], step: int, grads: torch.Tensor, fn: Any) -> Any:
+    def _with_worker(self, i: int, live: list[int], step: int, grads: torch.Tensor, fn: Any) -> Any:
         """``fn()``, an exchange with pusher row ``i`` (its result; None once the worker is lost);
         in an elastic run a worker whose process died (its connection reset) is lost: declared
         dead, its row zeroed, the others served."""
@@ -617,8 +622,7 @@ class ShardServer:
             worker = self.pushers[i]
             live.remove(i)
             grads[i].zero_()
-            self.lost[worker] = time.time()
-            declare_dead(self._store(), worker)
+            declare_dead(self._store_client(), worker)
             log.warning("server %d: lost worker %d at step %d; serving the other %d", self.index, worker, step + 1,
                         len(live))
             if len(live) < max(1, self.cfg.cluster.min_workers):
@@ -626,17 +630,19 @@ class ShardServer:
                                     f"left, fewer than --min-workers {self.cfg.cluster.min_workers}") from exc
             return None
 
-    def _store(self) -> Any:
-        if self._store_client is None:
-            self._store_client = store_client(self.cfg.cluster.timeout)
-        return self._store_client
+    def _store_client(self) -> Any:
+        """The rendezvous store (a client made on first use; None without one)."""
+        if self._store is None:
+            self._store = store_client(self.cfg.cluster.timeout)
+        return self._store
 
     def control_transport(self) -> Transport | StoreGroup:
         """After serving: the transport for the closing collectives, over the processes that
         finished when workers were lost in an elastic run."""
         if not elastic_servers(self.cfg):
             return self.transport
-        control, _ = survivors_transport(self.transport.rank, self.transport.world_size, self.cfg.cluster.timeout)
+        control, _ = survivors_transport(self._store_client(), self.transport.rank, self.transport.world_size,
+                                         self.cfg.cluster.timeout)
         return control or self.transport
 
     def _run_async(self) -> None:
