@@ -1,8 +1,9 @@
 """Elastic training under churn: a worker killed outright (SIGKILL) at a random step, and workers
 killed every 30 s with restarts on.
 
-For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2`` and
-``ps`` (with 2 servers; a worker is killed, never a server; no restarts) go on too), on the default
+For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2``,
+``ps`` (with 2 servers; a worker is killed, never a server), ``adpsgd`` and ``prague`` go on too;
+the last three take no restarts), on the default
 job (``distrain train``: MNIST-1D, the CNN, 4 workers) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -15,7 +16,9 @@ job (``distrain train``: MNIST-1D, the CNN, 4 workers) and for each of ``--seeds
 
 Recovery time: from the kill (the time the killed process wrote before dying) to the members'
 agreement with the new group open (``unix_time`` of the change in ``summary.json``): detection,
-agreement and rebuild. Reported: median, min and max over the runs.
+agreement and rebuild. Where the members do not change (``ps``, ``adpsgd``, ``prague``: the others
+drop the lost worker), from the kill to its first declaration as dead in the store: detection.
+Reported: median, min and max over the runs.
 
 Accuracy: final test accuracy of the kill run minus the no-fault run of the same seed; median,
 min and max, and how many are within 1 point.
@@ -58,7 +61,7 @@ TIMEOUT_S = 600
 #: Flags an algorithm needs besides ``--algorithm`` (ps: two servers; the victim is a worker).
 EXTRA = {"ps": ("--servers", "2")}
 #: Algorithms whose lost workers are not started again (no kill + restart case).
-NO_RESTARTS = {"ps"}
+NO_RESTARTS = {"ps", "adpsgd", "prague"}
 
 
 def children(pid: int) -> list[int]:

@@ -17,16 +17,20 @@ PRAGUE = ["--algorithm", "prague", "--epochs", "2", "--num-samples", "9600"]
 PRAGUE_SHORT = ["--algorithm", "prague", "--epochs", "1", "--num-samples", "4800"]
 
 
-def test_a_killed_worker_is_never_grouped_again(tmp_path):
-    """Worker 2 (not rank 0, whose thread generates the groups) dies: its partner or the generator
-    finds it gone, and the three others finish the whole budget in groups without it."""
+@pytest.mark.parametrize("rank", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_killed_worker_is_never_grouped_again(tmp_path, rank):
+    """A worker dies: its partner or the generator finds it gone, and the three others finish the
+    whole budget in groups without it. Worker 0 runs the group generator: worker 1 takes over."""
     run_dir = tmp_path / "run"
-    run, summary = run_losing_worker(run_dir, [*QUICK, *PRAGUE_SHORT, "--workers", "4"], rank=2)
-    assert "worker 2 was killed by SIGKILL; the other workers finished without it" in run.stderr
+    run, summary = run_losing_worker(run_dir, [*QUICK, *PRAGUE_SHORT, "--workers", "4"], rank=rank)
+    assert f"worker {rank} was killed by SIGKILL; the other workers finished without it" in run.stderr
+    if rank == 0:
+        assert "worker 1 forms the groups from now on" in run.stderr
+    survivors = [r for r in range(4) if r != rank]
     steps = summary["steps_per_worker"]
-    assert min(steps[i] for i in (0, 1, 3)) > 30
+    assert min(steps[i] for i in survivors) > 30
     assert sum(steps) + 30 >= summary["steps"] * 4  # the survivors used the whole (global) budget
-    finite_final_models(run_dir, [0, 1, 3])
+    finite_final_models(run_dir, survivors)
 
 
 @pytest.mark.slow  # `make test-all`: three runs; the test above is the CI's

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distrain.algorithms.gossip import Budget, SharedModel, Snapshots, snapshot_limit
-from distrain.algorithms.prague import GROUP, STOP, GroupGenerator, group_size_for
+from distrain.algorithms.prague import GROUP, NO_GROUP, STOP, GroupGenerator, group_size_for
 from distrain.config import TrainConfig
 from distrain.errors import ConfigError, WorkerFailure
 
@@ -106,8 +106,8 @@ def generator(world: int, size: int, seed: int = 0) -> GroupGenerator:
 
 def ready(gen: GroupGenerator, worker: int, steps: int = 0, done: bool = False, ring_s: float = 0.0,
           now: float | None = None) -> list:
-    message = [round(ring_s * 1e6)] + [0] * (2 * gen.world)
-    message[1 + worker], message[1 + gen.world + worker] = steps, int(done)
+    message = [round(ring_s * 1e6), NO_GROUP] + [0] * (2 * gen.world)
+    message[2 + worker], message[2 + gen.world + worker] = steps, int(done)
     return gen.on_ready(worker, torch.tensor(message), now=now)
 
 
@@ -200,6 +200,42 @@ def test_generator_never_groups_a_lost_worker_and_stops_without_it():
     for worker in (3, 0):  # the lost one counts as done: everyone else is, so all stop
         assert [(w, int(answer[0])) for w, answer in ready(gen, worker, done=True)] == [(worker, STOP)]
     assert gen.done == [1, 1, 1, 1]
+
+
+def test_a_successor_tells_a_worker_the_group_its_lost_predecessor_formed_for_it():
+    """The lost generator formed groups; some members never heard of theirs. The successor hands
+    a group of live members to a member that never heard of it (its partners wait in the ring),
+    queues one that heard of it, and never hands out a group with a lost member."""
+    import torch.distributed as dist
+
+    from distrain.algorithms.prague import GroupBoard
+
+    store = dist.HashStore()
+    first = generator(world=4, size=2, seed=3)
+    first.board = GroupBoard(store)
+    ready(first, 1)
+    pair = ready(first, 2)  # one group, recorded before anyone hears of it
+    assert sorted(w for w, _ in pair) == [1, 2]
+    gid = int(pair[0][1][2 + 2])
+    ready(first, 3)
+    with_lost = ready(first, 0)  # the generator's own worker is grouped with 3, then it dies
+    assert sorted(w for w, _ in with_lost) == [0, 3]
+    assert not GroupBoard(store).training_over()
+
+    successor = GroupGenerator(4, 2, control=None, seed=0, rank=1, successor=True)  # type: ignore[arg-type]
+    successor.board = GroupBoard(store)
+    successor.inherit([0] * 4, [0] * 4, lost={0})
+    answers = ready(successor, 2)  # never heard of [1, 2]: it gets it now, and is not queued
+    assert [(w, a.tolist()) for w, a in answers] == [(2, pair[1][1].tolist())] and successor.ready == []
+    assert ready(successor, 3) == [] and successor.ready == [3]  # its group had the lost worker
+    heard = torch.tensor([0, gid] + [0] * 8)
+    assert successor.on_ready(1, heard) != [] and successor.ready == []  # heard of it: grouped anew, with 3
+    assert int(successor._answer(GROUP, [1, 3])[4]) >> 40 == 1  # the successor's ids are its own
+
+    assert ready(successor, 3, done=True) == []
+    assert ready(successor, 2, done=True) != [] and not GroupBoard(store).training_over()  # 1 is not done
+    stop = ready(successor, 1, done=True)  # the last one: training is over, marked before the first STOP
+    assert [(w, int(a[0])) for w, a in stop] == [(1, STOP)] and GroupBoard(store).training_over()
 
 
 def test_a_waiter_gives_up_on_a_blocked_call_and_goes_on_with_a_new_thread():

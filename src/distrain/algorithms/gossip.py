@@ -218,10 +218,14 @@ class GossipEngine:
 
     def start(self) -> GossipEngine:
         for name, fn in self._threads():
-            thread = threading.Thread(target=self._guard, args=(fn,), name=name, daemon=True)
-            thread.start()
-            self._threads_running.append(thread)
+            self.spawn(name, fn)
         return self
+
+    def spawn(self, name: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on a thread of the engine (also once running: ``alive`` and ``join`` see it)."""
+        thread = threading.Thread(target=self._guard, args=(fn,), name=name, daemon=True)
+        thread.start()
+        self._threads_running.append(thread)
 
     def _guard(self, fn: Callable[[], None]) -> None:
         try:

@@ -2,7 +2,7 @@
 
 Each worker trains its own model with no global barrier, as in AD-PSGD (see ``gossip.py``), and
 after each local step its communication thread reports *ready* to a group generator. The
-generator (a service thread on rank 0) puts ready workers into groups of ``--group-size``,
+generator (a service thread on one worker, rank 0 at first) puts ready workers into groups of ``--group-size``,
 choosing at random among the ready ones so information spreads over the whole cluster, and
 each group averages its members' models with a ring all-reduce over point-to-point messages
 (``comm/ring.py``), while other groups proceed independently. A worker is in at most one group
@@ -20,8 +20,8 @@ Traffic, all through the engine's two Transports (bytes, delays, emulated links)
 groups of their own so they never interleave with the main thread's collectives:
 
 - control group: worker -> generator ``[READY | BYE, last ring all-reduce in microseconds,
-  *counts, *done]``; generator -> worker ``[GROUP | STOP, k, *members (padded with -1 to the
-  group size), *counts, *done]`` (int64);
+  id of the last group it was told, *counts, *done]``; generator -> worker ``[GROUP | STOP, k,
+  *members (padded with -1 to the group size), group id, *counts, *done]`` (int64);
 - data group: the ring all-reduce of the group's models.
 
 A worker behind a slow link makes every group it is in slow, and the workers in such a group
@@ -37,8 +37,19 @@ name the member whose heartbeat stopped, declare it dead in the rendezvous store
 done; the generator learns it from their next READY (or, for a worker that died between
 groups, from its silence past ``--peer-timeout`` with a stale heartbeat), never groups it again
 and no longer waits for it, and the survivors finish their budget and take the consensus
-without it. The generator itself (rank 0) cannot be replaced: its loss stops the run with the
-lost-peer line.
+without it.
+
+The generator has no single point of failure either. Before it answers a group, it writes the
+answer of each member in the run's store (the launcher's, which outlives every worker; one
+request per group), and before the first STOP it marks training over there. When the worker
+that runs it is lost, every survivor finds out (its request for a group fails, or a thread that
+watches the store sees it declared dead) and takes the lowest live rank as the new generator;
+that worker starts a generator of its own, which needs no queue from the old one: every live
+worker asks it again, saying which group it was told last. One told nothing of a group the old
+generator had formed for it (it died between answers) gets that group from the store, so its
+partners, already waiting in the ring, are not left there. Once training was marked over, a
+survivor stops instead of electing anyone. Groups of three or more that contain the lost worker
+can leave a partner waiting for one who never heard of the group until ``--peer-timeout``.
 
 Shutdown: a worker whose budget is used keeps reporting ready (at about one step time) so its
 group partners are not left waiting; once the generator knows every worker is done it answers
@@ -57,6 +68,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import statistics
@@ -87,7 +99,11 @@ from distrain.runtime.health import Liveness
 log = logging.getLogger(__name__)
 
 READY, GROUP, STOP, BYE = 1, 2, 3, 4
-GENERATOR = 0  # the rank whose service thread forms the groups
+FIRST_GENERATOR = 0  # the rank whose service thread forms the groups until it is lost
+NO_GROUP = -1  # a group id: none yet
+#: How often a waiting worker (and each worker's succession thread) checks whether the
+#: generator was declared dead (seconds).
+WATCH_S = 0.25
 DEFAULT_GROUP = 3
 COST_WINDOW = 8  # ring all-reduces per worker the generator remembers
 
@@ -123,24 +139,63 @@ class GroupView:
         return self.transport.recv(tensor, self.members[src])
 
 
+class GroupBoard:
+    """What a group generator leaves in the run's store for a successor: each worker's latest
+    group answer, and whether training is over (the first STOP was decided).
+
+    Args:
+        store: a store client of the run (used by one thread at a time).
+    """
+
+    PREFIX = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/prague/"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def record(self, answers: list[tuple[int, torch.Tensor]]) -> None:
+        """Keep each worker's answer (one request for all of them)."""
+        if answers:
+            self.store.multi_set([f"{self.PREFIX}answer/{w}" for w, _ in answers],
+                                 [",".join(map(str, a.tolist())) for _, a in answers])
+
+    def answer(self, worker: int) -> torch.Tensor | None:
+        """The last answer recorded for ``worker`` (None: none)."""
+        key = f"{self.PREFIX}answer/{worker}"
+        if not self.store.check([key]):
+            return None
+        return torch.tensor([int(v) for v in self.store.get(key).decode().split(",")], dtype=torch.int64)
+
+    def close_training(self) -> None:
+        self.store.set(self.PREFIX + "over", "1")
+
+    def training_over(self) -> bool:
+        return bool(self.store.check([self.PREFIX + "over"]))
+
+
 class GroupGenerator:
-    """Forms groups of ready workers; runs on rank 0 (its own requests arrive in process).
+    """Forms groups of ready workers; runs on one worker (its own requests arrive in process).
 
     Args:
         world: number of workers.
         group_size: workers per group (at most ``world``).
-        control: rank 0's Transport on the control group.
+        control: this worker's Transport on the control group.
         seed: seeds the choice of groups.
-        timeout: how long rank 0's own worker may wait for a group (seconds); also how long a
-            worker may stay silent before its heartbeat is checked.
+        timeout: how long this worker's own worker thread may wait for a group (seconds); also
+            how long a worker may stay silent before its heartbeat is checked.
         liveness: where lost workers are declared and looked up (``None``: a lost worker fails
             the run).
+        rank: the worker it runs on.
+        successor: it took over from a lost generator (workers may have missed its answers;
+            see :class:`GroupBoard`).
     """
 
     def __init__(self, world: int, group_size: int, control: Transport, seed: int = 0, timeout: float = 120.0,
-                 liveness: Liveness | None = None) -> None:
-        self.world, self.size = world, min(group_size, world)
+                 liveness: Liveness | None = None, rank: int = FIRST_GENERATOR, successor: bool = False) -> None:
+        self.world, self.size, self.rank = world, min(group_size, world), rank
         self.control, self.timeout, self.liveness = control, timeout, liveness
+        self.successor = successor
+        self.board = GroupBoard(liveness.another().store) if liveness is not None else None  # used under the lock
+        self.checked: set[int] = set()  # workers whose first READY to a successor was checked
         self.lock = threading.Lock()
         self.rng = random.Random(seed)
         self.ready: list[int] = []  # waiting for a group, in arrival order
@@ -152,38 +207,68 @@ class GroupGenerator:
         self.heard = dict.fromkeys(range(world), time.monotonic())  # when each last sent a message
         self.served = threading.Event()  # the service thread has ended
         self.counts, self.done = [0] * world, [0] * world
-        self.local: queue.Queue[torch.Tensor] = queue.Queue()  # answers to rank 0's own worker
+        self.local: queue.Queue[torch.Tensor] = queue.Queue()  # answers to this worker's own worker thread
         self.groups = 0
+        self.gids = 0  # group ids: unique over generators (see _answer)
+
+    def inherit(self, counts: list[int], done: list[int], lost: set[int]) -> None:
+        """A successor starts from what its worker knows of the progress and the losses."""
+        with self.lock:
+            self.counts, self.done = list(counts), list(done)
+            for r in sorted(lost - {self.rank}):
+                self._drop(r)
 
     def _answer(self, kind: int, members: list[int]) -> torch.Tensor:
         padded = members + [-1] * (self.size - len(members))
-        return torch.tensor([kind, len(members), *padded, *self.counts, *self.done], dtype=torch.int64)
+        gid = NO_GROUP
+        if kind == GROUP:
+            self.gids += 1
+            gid = self.rank << 40 | self.gids  # a successor's ids never repeat its predecessor's
+        return torch.tensor([kind, len(members), *padded, gid, *self.counts, *self.done], dtype=torch.int64)
 
     def on_ready(self, worker: int, message: torch.Tensor, now: float | None = None) -> list[tuple[int, torch.Tensor]]:
-        """Record ``worker`` as ready; ``message`` is ``[ring microseconds, *counts, *done]``.
-        Returns the answers now due (to this worker and to others waiting)."""
+        """Record ``worker`` as ready; ``message`` is ``[ring microseconds, last group id, *counts,
+        *done]``. Returns the answers now due (to this worker and to others waiting)."""
         values = message.tolist()
         n = self.world
         now = time.monotonic() if now is None else now
         # A worker counts another as done only once it declared it lost (it learns the others'
         # progress from us alone): ask the store which, so it is never grouped again.
-        told = [r for r in range(n) if r != worker and values[1 + n + r] and not self.done[r]] if len(values) == 1 + 2 * n else []
+        told = [r for r in range(n) if r != worker and values[2 + n + r] and not self.done[r]] if len(values) == 2 + 2 * n else []
         dead = set(self.liveness.dead_ranks()) & set(told) if told and self.liveness is not None else set()
         with self.lock:
             if worker in self.lost:  # back after we gave up on it (stopped, then resumed): it must leave
                 return [(worker, self._answer(STOP, []))]
-            if worker in self.ready or worker in self.stopped or len(values) != 1 + 2 * n:
+            if worker in self.ready or worker in self.stopped or len(values) != 2 + 2 * n:
                 raise WorkerFailure(f"group generator: unexpected ready message from worker {worker}")
             if values[0] > 0:
                 self.ring_seconds[worker].append(values[0] / 1e6)
-            self.counts = [max(a, b) for a, b in zip(self.counts, values[1 : 1 + n], strict=True)]
-            self.done = [max(a, min(1, b)) for a, b in zip(self.done, values[1 + n :], strict=True)]
+            self.counts = [max(a, b) for a, b in zip(self.counts, values[2 : 2 + n], strict=True)]
+            self.done = [max(a, min(1, b)) for a, b in zip(self.done, values[2 + n :], strict=True)]
+            for r in dead:
+                self._drop(r)
+            if (missed := self._missed(worker, values[1])) is not None:
+                self.heard[worker] = now
+                return [(worker, missed)]
             self.ready.append(worker)
             self.ready_since[worker] = now
             self.heard[worker] = now
-            for r in dead:
-                self._drop(r)
             return self._form(now)
+
+    def _missed(self, worker: int, last_gid: int) -> torch.Tensor | None:
+        """A successor, at a worker's first READY: the group the lost generator formed for it and
+        it never heard of, if its other members are all live (they wait for it in the ring)."""
+        if not self.successor or worker in self.checked or self.board is None:
+            return None
+        self.checked.add(worker)
+        answer = self.board.answer(worker)
+        if answer is None or int(answer[0]) != GROUP or int(answer[2 + self.size]) == last_gid:
+            return None
+        members = answer[2 : 2 + int(answer[1])].tolist()
+        if set(members) & self.lost:
+            return None
+        log.warning("group generator: worker %d never heard of its group %s; it joins it now", worker, members)
+        return answer
 
     def drop(self, worker: int, now: float | None = None) -> list[tuple[int, torch.Tensor]]:
         """``worker`` is gone: never group it or wait for it again. Returns the answers now due."""
@@ -203,6 +288,8 @@ class GroupGenerator:
     def _form(self, now: float) -> list[tuple[int, torch.Tensor]]:
         """Groups (or STOPs) for the ready workers, as far as they are due (lock held)."""
         if all(self.done):  # everyone is done: nobody needs a group any more
+            if self.board is not None and not self.stopped:
+                self.board.close_training()  # before the first STOP: no successor is elected from now on
             stop = self._answer(STOP, [])
             answers = [(w, stop) for w in self.ready]
             self.stopped.update(self.ready)
@@ -216,6 +303,8 @@ class GroupGenerator:
             group = self._answer(GROUP, members)
             answers += [(m, group) for m in members]
             self.groups += 1
+        if self.board is not None:
+            self.board.record(answers)  # before any member hears of it: a successor can tell the others
         return answers
 
     def cost(self, worker: int) -> float:
@@ -237,7 +326,7 @@ class GroupGenerator:
         whose ring with it fails (they find out who is gone)."""
         handles = []
         for worker, answer in answers:
-            if worker == GENERATOR:
+            if worker == self.rank:
                 self.local.put(answer)
             else:
                 handles.append((worker, self.control.send(answer, worker)))
@@ -250,19 +339,19 @@ class GroupGenerator:
                 log.warning("group generator: could not answer worker %d (%s)", worker, str(exc).strip()[:120])
 
     def ask_local(self, message: torch.Tensor) -> torch.Tensor:
-        """Rank 0's own worker is ready: wait for its answer."""
-        self.deliver(self.on_ready(GENERATOR, message))
+        """This worker's own worker thread is ready: wait for its answer."""
+        self.deliver(self.on_ready(self.rank, message))
         try:
             return self.local.get(timeout=self.timeout)
         except queue.Empty:
-            raise WorkerFailure(f"worker 0 waited {self.timeout:.0f} s for a group") from None
+            raise WorkerFailure(f"worker {self.rank} waited {self.timeout:.0f} s for a group") from None
 
     def serve(self) -> None:
         """The service thread: answer READY messages until every other worker said BYE (or was lost)."""
-        others = set(range(self.world)) - {GENERATOR}
+        others = set(range(self.world)) - {self.rank}
         byes: set[int] = set()
-        inbox = self._listen(others) if self.liveness is not None else None
-        message = torch.empty(2 + 2 * self.world, dtype=torch.int64)
+        inbox = self._listen(others - self.lost) if self.liveness is not None else None
+        message = torch.empty(3 + 2 * self.world, dtype=torch.int64)
         try:
             while not others <= byes | self.lost:
                 if inbox is None:
@@ -297,7 +386,7 @@ class GroupGenerator:
         def listen(worker: int) -> None:
             try:
                 while True:
-                    message = torch.empty(2 + 2 * self.world, dtype=torch.int64)
+                    message = torch.empty(3 + 2 * self.world, dtype=torch.int64)
                     self.control.recv(message, worker).wait()
                     inbox.put((worker, message))
                     if int(message[0]) == BYE:
@@ -316,17 +405,20 @@ class GroupGenerator:
         heartbeat stopped too (killed between groups: nobody else would notice), and group the
         ready workers that have become eligible since the last message."""
         assert self.liveness is not None
-        live = Liveness(self.liveness.host, self.liveness.port, self.liveness.world_size)  # its own store client
+        live = self.liveness.another()  # its own store client
         while not self.served.wait(1.0):
             now = time.monotonic()
             with self.lock:
-                quiet = [w for w in range(self.world) if w != GENERATOR and w not in self.lost and w not in self.ready
+                quiet = [w for w in range(self.world) if w != self.rank and w not in self.lost and w not in self.ready
                          and w not in self.stopped and now - self.heard[w] > self.timeout]
             gone = set(live.silent(quiet)) if quiet else set()
             gone |= {w for w in quiet if w in self.deaf and now - self.heard[w] > 2 * self.timeout}  # cut off
             for w in gone:
                 live.declare_dead(w)  # before counting it done: see AsyncGossip._survivors
-            gone |= set(live.dead_ranks()) - self.lost - {GENERATOR}
+            dead = set(live.dead_ranks())
+            if self.rank in dead:  # this worker was silent and the others went on without it
+                raise LeftBehind(self.rank)
+            gone |= dead - self.lost
             for w in sorted(gone):
                 self.deliver(self.drop(w))
             # A ready worker whose ring costs more than the median waits that much before it is
@@ -338,8 +430,13 @@ class GroupGenerator:
             self.deliver(answers)
 
 
+class GeneratorLost(PeerTimeout):
+    """The worker that generates the groups was declared dead while this one waited for it."""
+
+
 class GroupGossip(GossipEngine):
-    """The communication thread of one Prague worker (and, on rank 0, the group generator).
+    """The communication thread of one Prague worker (and, on the generator's worker, the group
+    generator's threads).
 
     Args:
         state: the shared model and progress of this worker.
@@ -347,11 +444,11 @@ class GroupGossip(GossipEngine):
         control: a Transport on another group of all workers for READY / GROUP messages.
         group_size: workers per group.
         seed: seeds the generator's choices.
-        timeout: how long rank 0's worker may wait for a group (the others wait in gloo,
-            bounded by their group's timeout), and a silent worker may stay silent before its
-            heartbeat is checked.
+        timeout: how long a worker may wait for a group from the generator's worker while its
+            heartbeat is fresh (twice this) or stale (once), and a silent worker may stay silent
+            before its heartbeat is checked.
         liveness: where lost workers are declared and looked up (``None``: a lost worker fails
-            the run, as in a synchronous algorithm).
+            the run, as in a synchronous algorithm, and the generator stays on rank 0).
     """
 
     def __init__(self, state: SharedModel, data: Transport, control: Transport, group_size: int, seed: int = 0,
@@ -359,61 +456,113 @@ class GroupGossip(GossipEngine):
         super().__init__(state)
         self.data, self.control = data, control
         self.transports = [data, control]
-        self.liveness, self.timeout = liveness, timeout
-        n = state.world
-        self.generator = GroupGenerator(n, group_size, control, seed, timeout, liveness) \
-            if control.rank == GENERATOR else None
+        self.liveness, self.timeout, self.seed = liveness, timeout, seed
+        self.rank, n = control.rank, state.world
+        self.group_size = group_size
+        self.generator_rank = FIRST_GENERATOR
+        self.generator = self._generator(successor=False) if self.rank == FIRST_GENERATOR else None
         self.size = min(group_size, n)
-        self.answer_len = 2 + self.size + 2 * n
+        self.answer_len = 3 + self.size + 2 * n
         self.sent = torch.empty(state.x.numel(), dtype=state.x.dtype)
         self.total = torch.empty_like(self.sent)
         self.groups = 0  # groups this worker averaged in
         self.last_ring_us = 0
+        self.last_gid = NO_GROUP  # the id of the last group this worker was told
+        self.board = GroupBoard(liveness.store) if liveness is not None else None  # the worker thread's
         self._graveyard: list[torch.Tensor] = []  # buffers of failed rings (see _lose)
-        self.waiter = Waiter("distrain-prague-wait") if liveness is not None and self.generator is None else None
+        self.waiter = Waiter("distrain-prague-wait") if liveness is not None else None
+        self._elect_lock = threading.Lock()
+        self._worker_ended = threading.Event()
+
+    def _generator(self, successor: bool) -> GroupGenerator:
+        return GroupGenerator(self.state.world, self.group_size, self.control, self.seed, self.timeout, self.liveness,
+                              rank=self.rank, successor=successor)
 
     def _threads(self) -> list[tuple[str, Any]]:
         threads = [("distrain-prague-worker", self._run_worker)]
         if self.generator is not None:
-            threads.append(("distrain-prague-generator", self.generator.serve))
-            if self.liveness is not None:
-                threads.append(("distrain-prague-watch", self.generator.watch))
+            threads += self._generator_threads(self.generator)
+        elif self.liveness is not None:
+            threads.append(("distrain-prague-succession", self._watch_generator))
+        return threads
+
+    def _generator_threads(self, generator: GroupGenerator) -> list[tuple[str, Any]]:
+        threads = [("distrain-prague-generator", generator.serve)]
+        if self.liveness is not None:
+            threads.append(("distrain-prague-watch", generator.watch))
         return threads
 
     def _run_worker(self) -> None:
+        try:
+            told_by = self._work()
+            if told_by is not None and told_by != self.rank:
+                self._bye(told_by)
+        finally:
+            self._worker_ended.set()
+
+    def _work(self) -> int | None:
+        """Ask for groups and average in them until told to stop; returns who told (None: the
+        store said training was over after the generator was lost)."""
         gossiped = 0  # the first group follows the first step
         while True:
             gossiped, _ = self.wait_for_round(gossiped)
-            answer = self._ask()
+            answer, told_by = self._ask()
             kind, k = int(answer[0]), int(answer[1])
-            self.state.merge(answer[2 + self.size:])
+            self.state.merge(answer[3 + self.size:])
             if kind == STOP:
-                break
+                return told_by
             members = answer[2 : 2 + k].tolist()
-            if kind != GROUP or self.control.rank not in members:
-                raise WorkerFailure(f"worker {self.control.rank}: bad group answer {answer.tolist()}")
+            if kind != GROUP or self.rank not in members:
+                raise WorkerFailure(f"worker {self.rank}: bad group answer {answer.tolist()}")
+            self.last_gid = int(answer[2 + self.size])
             try:
                 self._reduce(members)
             except Exception as exc:
                 self._lose(members, exc)
-        if self.generator is None:
-            self.control.send(self.state.progress_header(BYE, 0), GENERATOR).wait()
+
+    def _bye(self, generator: int) -> None:
+        """Tell the generator that stopped this worker that it has stopped (so its service thread
+        can end); a generator lost meanwhile needs no answer."""
+        bye = self.state.progress_header(BYE, 0, NO_GROUP)
+        try:
+            self._wait_on(generator, [self.control.send(bye, generator)])
+        except Exception as exc:
+            if self.liveness is None or not is_comm_error(exc):
+                raise
+            log.info("worker %d: the generator (worker %d) left before our goodbye", self.rank, generator)
 
     def close(self) -> None:
         if self.waiter is not None:
             self.waiter.close()
         super().close()
 
-    def _ask(self) -> torch.Tensor:
-        ready = self.state.progress_header(READY, self.last_ring_us)
-        if self.generator is not None:
-            return self.generator.ask_local(ready[1:])
-        answer = torch.empty(self.answer_len, dtype=torch.int64)
-        handles = [self.control.recv(answer, GENERATOR), self.control.send(ready, GENERATOR)]
+    def _ask(self) -> tuple[torch.Tensor, int | None]:
+        """This worker is ready: the generator's answer, and who gave it (None: no generator is
+        needed any more, training is over). A lost generator is replaced (see the module doc)."""
+        while True:
+            generator = self.generator_rank
+            ready = self.state.progress_header(READY, self.last_ring_us, self.last_gid)
+            if generator == self.rank:
+                assert self.generator is not None
+                return self.generator.ask_local(ready[1:]), generator
+            answer = torch.empty(self.answer_len, dtype=torch.int64)
+            try:
+                self._wait_on(generator, [self.control.recv(answer, generator), self.control.send(ready, generator)])
+                return answer, generator
+            except Exception as exc:
+                if self.liveness is None or not is_comm_error(exc):
+                    raise
+                self._generator_gone(generator, exc)
+            if self._succeed(self.liveness) is None:
+                return torch.cat([torch.tensor([STOP, 0, *[-1] * self.size, NO_GROUP]), self.state.progress_header()]), None
+
+    def _wait_on(self, generator: int, handles: list[Handle]) -> None:
+        """Wait for messages to and from the generator's worker; raise GeneratorLost once it is
+        declared dead (or silent past the timeout), PeerTimeout after twice the timeout."""
         if self.waiter is None or self.liveness is None:
             for handle in handles:
                 handle.wait()
-            return answer
+            return
 
         def wait_all() -> None:
             for handle in handles:
@@ -421,16 +570,72 @@ class GroupGossip(GossipEngine):
 
         # The control group's gloo timeout is a backstop (see Waiter): the wait is bounded here.
         job = self.waiter.start(wait_all)
-        if job.wait(self.timeout) or (not self.liveness.silent([GENERATOR]) and job.wait(self.timeout)):
-            return answer
-        self.waiter.abandon()
-        raise PeerTimeout(f"no answer from the group generator (worker {GENERATOR}): timed out after "
-                          f"{2 * self.timeout:g} s")
+        started = time.monotonic()
+        while not job.wait(WATCH_S):
+            waited = time.monotonic() - started
+            if self.liveness.is_dead(generator) or (waited > self.timeout and self.liveness.silent([generator])):
+                self.waiter.abandon()
+                raise GeneratorLost(f"the group generator (worker {generator}) is lost")
+            if waited > 2 * self.timeout:
+                self.waiter.abandon()
+                raise PeerTimeout(f"no answer from the group generator (worker {generator}): timed out after "
+                                  f"{2 * self.timeout:g} s")
+
+    def _generator_gone(self, generator: int, exc: BaseException) -> None:
+        """A wait on the generator's worker failed: once it is declared dead (or its heartbeat
+        stopped), declare it dead for all; raise ``exc`` if it stays alive past the timeout."""
+        assert self.liveness is not None
+        if self.rank in self.liveness.dead_ranks():  # we were the silent one (e.g. SIGSTOP)
+            raise LeftBehind(self.rank) from exc
+        deadline = time.monotonic() + self.timeout
+        while not self.liveness.silent([generator]):  # a heartbeat goes stale seconds after death
+            if time.monotonic() >= deadline:
+                raise exc
+            time.sleep(WATCH_S)
+        self.liveness.declare_dead(generator)  # before counting it done: see AsyncGossip._survivors
+        self.state.mark_lost(generator)
+
+    def _succeed(self, live: Liveness) -> int | None:
+        """The generator was declared dead: the lowest live rank generates the groups from now on
+        (this worker starts a generator if it is that rank). Returns it, or None when training
+        was marked over before the loss (every worker stops; nobody is elected)."""
+        with self._elect_lock:
+            if GroupBoard(live.store).training_over():  # read after the loss: see the module doc
+                return None
+            dead = live.dead_ranks()
+            if self.rank in dead:
+                raise LeftBehind(self.rank)
+            new = min(r for r in range(self.state.world) if r not in dead)
+            if new != self.generator_rank:
+                log.warning("worker %d: the group generator (worker %d) is lost; worker %d forms the groups from now on",
+                            self.rank, self.generator_rank, new)
+                for r in dead:
+                    self.state.mark_lost(r)
+                self.generator_rank = new
+                if new == self.rank and self.generator is None:
+                    generator = self._generator(successor=True)
+                    generator.inherit(self.state.counts, self.state.done, set(dead))
+                    self.generator = generator
+                    for name, fn in self._generator_threads(generator):
+                        self.spawn(name, fn)
+            return new
+
+    def _watch_generator(self) -> None:
+        """Each worker's succession thread: a worker busy in a ring (or between steps) still takes
+        over at once when the generator's worker is declared dead; those waiting for it might
+        otherwise wait for this worker's generator."""
+        assert self.liveness is not None
+        live = self.liveness.another()
+        while not self._worker_ended.wait(WATCH_S):
+            if self.generator is not None:
+                return  # this worker is the generator now
+            if live.is_dead(self.generator_rank) and self._succeed(live) is None:
+                return  # training is over: nobody needs a generator
 
     def _lose(self, members: list[int], exc: BaseException) -> None:
         """A ring failed: drop the members whose heartbeat stopped (declared dead in the store,
         counted done; the generator reads it from our next READY), or fail if none did."""
-        me = self.control.rank
+        me = self.rank
         if self.liveness is None or not is_comm_error(exc):
             raise exc
         if me in self.liveness.dead_ranks():  # we were the silent one (e.g. SIGSTOP)

@@ -195,8 +195,21 @@ class Liveness:
                                         timeout=timedelta(seconds=10))
         return self._store
 
+    @property
+    def store(self) -> dist.TCPStore:
+        """This instance's store client."""
+        return self._client()
+
+    def another(self) -> Liveness:
+        """The same view through a store client of its own (for another thread)."""
+        return Liveness(self.host, self.port, self.world_size, self.stale_after)
+
     def declare_dead(self, rank: int) -> None:
         declare_dead(self._client(), rank)
+
+    def is_dead(self, rank: int) -> bool:
+        """Whether ``rank`` was declared dead (one store request)."""
+        return declared_dead(self._client(), rank)
 
     def dead_ranks(self) -> dict[int, float]:
         """Ranks declared dead, with when (Unix time) the first survivor declared them."""
