@@ -391,6 +391,8 @@ class DistributedOptimizer:
         self.steps += 1
         if self.membership is not None and self.membership.accepts_joins:
             self._admit_joiners()
+        if self.membership is None and (lost := self.algorithm.newly_lost()):
+            self._note_lost(lost)
         self.last_compute_seconds = compute
         self.compute_seconds += compute
         self.exposed_seconds += blocked_seconds() - blocked_before  # every network wait of the step
@@ -476,6 +478,18 @@ class DistributedOptimizer:
         log.warning("worker %d: lost worker(s) %s at step %d; %d workers go on (recovered in %.2f s)", self.id,
                     change.lost, self.steps, self.workers, change.seconds)
         return behind
+
+    def _note_lost(self, lost: dict[int, float]) -> None:
+        """Workers lost in a run whose group stays as it is (the parameter servers serve the
+        others): the members and the record of the change follow, so a loop splits the data
+        again over the survivors (``distrain train`` does)."""
+        members = [i for i in self.ids if i not in lost]
+        at = min(lost.values())
+        self.ids, self.workers = members, len(members)
+        self.changes.append(Change(epoch=len(self.changes) + 1, members=members, lost=sorted(lost), steps={}, at=at,
+                                   seconds=max(0.0, time.time() - at), step=self.steps))
+        log.warning("worker %d: the servers lost worker(s) %s at step %d; %d workers go on", self.id, sorted(lost),
+                    self.steps, self.workers)
 
     def _admit_joiners(self) -> None:
         """At a step's end: when the members agreed to admit waiting workers after this step,
@@ -639,6 +653,8 @@ class DistributedOptimizer:
             while self.algorithm.keep_going(self.steps, self.total_steps or UNBOUNDED_STEPS):
                 pass
         self.algorithm.end()  # parameter servers stop serving once every worker has ended
+        if self.membership is None and (lost := self.algorithm.newly_lost(force=True)):
+            self._note_lost(lost)
         if self.membership is not None:  # a survivor still in its last step may take our state
             self.membership.close()
             self.control_barrier()

@@ -288,9 +288,14 @@ def test_parameter_servers_serve_the_workers_left(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     assert f"lost worker {victim} at step {at + 1}" in done.stderr
     expected = ps_reference(victim, at)
-    for r in sorted(set(range(WORKERS)) - {victim}):
+    survivors = sorted(set(range(WORKERS)) - {victim})
+    for r in survivors:
         result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
         assert result["steps"] == STEPS, r
+        # the workers learn it from the store (a loop then splits the data again over them)
+        [change] = result["changes"]
+        assert (change["event"], change["workers"], change["members"]) == ("lost", [victim], survivors), change
+        assert result["workers"] == WORKERS - 1 and result["ids"] == survivors, r
         torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
     assert not (tmp_path / f"worker{victim}.pt").exists()
     assert not torch.allclose(ps_reference(victim, STEPS), expected, atol=1e-4)

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from distrain.runtime.health import KEY, declare_dead
@@ -88,3 +89,31 @@ def test_a_joiner_after_the_end_is_told_so():
     with pytest.raises(RunEnded, match="finished training"):
         Membership.enter(store, 2, timeout=30)
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce", "ps"])
+def test_the_survivors_split_every_sample_between_them(algorithm):
+    """After a loss, the survivors (worker ids 0, 2, 3) each take one part of the training set
+    split three ways, together all of it. All-reduce scales the learning rate to their global
+    batch; the parameter servers already do (they divide the survivors' sum by --workers)."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from distrain.algorithms import ALGORITHMS
+    from distrain.config import TrainConfig
+    from distrain.train.loop import lr_schedule, regroup
+
+    cfg = TrainConfig.from_dict({"algorithm": algorithm, "workers": 4, "batch_size": 8, "lr": 0.1,
+                                 "reference_batch": 8})
+    data = TensorDataset(torch.zeros(120, 1), torch.zeros(120, dtype=torch.long))
+    before, _ = lr_schedule(cfg, 4, 0, 100)
+    seen = []
+    for me in (0, 2, 3):
+        opt = SimpleNamespace(workers=3, ids=[0, 2, 3], id=me, algorithm=ALGORITHMS[algorithm])
+        sampler, schedule, global_batch = regroup(cfg, opt, data, before)  # type: ignore[arg-type]
+        seen += sampler.indices.tolist()
+        assert global_batch == 24
+        assert (schedule is before) == (algorithm == "ps")
+        assert schedule.peak_lr == pytest.approx(before.peak_lr * (1 if algorithm == "ps" else 3 / 4))
+    assert sorted(seen) == list(range(120))

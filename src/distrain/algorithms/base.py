@@ -83,6 +83,10 @@ class Algorithm:
     #: the survivors' models are averaged (:meth:`realign`) and all go on from the furthest one's
     #: step count.
     realigns: bool = False
+    #: Whether the learning rate follows the live workers' global batch after a loss (linear
+    #: scaling rule); False where the algorithm's own averaging already scales it (parameter
+    #: servers divide the survivors' gradients by ``--workers``).
+    rescales_lr: bool = True
     #: Set by the driver of an elastic run: keep this worker's own gradients of the step in
     #: flight where averaging overwrites them before ``after_backward`` (see ``local_gradients``).
     keep_local: bool = False
@@ -226,6 +230,12 @@ class Algorithm:
         """Transports besides the loop's (an algorithm's own process groups, over the same
         ranks): their traffic counts as this worker's."""
         return []
+
+    def newly_lost(self, force: bool = False) -> dict[int, float]:
+        """Workers this one learned were lost since it last asked (worker id -> Unix time they were
+        declared dead), for algorithms whose survivors go on in the same group; reads the store at
+        most once a second unless ``force``."""
+        return {}
 
     def leads(self, transport: Transport) -> bool:
         """Whether this worker evaluates and writes the summary (``transport``: the loop's):

@@ -63,7 +63,10 @@ dead in the store and serves the others; the round in progress completes without
 worker's push (or with it, if it arrived first: a gradient counts once), and every later round
 sums the survivors' gradients over ``--workers`` as before, i.e. their average at the learning
 rate scaled to the smaller global batch (linear scaling rule). The workers never wait for one
-another, so nothing is redone. At the end the survivors and the servers each register as
+another, so nothing is redone. The workers look in the store once a second for workers the
+servers lost (:meth:`ParameterServer.newly_lost`): the loss becomes a change of members, and
+``distrain train`` splits the data again over the survivors (the learning rate stays: the servers
+scale it). At the end the survivors and the servers each register as
 finished and close the run over those that did (:func:`survivors_transport`). A lost server, a
 hung worker, async mode and node groups still stop the run; a lost worker is not started again.
 
@@ -309,11 +312,16 @@ def survivors_transport(store: dist.Store | None, rank: int, world: int,
     return StoreGroup(store, finished, rank, timeout), lost
 
 
+#: How often a worker of an elastic run looks in the store for workers the servers lost (seconds).
+LOST_CHECK_S = 1.0
+
+
 class ParameterServer(Algorithm):
     """The worker side: push gradient shards, pull parameter shards."""
 
     name = "ps"
     compresses = True
+    rescales_lr = False  # the servers divide the survivors' gradients by --workers: already scaled
 
     @classmethod
     def survives(cls, config: Any) -> bool:
@@ -352,6 +360,8 @@ class ParameterServer(Algorithm):
         self._control: StoreGroup | None = None  # over the processes that finished (elastic, some lost)
         self._settled = False  # the processes that finished are known
         self._store: Any = None  # the rendezvous store, to read which workers the servers lost
+        self._known_lost: set[int] = set()
+        self._lost_checked = time.monotonic()
         c = self.config.compress
         self.push: ShardPush | None = None
         self.ratio, self.momentum, self.weight_decay = 1.0, 0.0, 0.0
@@ -453,6 +463,21 @@ class ParameterServer(Algorithm):
             self._control, self.lost_workers = survivors_transport(self._store_client(), dist.get_rank(),
                                                                    dist.get_world_size(), self.config.cluster.timeout)
         return self._control
+
+    def newly_lost(self, force: bool = False) -> dict[int, float]:
+        """Workers the servers declared dead since the last call (elastic runs), so that the loop
+        spreads their data over the survivors."""
+        now = time.monotonic()
+        if not elastic_servers(self.config) or (not force and now - self._lost_checked < LOST_CHECK_S):
+            return {}
+        self._lost_checked = now
+        store = self._store_client()
+        if store is None:
+            return {}
+        new = {r: float(store.get(DEAD_KEY.format(r)).decode()) for r in range(self.num_workers)
+               if r not in self._known_lost and declared_dead(store, r)}
+        self._known_lost.update(new)
+        return new
 
     def leads(self, transport: Transport) -> bool:
         """In an elastic run, while training: the first worker the servers have not lost."""

@@ -485,10 +485,13 @@ def regroup(cfg: TrainConfig, opt: DistributedOptimizer, train_set: Dataset,
             schedule: LRSchedule) -> tuple[ShardSampler, LRSchedule, int]:
     """After an elastic run lost workers: the training set split again over the survivors (so
     every epoch from the next one sees every sample), and the learning rate scaled to the new
-    global batch (linear scaling rule)."""
+    global batch (linear scaling rule) unless the algorithm's averaging already does."""
     parts = split(cfg, train_set, opt.workers)
-    schedule, global_batch = lr_schedule(cfg, opt.workers, schedule.warmup_steps, schedule.total_steps)
-    return ShardSampler(parts[opt.rank], cfg.data.batch_size, cfg.run.seed, opt.id), schedule, global_batch
+    if opt.algorithm.rescales_lr:
+        schedule, global_batch = lr_schedule(cfg, opt.workers, schedule.warmup_steps, schedule.total_steps)
+    else:
+        global_batch = opt.workers * cfg.data.batch_size
+    return ShardSampler(parts[opt.ids.index(opt.id)], cfg.data.batch_size, cfg.run.seed, opt.id), schedule, global_batch
 
 
 def leads(algorithm: Any, transport: Transport) -> bool:
