@@ -46,3 +46,30 @@ def test_loss_curves_are_the_runs_losses(tmp_path):
     assert len(test) == 3
     files = make_plots(group_runs([run]), tmp_path / "out")
     assert tmp_path / "out" / "loss_vs_time.png" in files
+
+
+def test_a_lost_and_a_joined_worker_are_marked_where_they_happened(tmp_path):
+    """The changes of members in summary.json are placed at the time and epoch of the step they
+    happened at (a lost worker 0's lines stop: another worker's line places it), and drawn on
+    the plots against time and epochs."""
+    membership = [{"event": "lost", "workers": [0], "members": [1], "lost_at_step": 4},
+                  {"event": "joined", "workers": [0], "members": [0, 1], "joined_at_step": 9},
+                  {"event": "lost", "workers": [1], "members": [0], "lost_at_step": 99}]  # after the last step
+    for name in ("plain", "churn", "gap"):
+        make_run(tmp_path / name, workers=2, steps=12, evals=3)
+        if name != "plain":
+            path = tmp_path / name / "summary.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "membership": membership}))
+    rank0 = tmp_path / "gap" / "metrics" / "rank0.jsonl"
+    rank0.write_text("\n".join(x for x in rank0.read_text().splitlines() if not 4 <= json.loads(x)["step"] <= 9) + "\n")
+    plain, churn, gap = (load_runs([tmp_path / name])[0] for name in ("plain", "churn", "gap"))
+    assert plain.membership_events() == []
+    for run in (churn, gap):
+        events = run.membership_events()
+        assert [(e, line["step"], line["time"]) for e, line in events] == [("lost", 4, 0.4), ("joined", 9, 0.9)]
+        assert [run.epoch_of(line) for _, line in events] == [1.0, 2.25]
+    drawn = {p.name: p.read_bytes() for p in make_plots(group_runs([churn]), tmp_path / "churn-out")}
+    clean = {p.name: p.read_bytes() for p in make_plots(group_runs([plain]), tmp_path / "plain-out")}
+    for name in ("accuracy_vs_time.png", "accuracy_vs_epoch.png", "loss_vs_time.png"):
+        assert drawn[name] != clean[name], name  # the same metrics: only the marks differ
+    assert drawn["bytes_sent_per_worker.png"] == clean["bytes_sent_per_worker.png"]  # and nothing else does

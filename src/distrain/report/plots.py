@@ -82,16 +82,50 @@ def aggregate(curves: list[list[tuple[float, float]]]) -> Curve:
     return xs, mean, lo, hi
 
 
+#: How a change of members is marked: a dotted vertical line with this marker at the top.
+EVENT_MARKERS = {"lost": "v", "joined": "^"}
+
+
+def _mark_events(ax: Any, runs: list[RunData], color: Any, x_of: Callable[[RunData, dict[str, Any]], float]) -> set[str]:
+    """A dotted vertical line, marked at the top, where a worker was lost or joined in each run
+    (``x_of``: the x of a metrics line); returns the kinds drawn."""
+    kinds = set()
+    for run in runs:
+        for event, line in run.membership_events():
+            x = x_of(run, line)
+            ax.axvline(x, color=color, linestyle=":", linewidth=1.0, alpha=0.8)
+            ax.plot([x], [1.0], marker=EVENT_MARKERS.get(event, "o"), color=color, markersize=6,
+                    transform=ax.get_xaxis_transform(), clip_on=False)
+            kinds.add(event)
+    return kinds
+
+
+def _event_legend(ax: Any, kinds: set[str]) -> int:
+    """Legend entries for the kinds of change drawn; returns how many."""
+    for event in sorted(kinds):
+        ax.plot([], [], linestyle=":", marker=EVENT_MARKERS.get(event, "o"), color="0.3", label=f"worker {event}")
+    return len(kinds)
+
+
+def _time_of(run: RunData, line: dict[str, Any]) -> float:
+    return float(line["time"])
+
+
 def _lines(groups: Groups, curve_of: Callable[[RunData], list[tuple[float, float]]], path: str | Path, *,
-           title: str, xlabel: str, ylabel: str, logy: bool = False) -> Path | None:
-    """One mean line with a min-max band per configuration; None when no run has data."""
+           title: str, xlabel: str, ylabel: str, logy: bool = False,
+           event_x: Callable[[RunData, dict[str, Any]], float] | None = None) -> Path | None:
+    """One mean line with a min-max band per configuration; None when no run has data. With
+    ``event_x`` (the x of a metrics line), changes of members are marked (:func:`_mark_events`)."""
     fig, ax = _figure()
     palette = colors(groups)
     drawn, positive, entries = False, True, 0
+    kinds: set[str] = set()
     for label, runs in groups.items():
         curves = [c for c in (curve_of(r) for r in runs) if c]
         if not curves:
             continue
+        if event_x is not None:
+            kinds |= _mark_events(ax, runs, palette[label], event_x)
         entries += 1
         xs, mean, lo, hi = aggregate(curves)
         suffix = f" (n={len(curves)})" if len(curves) > 1 else ""
@@ -108,7 +142,7 @@ def _lines(groups: Groups, curve_of: Callable[[RunData], list[tuple[float, float
     if logy and positive:  # a zero (exact consensus, say) has no place on a log axis
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
-    _legend(ax, entries)
+    _legend(ax, entries + _event_legend(ax, kinds))
     return _save(fig, path)
 
 
@@ -121,7 +155,8 @@ def plot_accuracy(groups: Groups, x: str, path: str | Path) -> Path | None:
 
     xlabel = "training wall time (s, evaluation excluded)" if x == "time" else "epoch"
     return _lines(groups, curve, path, title=f"Test accuracy vs {'wall time' if x == 'time' else 'epochs'}",
-                  xlabel=xlabel, ylabel="test accuracy (%)")
+                  xlabel=xlabel, ylabel="test accuracy (%)",
+                  event_x=_time_of if x == "time" else lambda run, line: run.epoch_of(line))
 
 
 def quality_of(run: RunData) -> tuple[str, str] | None:
@@ -297,7 +332,9 @@ def plot_loss(groups: Groups, path: str | Path) -> Path | None:
     fig, ax = _figure(8.5, 4.8)
     palette = colors(groups)
     entries = 0
+    kinds: set[str] = set()
     for label, runs in groups.items():
+        kinds |= _mark_events(ax, runs, palette[label], _time_of)
         pairs = [loss_curves(r) for r in runs]
         for index, style, kind in ((0, "-", "train"), (1, "--", "test")):
             curves = [p[index] for p in pairs if p[index]]
@@ -313,7 +350,7 @@ def plot_loss(groups: Groups, path: str | Path) -> Path | None:
     ax.set_xlabel("training wall time (s, evaluation excluded)")
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
-    _legend(ax, entries)
+    _legend(ax, entries + _event_legend(ax, kinds))
     return _save(fig, path)
 
 
