@@ -2,8 +2,9 @@
 killed every 30 s with restarts on.
 
 For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2``,
-``ps`` (with 2 servers; a worker is killed, never a server), ``adpsgd`` and ``prague`` go on too;
-the last three take no restarts), on the default
+``ps`` (with 2 servers; a worker is killed), ``ps-server`` (ps with 2 servers, one of them
+killed: the other takes over its parameters), ``adpsgd`` and ``prague`` go on too; the last four
+take no restarts), on the default
 job (``distrain train``: MNIST-1D, the CNN, 4 workers) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -58,10 +59,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 WORKERS = 4
 TIMEOUT_S = 600
-#: Flags an algorithm needs besides ``--algorithm`` (ps: two servers; the victim is a worker).
-EXTRA = {"ps": ("--servers", "2")}
+#: Flags an algorithm needs besides ``--algorithm`` (ps: two servers; the victim is a worker,
+#: or for ``ps-server`` one of the servers).
+EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2")}
+#: Cases that run another algorithm than their name.
+ALGORITHM = {"ps-server": "ps"}
 #: Algorithms whose lost workers are not started again (no kill + restart case).
-NO_RESTARTS = {"ps", "adpsgd", "prague"}
+NO_RESTARTS = {"ps", "ps-server", "adpsgd", "prague"}
 
 
 def children(pid: int) -> list[int]:
@@ -96,7 +100,7 @@ def train(run_dir: Path, algorithm: str, seed: int, *flags: str, env: dict | Non
           killer: threading.Event | None = None, kill_every: float = 0.0) -> dict:
     """One ``distrain train`` run; with ``kill_every``, a random live worker is killed every so many
     seconds (until the run ends). Returns what the run showed."""
-    cmd = [sys.executable, "-m", "distrain", "train", "--algorithm", algorithm, "--workers", str(WORKERS),
+    cmd = [sys.executable, "-m", "distrain", "train", "--algorithm", ALGORITHM.get(algorithm, algorithm), "--workers", str(WORKERS),
            "--seed", str(seed), "--no-progress", "--run-dir", str(run_dir), *EXTRA.get(algorithm, ()), *flags]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
@@ -144,6 +148,8 @@ def useful_samples(summary: dict, batch: int) -> float:
 def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps: int, reference: float) -> dict:
     rng = random.Random(1000 * seed + restart)
     victim = rng.randrange(WORKERS)
+    if algorithm == "ps-server":  # one of the two servers (global ranks after the workers')
+        victim = WORKERS + rng.randrange(2)
     step = rng.randint(max(1, int(0.05 * total_steps)), int((0.5 if restart else 0.95) * total_steps))
     mark = tmp / f"{algorithm}-{seed}-{restart}-mark"
     run_dir = tmp / f"{algorithm}-{seed}-{'restart' if restart else 'kill'}"
@@ -156,6 +162,9 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
     if not lost and summary and summary.get("lost_workers"):  # no membership change: the servers lost it
         declared = summary["lost_workers"]
         lost = [{"unix_time": min(declared.values()), "workers": sorted(int(r) for r in declared)}]
+    if not lost and summary and summary.get("lost_servers"):  # taken over by the other servers
+        declared = summary["lost_servers"]
+        lost = [{"unix_time": min(declared.values()), "workers": sorted(WORKERS + int(s) for s in declared)}]
     row = {"seed": seed, "victim": victim, "step": step, "restart": restart, **out,
            "workers_at_end": summary["workers_at_end"] if summary else None,
            "final_test_accuracy": summary["final_test_accuracy"] if summary else None,
@@ -163,7 +172,7 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
            "lost": lost[0]["workers"] if lost else None}
     row["accuracy_minus_no_fault"] = (row["final_test_accuracy"] - reference
                                       if row["final_test_accuracy"] is not None else None)
-    want = WORKERS if restart else WORKERS - 1
+    want = WORKERS if restart or algorithm == "ps-server" else WORKERS - 1
     row["passed"] = (out["returncode"] == 0 and not out["hung"] and not out["left_running"]
                      and row["lost"] == [victim] and row["workers_at_end"] == want)
     return row

@@ -9,6 +9,7 @@ it average the survivors' only (no step lost, none applied twice), under SGD wit
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,12 +40,12 @@ def reference(victim: int, at: int, back: int | None = None, steps: int = STEPS,
 
 
 def launch(out: Path, victim: int, at: int, where: str, *flags: str,
-           settings: dict | None = None) -> subprocess.CompletedProcess:
+           settings: dict | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the script through ``distrain launch --workers 4`` with ``flags`` (and the script's
-    wrap() ``settings``)."""
+    wrap() ``settings``; ``env``: the launcher's environment)."""
     command = [sys.executable, "-m", "distrain", "launch", "--workers", str(WORKERS), "--timeout", "60", *flags,
                str(SCRIPT), str(out), str(STEPS), str(victim), str(at), where, *([json.dumps(settings)] if settings else [])]
-    return subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=Path(__file__).parents[2])
+    return subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=Path(__file__).parents[2], env=env)
 
 
 def rejoin(tmp_path: Path, victim: int, at: int,
@@ -299,3 +300,38 @@ def test_parameter_servers_serve_the_workers_left(tmp_path: Path):
         torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
     assert not (tmp_path / f"worker{victim}.pt").exists()
     assert not torch.allclose(ps_reference(victim, STEPS), expected, atol=1e-4)
+
+
+def ps_takeover_reference(lost: tuple[int, int], at: int, steps: int = STEPS, lr: float = 0.1,
+                          momentum: float = 0.9) -> torch.Tensor:
+    """SGD with momentum on every worker's gradient, the momentum of the parameters in ``lost``
+    (a lost server's range) starting again from zero at step ``at`` (the step redone by the
+    servers that took them over)."""
+    w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
+    buf = None
+    for step in range(steps):
+        g = torch.stack([gradient(r, step) for r in range(WORKERS)]).mean(0)
+        buf = g.clone() if buf is None else momentum * buf + g
+        if step == at:
+            buf[lost[0] : lost[1]] = g[lost[0] : lost[1]]
+        w = w - lr * buf
+    return w
+
+
+def test_parameter_servers_take_over_a_lost_server(tmp_path: Path):
+    """Three servers over 10 parameters ([0, 4), [4, 7), [7, 10)); server 1 is killed as step 3
+    begins: every worker finds its push failing, and the two others take over [4, 6) and [6, 7)
+    from a worker's copy, redo step 3 on them with every worker's gradient (their momentum starts
+    again) and serve them from then on: no step lost or applied twice."""
+    at, workers = 3, list(range(WORKERS))
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:{at}"}
+    done = launch(tmp_path, -1, at, "start", "--servers", "3", settings={"algorithm": "ps"}, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "took over parameters [(4, 6)] of lost server 1 at step 4" in done.stderr
+    assert "took over parameters [(6, 7)] of lost server 1 at step 4" in done.stderr
+    expected = ps_takeover_reference((4, 7), at)
+    for r in workers:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["steps"] == STEPS and result["workers"] == WORKERS and result["changes"] == [], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(reference(-1, STEPS), expected, atol=1e-4)  # the reset shows

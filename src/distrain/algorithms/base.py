@@ -93,6 +93,9 @@ class Algorithm:
     #: Workers lost and left behind during the run (rank -> when declared dead); asynchronous
     #: algorithms only.
     lost_workers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
+    #: Parameter servers lost during the run (server index -> when declared dead); their
+    #: parameters were taken over by the others.
+    lost_servers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
 
     @classmethod
     def survives(cls, config: Any) -> bool:

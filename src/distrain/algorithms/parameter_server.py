@@ -67,8 +67,18 @@ another, so nothing is redone. The workers look in the store once a second for w
 servers lost (:meth:`ParameterServer.newly_lost`): the loss becomes a change of members, and
 ``distrain train`` splits the data again over the survivors (the learning rate stays: the servers
 scale it). At the end the survivors and the servers each register as
-finished and close the run over those that did (:func:`survivors_transport`). A lost server, a
-hung worker, async mode and node groups still stop the run; a lost worker is not started again.
+finished and close the run over those that did (:func:`survivors_transport`).
+
+A lost server (uncompressed pushes, two servers or more): every worker finds its push or pull
+failing, and once the server is declared dead the workers agree in the store that they all lost
+it at the same step (it answered nobody; pulls land in a spare buffer, so each worker still holds
+the last parameters it answered). The live servers split its ranges between them
+(:class:`ShardLayout`), take their pieces' parameters from one worker, redo the step on them with
+every worker's gradient and a fresh optimizer state (logged), and serve their shard and pieces as
+one from then on: no step lost or applied twice. A server lost while it answered some workers and
+not others, a hung worker, async mode, node groups and a lost server with compressed pushes (or
+the only one) still stop the run; a lost worker is not started again, and a run whose servers
+took over another's cannot resume from its checkpoints.
 
 The servers step the workers' optimizer on their shards: the same class and hyperparameters
 (:func:`server_optimizer`; one parameter group, or groups that differ only in their
@@ -120,6 +130,14 @@ log = logging.getLogger(__name__)
 HEADER = 3  # shard_numel, total_steps, steps_per_epoch
 #: The clock a worker pushes when its training has ended (no gradient follows).
 STOP = -1
+#: The clock of a worker's header that announces a takeover of a lost server's ranges (a
+#: :data:`TAKEOVER_FIELDS` message follows; see :meth:`ShardServer._take_over`).
+TAKEOVER = -2
+#: The takeover message: lost server, the worker that sends its parameters, the step redone,
+#: the number of parameters (the whole model's).
+TAKEOVER_FIELDS = 4
+#: Store keys of the workers' agreement on a lost server (see :meth:`ParameterServer._agree`).
+TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/takeover/{}/{}"
 #: The largest shard a server accepts, and worker 0 sends (float32 parameters): 8 GiB.
 MAX_SHARD_BYTES = 2**33
 #: Shard-sized buffers a server keeps besides one gradient per pusher: the shard, its gradient,
@@ -290,6 +308,80 @@ def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
     return bounds
 
 
+class ShardLayout:
+    """Which ranges of the flat parameter vector each server owns: its own shard at first, and
+    pieces of lost servers' ranges after takeovers. Workers and servers each keep a copy and
+    apply the same takeovers in the same order, so the copies agree; a server's shard is its
+    ranges concatenated in order.
+
+    Example::
+
+        layout = ShardLayout(shard_bounds(10, 3))   # [(0, 4)], [(4, 7)], [(7, 10)]
+        layout.take_over(1)                          # {0: [(4, 6)], 2: [(6, 7)]}
+        layout.owned[2]                              # [(7, 10), (6, 7)]
+    """
+
+    def __init__(self, bounds: list[tuple[int, int]]) -> None:
+        self.owned = {s: [b] for s, b in enumerate(bounds)}
+
+    def live(self) -> list[int]:
+        return sorted(self.owned)
+
+    def numel(self, server: int) -> int:
+        return sum(hi - lo for lo, hi in self.owned[server])
+
+    def take_over(self, lost: int) -> dict[int, list[tuple[int, int]]]:
+        """Split ``lost``'s ranges over the live servers (each range in nearly equal pieces, in
+        server order); returns the pieces each live server gained."""
+        ranges = self.owned.pop(lost)
+        live = self.live()
+        gained: dict[int, list[tuple[int, int]]] = {s: [] for s in live}
+        for lo, hi in ranges:
+            for s, (a, b) in zip(live, shard_bounds(hi - lo, len(live)), strict=True):
+                if b > a:
+                    gained[s].append((lo + a, lo + b))
+                    self.owned[s].append((lo + a, lo + b))
+        return gained
+
+
+def gather_ranges(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """``flat``'s ``ranges`` concatenated (a view when there is one)."""
+    if len(ranges) == 1:
+        return flat[ranges[0][0] : ranges[0][1]]
+    return torch.cat([flat[lo:hi] for lo, hi in ranges])
+
+
+def scatter_ranges(flat: torch.Tensor, ranges: list[tuple[int, int]], values: torch.Tensor) -> None:
+    """Write ``values`` (``ranges`` concatenated) into ``flat``."""
+    offset = 0
+    for lo, hi in ranges:
+        flat[lo:hi].copy_(values[offset : offset + hi - lo])
+        offset += hi - lo
+
+
+def merged_optimizer(old: torch.optim.Optimizer, old_param: torch.nn.Parameter, new: torch.optim.Optimizer,
+                     new_param: torch.nn.Parameter) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    """One parameter, ``old_param`` then ``new_param``, and an optimizer of ``old``'s class and
+    settings whose state is both optimizers' state concatenated (zeros where one has none yet;
+    scalar state such as Adam's step count is ``old``'s)."""
+    param = torch.nn.Parameter(torch.cat([old_param.data, new_param.data]))
+    param.grad = torch.zeros_like(param)
+    merged = type(old)([param], **old.defaults)
+    a, b = old.state.get(old_param, {}), new.state.get(new_param, {})
+    state: dict[str, Any] = {}
+    for key in list(a) + [k for k in b if k not in a]:
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, torch.Tensor) and x.shape == old_param.shape or isinstance(y, torch.Tensor) and y.shape == new_param.shape:
+            x = x if isinstance(x, torch.Tensor) and x.shape == old_param.shape else torch.zeros_like(old_param.data)
+            y = y if isinstance(y, torch.Tensor) and y.shape == new_param.shape else torch.zeros_like(new_param.data)
+            state[key] = torch.cat([x, y])
+        else:
+            state[key] = x if x is not None else y
+    if state:
+        merged.state[param] = state
+    return param, merged
+
+
 def elastic_servers(cfg: TrainConfig) -> bool:
     """Whether the servers go on without a lost worker (see the module docstring)."""
     c = cfg.cluster
@@ -349,6 +441,7 @@ class ParameterServer(Algorithm):
         self.flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to(torch.float32)
         self.grad = torch.zeros_like(self.flat)
         self.bounds = shard_bounds(self.flat.numel(), len(self.servers))
+        self.layout = ShardLayout(self.bounds)
         largest = max(hi - lo for lo, hi in self.bounds) * 4
         if largest > MAX_SHARD_BYTES:
             raise ConfigError("--servers", f"{len(self.servers)} servers would each hold up to {largest / GIB:.1f} GiB of "
@@ -372,6 +465,10 @@ class ParameterServer(Algorithm):
                 compressor = MomentumCorrection(compressor.inner, self.momentum)
             self.push = ShardPush(compressor)
             self.density = DensityWarmup(compressor.ratio, *c.density_schedule())
+        #: the others take over a lost server's ranges (elastic, uncompressed, two servers or more);
+        #: pulls then land in a second buffer, so a failed one leaves the last parameters whole
+        self.takes_over = elastic_servers(self.config) and self.push is None and len(self.servers) > 1
+        self._spare = self.flat.clone() if self.takes_over else None
         # --workers-per-node: sum inside the node; only its leader talks to the servers
         k = self.config.algo.workers_per_node
         self.nodes = (NodeGroups(transport, k, timeout=self.config.cluster.timeout, workers=self.num_workers)
@@ -428,6 +525,9 @@ class ParameterServer(Algorithm):
         assert self.optimizer is not None
         self._clock_header[0] = self.clock
         self._clock_header[1:] = torch.tensor([float(self.optimizer.param_groups[0]["lr"])], dtype=torch.float64).view(torch.int64)
+        if self.takes_over:
+            self._push_pull_elastic()
+            return
         handles: list[Handle] = []
         for shard, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
             handles.append(self.transport.send(self._clock_header, server))
@@ -440,6 +540,107 @@ class ParameterServer(Algorithm):
         for h in handles:
             h.wait()
 
+    def _push_pull_elastic(self) -> None:
+        """The push and pull of a run whose servers may be lost: each live server's ranges; the
+        pulls land in the spare buffer, which becomes the parameters once every server answered.
+        A server lost on the way is taken over by the others (:meth:`_take_over`)."""
+        assert self._spare is not None
+        pending: dict[int, tuple[torch.Tensor, list[Handle]]] = {}
+        lost: list[tuple[int, BaseException]] = []
+        for s in self.layout.live():
+            ranges, server = self.layout.owned[s], self.servers[s]
+            into = gather_ranges(self._spare, ranges) if len(ranges) == 1 else torch.empty(self.layout.numel(s))
+            try:  # a connection already closed fails here, not at the wait
+                pending[s] = (into, [self.transport.send(self._clock_header, server),
+                                     self.transport.send(gather_ranges(self.grad, ranges), server),
+                                     self.transport.recv(into, server)])
+            except Exception as exc:
+                if not is_comm_error(exc):
+                    raise
+                lost.append((s, exc))
+        for s, (into, handles) in pending.items():
+            try:
+                for h in handles:
+                    h.wait()
+            except Exception as exc:
+                if not is_comm_error(exc):
+                    raise
+                lost.append((s, exc))
+                continue
+            if len(self.layout.owned[s]) > 1:
+                scatter_ranges(self._spare, self.layout.owned[s], into)
+        if not lost:
+            self.flat, self._spare = self._spare, self.flat
+            return
+        for s in pending:  # the live servers' answers; the lost ones' ranges keep the last parameters
+            if s not in dict(lost):
+                scatter_ranges(self.flat, self.layout.owned[s], gather_ranges(self._spare, self.layout.owned[s]))
+        for s, exc in lost:
+            self._take_over(s, exc)
+        self._spare.copy_(self.flat)
+
+    def _take_over(self, s: int, exc: BaseException) -> None:
+        """Server ``s`` is lost while this step's pushes were out (its connection reset): once it
+        is declared dead, the workers agree (:meth:`_agree`) and send every live server a
+        takeover: the servers split its ranges between them (:class:`ShardLayout`), start them
+        from the parameters of the last step it answered (from one worker) with fresh optimizer
+        state, redo this step on them with every live worker's gradient, and answer the new
+        parameters. No step is lost or applied twice."""
+        store = self._store_client()
+        rank = self.servers[s]
+        deadline = time.monotonic() + self.config.cluster.timeout
+        while store is None or not declared_dead(store, rank):  # the launcher declares an exited process dead
+            if store is None or time.monotonic() > deadline:
+                raise exc
+            time.sleep(0.02)
+        leader = self._agree(store, s)
+        gained = self.layout.take_over(s)
+        me, numel = self.transport.rank, self.flat.numel()
+        log.warning("worker %d: lost server %d at step %d; servers %s take over its parameters", me, s, self.clock,
+                    [t for t, pieces in gained.items() if pieces])
+        header = self._clock_header.clone()
+        header[0] = TAKEOVER
+        message = torch.tensor([s, leader, self.clock, numel], dtype=torch.int64)
+        handles: list[Handle] = []
+        answers: dict[int, torch.Tensor] = {}
+        for t, pieces in gained.items():
+            server = self.servers[t]
+            handles += [self.transport.send(header, server), self.transport.send(message, server)]
+            if not pieces:
+                continue
+            if me == leader:
+                handles.append(self.transport.send(gather_ranges(self.flat, pieces).contiguous(), server))
+            handles.append(self.transport.send(gather_ranges(self.grad, pieces).contiguous(), server))
+            answers[t] = torch.empty(sum(hi - lo for lo, hi in pieces))
+            handles.append(self.transport.recv(answers[t], server))
+        for h in handles:
+            h.wait()
+        for t, values in answers.items():
+            scatter_ranges(self.flat, gained[t], values)
+
+    def _agree(self, store: Any, s: int) -> int:
+        """The live workers agree on taking over server ``s`` at this step: each registers its
+        step; all must have seen the loss at the same step (the server died before answering
+        anyone), else the run stops with one line. Returns the worker that sends the parameters
+        (the first live one)."""
+        me = self.transport.rank
+        store.set(TAKEOVER_KEY.format(s, me), str(self.clock))
+        deadline = time.monotonic() + self.config.cluster.timeout
+        while True:
+            live = [w for w in range(self.num_workers) if not declared_dead(store, w)]
+            seen = {w: int(store.get(TAKEOVER_KEY.format(s, w)).decode()) for w in live
+                    if store.check([TAKEOVER_KEY.format(s, w)])}
+            if len(seen) == len(live):
+                break
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"worker {me}: lost server {s} at step {self.clock}; workers "
+                                    f"{sorted(set(live) - set(seen))} never reported it")
+            time.sleep(0.02)
+        if set(seen.values()) != {self.clock}:
+            raise WorkerFailure(f"worker {me}: server {s} was lost while it answered step {self.clock} (workers saw it "
+                                f"at steps {seen}); its parameters differ between workers and it cannot be taken over")
+        return live[0]
+
     def apply_update(self, ctx: StepContext) -> None:
         """The servers took the optimizer step."""
 
@@ -449,7 +650,7 @@ class ParameterServer(Algorithm):
             return
         self._ended = True
         stop = torch.tensor([STOP, 0], dtype=torch.int64)
-        for h in [self.transport.send(stop, server) for server in self.servers]:
+        for h in [self.transport.send(stop, self.servers[s]) for s in self.layout.live()]:
             h.wait()
 
     def control_transport(self) -> StoreGroup | None:  # type: ignore[override]
@@ -460,8 +661,10 @@ class ParameterServer(Algorithm):
         if not self._settled:
             assert self.transport is not None
             self._settled = True
-            self._control, self.lost_workers = survivors_transport(self._store_client(), dist.get_rank(),
-                                                                   dist.get_world_size(), self.config.cluster.timeout)
+            self._control, lost = survivors_transport(self._store_client(), dist.get_rank(), dist.get_world_size(),
+                                                      self.config.cluster.timeout)
+            self.lost_workers = {r: t for r, t in lost.items() if r < self.num_workers}
+            self.lost_servers = {r - self.num_workers: t for r, t in lost.items() if r >= self.num_workers}
         return self._control
 
     def newly_lost(self, force: bool = False) -> dict[int, float]:
@@ -555,6 +758,7 @@ class ShardServer:
         self.shard.grad = torch.zeros(numel)
         self.updates = 0
         self._store: Any = None  # the rendezvous store, where lost workers are declared (elastic runs)
+        self.layout: ShardLayout | None = None  # every server's ranges, from the first takeover on
         self.steps = 0  # the workers' steps served (sync: rounds; async: the most any worker pushed)
         self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
         c = cfg.compress
@@ -614,11 +818,15 @@ class ShardServer:
             clocks = headers[live, 0]
             if bool((clocks == STOP).all()):
                 break
+            if bool((clocks == TAKEOVER).any()):
+                grads = self._take_over(live, headers, step, grads)
+                continue
             if not bool((clocks == step + 1).all()):
                 raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers "
                                     f"{[pushers[i] for i in live]} sent clocks {clocks.tolist()} (-1: training ended)")
             for i in list(live):
-                self._with_worker(i, live, step, grads, lambda i=i: (h := self._recv_push(grads[i], pushers[i])) and h.wait())
+                self._with_worker(i, live, step, grads,
+                                  lambda i=i, grads=grads: (h := self._recv_push(grads[i], pushers[i])) and h.wait())
             lr = float(headers[live, 1].clone().view(torch.float64).mean())
             self._step(grads.sum(0).div_(self.num_workers), lr)
             handles = {i: self._with_worker(i, live, step, grads, lambda i=i: self.transport.send(self.shard.data, pushers[i]))
@@ -632,6 +840,53 @@ class ShardServer:
             self._stop_requested(step - 1)
         if step > start_step and not (every and step % every == 0):
             self.save(step)
+
+    def _take_over(self, live: list[int], headers: torch.Tensor, step: int, grads: torch.Tensor) -> torch.Tensor:
+        """Every live worker announced the takeover of a lost server at step ``step``, just served (see
+        :meth:`ParameterServer._take_over`): this server takes its share of the lost ranges
+        (:class:`ShardLayout`), their parameters of the last step answered from one worker, redoes
+        the step on them with every live worker's gradient and a fresh optimizer state, answers
+        them, and from then on serves its shard and its share as one. Returns the buffer of pushes
+        for the larger shard."""
+        pushers = self.pushers
+        clocks = headers[live, 0]
+        if not bool((clocks == TAKEOVER).all()):
+            raise WorkerFailure(f"server {self.index}: a takeover announced by some workers only (clocks {clocks.tolist()})")
+        messages = torch.zeros(len(pushers), TAKEOVER_FIELDS, dtype=torch.int64)
+        for i in list(live):
+            self._with_worker(i, live, step, grads, lambda i=i: self.transport.recv(messages[i], pushers[i]).wait())
+        if not live or not bool((messages[live] == messages[live[0]]).all()):
+            raise WorkerFailure(f"server {self.index}: workers disagree on a takeover: {messages[live].tolist()}")
+        lost, leader, redone, numel = messages[live[0]].tolist()
+        if redone != step:  # the step the live servers just served, the lost one never did
+            raise WorkerFailure(f"server {self.index}: a takeover of step {redone} after serving step {step}")
+        if self.layout is None:
+            self.layout = ShardLayout(shard_bounds(numel, self.cfg.ps.servers))
+        pieces = self.layout.take_over(lost)[self.index]
+        if not pieces:
+            log.warning("server %d: server %d is lost; the others take over its parameters", self.index, lost)
+            return grads
+        n = sum(hi - lo for lo, hi in pieces)
+        piece = torch.nn.Parameter(torch.empty(n))
+        self.transport.recv(piece.data, leader).wait()
+        pushed = torch.zeros(len(pushers), n)
+        for i in list(live):
+            self._with_worker(i, live, step, pushed, lambda i=i: self.transport.recv(pushed[i], pushers[i]).wait())
+        fresh = type(self.optimizer)([piece], **self.optimizer.defaults)
+        piece.grad = pushed.sum(0).div_(self.num_workers)
+        lr = float(headers[live, 1].clone().view(torch.float64).mean())
+        for group in fresh.param_groups:
+            group["lr"] = lr * self.lr_factor
+        fresh.step()
+        handles = {i: self._with_worker(i, live, step, pushed, lambda i=i: self.transport.send(piece.data, pushers[i]))
+                   for i in list(live)}
+        for i, h in handles.items():
+            if h is not None:
+                self._with_worker(i, live, step, pushed, h.wait)
+        self.shard, self.optimizer = merged_optimizer(self.optimizer, self.shard, fresh, piece)  # type: ignore[arg-type]
+        log.warning("server %d: took over parameters %s of lost server %d at step %d (from worker %d's copy); their "
+                    "optimizer state starts from zero", self.index, pieces, lost, step, leader)
+        return torch.zeros(len(pushers), self.shard.numel())
 
     def _with_worker(self, i: int, live: list[int], step: int, grads: torch.Tensor, fn: Any) -> Any:
         """``fn()``, an exchange with pusher row ``i`` (its result; None once the worker is lost);
@@ -721,6 +976,9 @@ class ShardServer:
 
     def load(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (see :meth:`save`)."""
+        if state["shard"].numel() != self.shard.numel():
+            raise WorkerFailure(f"server {self.index}: its checkpoint holds {state['shard'].numel()} parameters, not "
+                                f"{self.shard.numel()}: it took over a lost server's, and such a run cannot resume")
         self.shard.data.copy_(state["shard"])
         self.optimizer.load_state_dict(state["optimizer"])
 

@@ -445,7 +445,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         lost, run.segment_wall_s,
-                        {**lm_figures(task, train_set, test_set, test_loss), "model_parameters": count_parameters(model)},
+                        {**lm_figures(task, train_set, test_set, test_loss), "model_parameters": count_parameters(model),
+                         **({"lost_servers": {str(s): t for s, t in sorted(algorithm.lost_servers.items())}}
+                            if algorithm.lost_servers else {})},
                         membership=[c.record() for c in opt.changes],
                         workers_at_end=opt.workers if elastic else world - len(lost),
                         leader=opt.id if opt.changes else None,

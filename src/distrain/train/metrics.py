@@ -40,6 +40,8 @@ field                            kind         meaning
                                               (agreement and the new group), at ``unix_time``
 ``membership``                   run total    (summary) those events, one per change;
                                               ``workers_at_end``: how many trained last
+``lost_servers``                 run total    (summary, parameter servers) servers lost and
+                                              taken over by the others: index -> Unix time
 ================================ ============ ================================================
 
 The DDP baselines measure the same fields; DDP waits for its last buckets inside backward, and
