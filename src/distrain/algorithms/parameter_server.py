@@ -366,7 +366,7 @@ def merged_optimizer(old: torch.optim.Optimizer, old_param: torch.nn.Parameter, 
     scalar state such as Adam's step count is ``old``'s)."""
     param = torch.nn.Parameter(torch.cat([old_param.data, new_param.data]))
     param.grad = torch.zeros_like(param)
-    merged = type(old)([param], **old.defaults)
+    merged = type(old)([param], **optimizer_settings(old))
     a, b = old.state.get(old_param, {}), new.state.get(new_param, {})
     state: dict[str, Any] = {}
     for key in list(a) + [k for k in b if k not in a]:
@@ -872,7 +872,7 @@ class ShardServer:
         pushed = torch.zeros(len(pushers), n)
         for i in list(live):
             self._with_worker(i, live, step, pushed, lambda i=i: self.transport.recv(pushed[i], pushers[i]).wait())
-        fresh = type(self.optimizer)([piece], **self.optimizer.defaults)
+        fresh = type(self.optimizer)([piece], **optimizer_settings(self.optimizer))  # type: ignore[arg-type]
         piece.grad = pushed.sum(0).div_(self.num_workers)
         lr = float(headers[live, 1].clone().view(torch.float64).mean())
         for group in fresh.param_groups:

@@ -1,0 +1,70 @@
+"""What parameter servers keep when one is taken over: every parameter owned exactly once after
+each loss, and the optimizer state of the shard kept beside a fresh one for the pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distrain.algorithms.parameter_server import (
+    ShardLayout,
+    gather_ranges,
+    merged_optimizer,
+    scatter_ranges,
+    shard_bounds,
+)
+
+
+def owned_once(layout: ShardLayout, numel: int) -> bool:
+    covered = sorted(i for ranges in layout.owned.values() for lo, hi in ranges for i in range(lo, hi))
+    return covered == list(range(numel))
+
+
+def test_each_loss_spreads_the_lost_ranges_over_the_live_servers():
+    layout = ShardLayout(shard_bounds(10, 3))
+    assert layout.take_over(1) == {0: [(4, 6)], 2: [(6, 7)]}
+    assert layout.owned == {0: [(0, 4), (4, 6)], 2: [(7, 10), (6, 7)]} and owned_once(layout, 10)
+    assert layout.take_over(2) == {0: [(7, 10), (6, 7)]}  # the last one left takes everything
+    assert layout.live() == [0] and layout.numel(0) == 10 and owned_once(layout, 10)
+    tiny = ShardLayout(shard_bounds(3, 3))
+    assert tiny.take_over(0) == {1: [(0, 1)], 2: []}  # a piece of nothing is no piece
+
+
+def test_a_servers_ranges_travel_as_one_tensor_in_their_order():
+    flat = torch.arange(10.0)
+    ranges = [(7, 10), (6, 7)]
+    packed = gather_ranges(flat, ranges)
+    assert packed.tolist() == [7.0, 8.0, 9.0, 6.0]
+    out = torch.zeros(10)
+    scatter_ranges(out, ranges, packed)
+    assert out[6:].tolist() == [6.0, 7.0, 8.0, 9.0] and out[:6].abs().sum() == 0
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_the_shards_state_goes_on_and_the_pieces_start_fresh(kind):
+    """A merged step moves the old part exactly as the old optimizer would have, and the new part
+    exactly as a fresh optimizer steps a parameter of its own (SGD: zero momentum is a fresh
+    buffer)."""
+    def make(p: torch.nn.Parameter) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p], lr=0.1, momentum=0.9) if kind == "sgd" else torch.optim.AdamW([p], lr=0.1)
+
+    old, twin = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    old_opt, twin_opt = make(old), make(twin)
+    for g in (torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, 0.3, -1.0])):
+        for p, o in ((old, old_opt), (twin, twin_opt)):
+            p.grad = g.clone()
+            o.step()
+    piece, fresh_piece = torch.nn.Parameter(torch.full((2,), 5.0)), torch.nn.Parameter(torch.full((2,), 5.0))
+    merged, opt = merged_optimizer(old_opt, old, make(piece), piece)
+    fresh = make(fresh_piece)
+    g_old, g_new = torch.tensor([0.2, -0.1, 0.4]), torch.tensor([1.0, -1.0])
+    merged.grad = torch.cat([g_old, g_new])
+    opt.step()
+    twin.grad, fresh_piece.grad = g_old, g_new
+    twin_opt.step()
+    fresh.step()
+    torch.testing.assert_close(merged.data[:3], twin.data)
+    if kind == "sgd":
+        torch.testing.assert_close(merged.data[3:], fresh_piece.data)
+    else:  # Adam's step count is the shard's: the pieces' bias correction differs, and is logged as reset
+        assert not torch.allclose(merged.data[3:], torch.full((2,), 5.0))
