@@ -296,8 +296,8 @@ class ClusterConfig:
     master_addr: str = _opt("127.0.0.1", "address of rank 0 (local runs bind loopback)")
     master_port: int = _opt(0, "port of rank 0 (0 = pick a free one)")
     timeout: float = _opt(120.0, "seconds any collective or peer may take before the run fails")
-    min_workers: int = _opt(1, "elastic runs (allreduce, diloco): the survivors of a lost worker go on while at least this "
-                            "many workers remain; --min-workers equal to --workers stops the run on any loss")
+    min_workers: int = _opt(1, "elastic runs: the survivors of a lost worker go on while at least this many workers "
+                            "remain; --min-workers equal to --workers stops the run on any loss")
     max_restarts: int = _opt(0, "elastic runs (allreduce, diloco; local launch): start a worker that died again, up to this "
                              "many times in all; it joins the others at a step's end with their state")
 

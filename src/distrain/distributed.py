@@ -146,7 +146,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
         workers = cfg.cluster.workers
         servers = dist.get_world_size() - workers
         group = dist.new_group(list(range(workers))) if servers else None  # collective: servers too
-        if servers and ALGORITHMS[cfg.algo.algorithm].survives(cfg):  # distrain launch keeps the others going
+        if ALGORITHMS[cfg.algo.algorithm].survives(cfg):  # ps, asynchronous gossip: distrain launch keeps the others going
             mark_elastic(store_client(cfg.cluster.timeout))
         if dist.get_rank() >= workers:
             _serve(cfg, optimizer)  # a parameter server: serve until the workers are done, then exit

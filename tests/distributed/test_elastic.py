@@ -335,3 +335,24 @@ def test_parameter_servers_take_over_a_lost_server(tmp_path: Path):
         assert result["steps"] == STEPS and result["workers"] == WORKERS and result["changes"] == [], r
         torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
     assert not torch.allclose(reference(-1, STEPS), expected, atol=1e-4)  # the reset shows
+
+
+def test_asynchronous_gossip_in_a_users_script_goes_on_without_its_generator(tmp_path: Path):
+    """Prague through wrap() and distrain launch, worker 0 (which forms the groups at first)
+    killed as step 3 begins: worker 1 takes over the groups and the three finish their steps and
+    agree on one consensus model."""
+    done = launch(tmp_path, 0, 3, "start", settings={"algorithm": "prague"})
+    assert done.returncode == 0, done.stderr
+    assert "worker 1 forms the groups from now on" in done.stderr
+    results = [torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in (1, 2, 3)]
+    assert all(r["steps"] == STEPS for r in results)
+    for r in results[1:]:
+        torch.testing.assert_close(r["weight"], results[0]["weight"])  # the survivors' consensus
+    assert not (tmp_path / "worker0.pt").exists()
+
+
+def test_min_workers_equal_to_workers_stops_asynchronous_gossip(tmp_path: Path):
+    done = launch(tmp_path, 2, 3, "start", "--min-workers", "4", settings={"algorithm": "adpsgd"})
+    assert done.returncode != 0
+    assert "rank 2" in done.stderr and "killed by SIGKILL" in done.stderr, done.stderr
+    assert not any(tmp_path.glob("worker*.pt"))

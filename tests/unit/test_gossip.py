@@ -253,3 +253,18 @@ def test_a_waiter_gives_up_on_a_blocked_call_and_goes_on_with_a_new_thread():
     release.set()
     assert stuck.wait(10)  # the abandoned call still completes in its own thread
     waiter.close()
+
+
+def test_asynchronous_gossip_honours_min_workers():
+    from distrain.algorithms.adpsgd import ADPSGD
+
+    config = TrainConfig.from_dict({"algorithm": "adpsgd", "workers": 4, "min_workers": 3})
+    assert ADPSGD.survives(config)
+    assert not ADPSGD.survives(TrainConfig.from_dict({"algorithm": "adpsgd", "workers": 4, "min_workers": 4}))
+    algo = ADPSGD.__new__(ADPSGD)
+    algo.config, algo.state = config, SharedModel(torch.zeros(2), rank=0, world=4)
+    algo.state.mark_lost(3)
+    algo._check_members()  # three left: go on
+    algo.state.mark_lost(1)
+    with pytest.raises(WorkerFailure, match=r"lost workers \[1, 3\]; 2 left, fewer than --min-workers 3"):
+        algo._check_members()

@@ -384,7 +384,6 @@ class ADPSGD(AsyncGossip):
     """Asynchronous decentralized SGD (see the module docstring)."""
 
     name = "adpsgd"
-    survives_lost_workers = True  # survivors drop a lost worker and finish (see PairwiseGossip)
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -394,7 +393,7 @@ class ADPSGD(AsyncGossip):
     def build_engine(self, transport: Transport) -> PairwiseGossip:
         g = self.config.gossip
         self.graph = bipartite_graph(self.config.algo.topology, transport.world_size)  # under torchrun: WORLD_SIZE
-        liveness = Liveness.from_env(transport.world_size)
+        liveness = self.liveness(transport.world_size)
         group = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)  # see Waiter
         return PairwiseGossip(self.state, Transport(group, link_model=transport.link_model), self.graph,
                               seed=self.config.run.seed, liveness=liveness, peer_timeout=g.peer_timeout)

@@ -452,6 +452,24 @@ class AsyncGossip(Algorithm):
 
     replicated = False
     synchronous = False
+    survives_lost_workers = True  # the others drop a lost worker and finish (see the engines)
+
+    @classmethod
+    def survives(cls, config: Any) -> bool:
+        """The others go on without a lost worker unless ``--min-workers`` equals ``--workers``."""
+        return config.cluster.min_workers < config.cluster.workers
+
+    def liveness(self, world: int) -> Liveness | None:
+        """Where the engine declares and looks up lost workers; None (a lost worker stops the run,
+        as in a synchronous algorithm) with ``--min-workers`` equal to ``--workers``."""
+        return Liveness.from_env(world) if self.survives(self.config) else None
+
+    def _check_members(self) -> None:
+        """Stop with one line once fewer than ``--min-workers`` workers are left."""
+        lost, floor = self.state.lost, self.config.cluster.min_workers
+        if lost and self.state.world - len(lost) < floor:
+            raise WorkerFailure(f"worker {self.state.rank}: lost workers {sorted(lost)}; {self.state.world - len(lost)} "
+                                f"left, fewer than --min-workers {floor}")
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -521,6 +539,7 @@ class AsyncGossip(Algorithm):
         assert self.optimizer is not None
         if self.engine is not None:
             self.engine.check()
+            self._check_members()
         self.optimizer.step()  # on the copy read before the step; outside the lock
         delta = self._gather(self.new_copy).sub_(self.read_copy)
         self.state.apply_step(delta, self.read_copy)  # x += delta, atomically with any averaging

@@ -670,7 +670,6 @@ class Prague(AsyncGossip):
     """Partial all-reduce in groups of ready workers (see the module docstring)."""
 
     name = "prague"
-    survives_lost_workers = True  # survivors drop a lost worker and finish (see GroupGossip)
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -681,7 +680,7 @@ class Prague(AsyncGossip):
 
     def build_engine(self, transport: Transport) -> GroupGossip:
         g = self.config.gossip
-        liveness = Liveness.from_env(transport.world_size)
+        liveness = self.liveness(transport.world_size)
         # With liveness the control group's waits are bounded by us (see Waiter), gloo's is a backstop.
         data = gossip_group(g.peer_timeout)
         control = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)
