@@ -3,7 +3,10 @@ safeguards on (the default: a copy of each bucket's own gradients as its all-red
 waits that poll the store every 50 ms, a heartbeat a second) against ``--min-workers 4``
 (no elasticity), for the default CNN and the ~1M-parameter MLP, with ``--algorithm`` (default
 ``allreduce``; for ``dpsgd`` the safeguards are the point-to-point waits that run in a thread of
-their own while the caller polls the store).
+their own while the caller polls the store; for ``prague``, the group generator's write of every
+group to the store, the waits for a group that poll the store, and each worker's thread watching
+for the generator's loss: with ``--min-workers 4`` a lost worker stops the run and none of them
+runs).
 
 Per model and repeat (``--repeats``, 3), the two runs go back to back in alternating order; the
 figure is the median over repeats of the per-repeat ratio of training wall times (elastic over
@@ -11,6 +14,7 @@ not elastic), with min and max. No target: it is the price of going on after a l
 
     python benchmarks/bench_elastic_overhead.py
     python benchmarks/bench_elastic_overhead.py --algorithm dpsgd --models cnn1d --out benchmarks/results/elastic_overhead_dpsgd.json
+    python benchmarks/bench_elastic_overhead.py --algorithm prague --models cnn1d --out benchmarks/results/elastic_overhead_prague.json
 
 Writes ``benchmarks/results/elastic_overhead.json``.
 """
