@@ -51,12 +51,15 @@ def test_kill_one_of_four_the_three_survivors_finish_without_it(tmp_path):
     kill_one_of_four(tmp_path, ADPSGD)
 
 
-def test_a_killed_active_worker_is_found_by_its_silence(tmp_path):
-    """Worker 2 is active: its passive neighbours never call it, they notice its silence (no
-    message past --peer-timeout, no heartbeat) and the others finish without it."""
+def test_a_killed_active_worker_is_dropped_without_waiting_for_the_peer_timeout(tmp_path):
+    """Worker 2 is active: its passive neighbours never call it, and worker 0 keeps them busy. The
+    launcher declares it dead the moment it exits, and they drop it from the store's word within a
+    second: the others finish without it long before --peer-timeout (60 s here; before, a busy
+    passive worker only looked when idle, and waited that long)."""
     run_dir = tmp_path / "run"
-    run, summary = run_losing_worker(run_dir, [*QUICK, *ADPSGD_SHORT, "--workers", "4"], rank=2)
+    run, summary = run_losing_worker(run_dir, [*QUICK, *ADPSGD_SHORT, "--workers", "4", "--peer-timeout", "60"], rank=2)
     assert "worker 2 was killed by SIGKILL; the other workers finished without it" in run.stderr
+    assert run.wall < 45, run.wall  # the whole run: about 10 s; waiting for the peer timeout: over 60 s
     steps = summary["steps_per_worker"]
     assert min(steps[i] for i in (0, 1, 3)) > 30
     assert sum(steps) + 30 >= summary["steps"] * 4  # the survivors used the whole (global) budget

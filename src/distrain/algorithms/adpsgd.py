@@ -285,12 +285,20 @@ class PairwiseGossip(GossipEngine):
         for caller in sorted(calling):
             threading.Thread(target=self._listen, args=(caller, inbox), name=f"distrain-adpsgd-listen-{caller}",
                              daemon=True).start()
+        checked = time.monotonic()
         try:
             while calling:
+                # Once a second, busy or not: a caller that died is declared dead at once (by the
+                # launcher, or by a peer), and its DONE will never come. Checked only when idle,
+                # a passive worker that another caller keeps busy waited for the peer timeout.
+                if time.monotonic() - checked >= 1.0:
+                    self._drop_lost_callers(calling)
+                    checked = time.monotonic()
+                    if not calling:
+                        break
                 try:
                     src, theirs, served = inbox.get(timeout=1.0)
-                except queue.Empty:  # idle: see whether the callers left are still there
-                    self._drop_lost_callers(calling)
+                except queue.Empty:
                     continue
                 self._heard[src] = time.monotonic()
                 try:
