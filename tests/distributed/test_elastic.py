@@ -351,6 +351,7 @@ def test_asynchronous_gossip_in_a_users_script_goes_on_without_its_generator(tmp
     assert not (tmp_path / "worker0.pt").exists()
 
 
+@pytest.mark.slow  # `make test-all`: the all-reduce --min-workers test and the unit test of survives() are the CI's
 def test_min_workers_equal_to_workers_stops_asynchronous_gossip(tmp_path: Path):
     done = launch(tmp_path, 2, 3, "start", "--min-workers", "4", settings={"algorithm": "adpsgd"})
     assert done.returncode != 0
