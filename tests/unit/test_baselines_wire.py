@@ -34,8 +34,8 @@ def test_held_future_completes_when_the_emulated_ring_would() -> None:
     held = meter.hold(done, [nbytes], start)
     time.sleep(0.02)
     assert not held.done()  # the real work is not even finished yet
+    began = time.perf_counter()  # before: the transfer starts inside set_result, in its callback
     done.set_result(torch.ones(3))  # the real all-reduce finishes now: the emulated transfer starts
-    began = time.perf_counter()
     value = held.wait()
     elapsed = time.perf_counter() - began
     assert torch.equal(value, torch.ones(3))
