@@ -203,6 +203,7 @@ def test_finished_run_resumed_under_torchrun_changes_nothing(tmp_path, algorithm
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # `make test-all`: test_resume_matches_uninterrupted_run resumes all-reduce in CI
 def test_four_worker_allreduce_resumes_bitwise(tmp_path):
     """gloo adds 3 or more workers' values in an order set by where a value sits in the bucket:
     the resumed run must use the buckets the first step regrouped (a CNN's gradients are not

@@ -144,6 +144,7 @@ def test_a_gpt_under_allreduce_equals_one_process_on_the_concatenated_batches(tm
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
 
 
+@pytest.mark.slow  # `make test-all`: test_launch_script.py runs wrap() with torchrun's environment in CI
 def test_synchronous_under_torchrun(tmp_path: Path):
     run("torchrun", "allreduce", "sync", tmp_path)
     expected = reference_sync()

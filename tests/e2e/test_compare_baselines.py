@@ -19,6 +19,7 @@ ACCURACY_GAP = {"ddp-fp16": 0.01, "localsgd:2": 0.02, "ddp-powersgd:1": 0.15}
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # `make test-all`: test_ddp_hook.py runs the DDP hooks and test_compare_torchft.py compare's peers in CI
 def test_baselines_run_learn_and_count_their_bytes(tmp_path: Path) -> None:
     def cfg(name: str):
         return small_config(str(tmp_path / name), workers=2, epochs=2, eval_every=1.0, latency="5ms")

@@ -73,6 +73,7 @@ def test_custom_loop_on_an_emulated_network_reports_its_traffic():
         assert float(accuracy) > 0.5
 
 
+@pytest.mark.slow  # `make test-all`: the first example test runs the custom loop, test_link_model.py the delays
 def test_custom_loop_on_edge_waits_what_the_link_model_predicts_for_its_bytes():
     # edge: 20 Mbit/s, 10 ms. An all-reduce of n workers sends 2 (n - 1) / n of the gradients in
     # 2 (n - 1) messages: the wait per step is the bytes sent at the link's rate plus 2 (n - 1)

@@ -10,6 +10,7 @@ from tests.e2e.test_cli import QUICK, TIMEOUT, distrain
 
 
 @pytest.mark.timeout(TIMEOUT + 10)
+@pytest.mark.slow  # `make test-all`: test_report_plots.py draws every plot from recorded runs in CI
 def test_report_plots_a_real_run(tmp_path: Path) -> None:
     run = tmp_path / "runs" / "a"
     res = distrain("train", "--workers", "2", "--run-dir", str(run), *QUICK, "--eval-every", "0.25")
