@@ -584,16 +584,24 @@ class GroupGossip(GossipEngine):
     def _generator_gone(self, generator: int, exc: BaseException) -> None:
         """A wait on the generator's worker failed: once it is declared dead (or its heartbeat
         stopped), declare it dead for all; raise ``exc`` if it stays alive past the timeout."""
+        self._drop_silent([generator], exc, WATCH_S)
+
+    def _drop_silent(self, peers: list[int], exc: BaseException, poll: float) -> list[int]:
+        """After ``exc``, an exchange with ``peers`` failing: wait (polling every ``poll`` s, at
+        most the timeout, then raise ``exc``) until some of them are declared dead or their
+        heartbeat stopped; declare those dead for all, count them done, and return them."""
         assert self.liveness is not None
         if self.rank in self.liveness.dead_ranks():  # we were the silent one (e.g. SIGSTOP)
             raise LeftBehind(self.rank) from exc
         deadline = time.monotonic() + self.timeout
-        while not self.liveness.silent([generator]):  # a heartbeat goes stale seconds after death
+        while not (gone := self.liveness.silent(peers)):  # a heartbeat goes stale seconds after death
             if time.monotonic() >= deadline:
                 raise exc
-            time.sleep(WATCH_S)
-        self.liveness.declare_dead(generator)  # before counting it done: see AsyncGossip._survivors
-        self.state.mark_lost(generator)
+            time.sleep(poll)
+        for peer in gone:
+            self.liveness.declare_dead(peer)  # before counting it done: see AsyncGossip._survivors
+            self.state.mark_lost(peer)
+        return gone
 
     def _succeed(self, live: Liveness) -> int | None:
         """The generator was declared dead: the lowest live rank generates the groups from now on
@@ -638,17 +646,8 @@ class GroupGossip(GossipEngine):
         me = self.rank
         if self.liveness is None or not is_comm_error(exc):
             raise exc
-        if me in self.liveness.dead_ranks():  # we were the silent one (e.g. SIGSTOP)
-            raise LeftBehind(me) from exc
         others = [m for m in members if m != me and m not in self.state.lost]
-        deadline = time.monotonic() + self.timeout
-        while not (gone := self.liveness.silent(others)):  # a heartbeat goes stale seconds after death
-            if time.monotonic() >= deadline:
-                raise exc
-            time.sleep(0.5)
-        for peer in gone:
-            self.liveness.declare_dead(peer)  # before counting it done: see AsyncGossip._survivors
-            self.state.mark_lost(peer)
+        for peer in self._drop_silent(others, exc, 0.5):
             log.warning("worker %d: lost worker %d in a group (%s); going on without it", me, peer,
                         str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
         # A receive of the failed ring may still be posted in the backend and land later: give it
