@@ -1,6 +1,9 @@
 """``distrain compare``: run a grid of configurations on the same model, data and seed, and compare.
 
-The grid is networks x (algorithms x compressors, then baselines): every configuration runs
+The grid is networks x (algorithms x compressors, then named configurations, then baselines):
+a named configuration (``Grid.configs``, a scenario's ``[[configs]]`` tables) is one algorithm
+or baseline with its own settings over the shared ones, e.g. DiLoCo at H = 16 and at H = 64 in
+one comparison. Every configuration runs
 ``repeats`` times, one run after another, each in its own directory ``OUT/<config>/r<k>``
 (repeat k uses seed + k, the same for every configuration). Then it writes
 ``OUT/comparison.json`` (every run's numbers, copied from its summary.json, with its
@@ -46,7 +49,10 @@ from distrain.train.metrics import write_json_atomic
 log = logging.getLogger(__name__)
 
 #: Keys of a scenario file besides its [train] table of shared settings.
-SCENARIO_KEYS = ("name", "description", "algorithms", "compress", "networks", "baselines", "repeats", "baseline", "train")
+SCENARIO_KEYS = ("name", "description", "algorithms", "compress", "networks", "baselines", "configs", "repeats",
+                 "baseline", "train")
+#: Keys of a named configuration besides the settings it overrides.
+CONFIG_KEYS = ("label", "algorithm", "baseline", "compress")
 
 
 @dataclass
@@ -59,6 +65,11 @@ class Grid:
         networks: emulated network presets (``none`` = the real network).
         baselines: PyTorch and torchft baselines (``ddp``, ``ddp-fp16``, ``ddp-powersgd:2``,
             ``localsgd:4``, ``torchft-diloco``, ``torchft-localsgd:16``), run once per network.
+        configs: named configurations, each a dict with ``label``, either ``algorithm`` (with an
+            optional ``compress``) or ``baseline`` (a spec as in ``baselines``), and any settings
+            (TrainConfig field names) that differ from the shared ones, e.g.
+            ``{"label": "diloco H=16", "algorithm": "diloco", "sync_every": 16}``; run on every
+            network after the algorithms x compressors.
         repeats: runs per configuration (repeat k uses seed + k).
         out: output directory.
         baseline: label of the configuration speed-ups are measured against (default: the first).
@@ -72,6 +83,7 @@ class Grid:
     compress: list[str] = field(default_factory=lambda: ["none"])
     networks: list[str] = field(default_factory=lambda: ["none"])
     baselines: list[str] = field(default_factory=list)
+    configs: list[dict[str, Any]] = field(default_factory=list)
     repeats: int = 1
     out: str | Path = "runs/compare"
     baseline: str | None = None
@@ -118,7 +130,7 @@ def check_grid(grid: Grid) -> None:
 
     if not isinstance(grid.repeats, int) or grid.repeats < 1:
         raise ConfigError("--repeats", f"must be an integer >= 1, got {grid.repeats!r}")
-    if not grid.algorithms and not grid.baselines:
+    if not grid.algorithms and not grid.baselines and not grid.configs:
         raise ConfigError("--algorithms", "the grid is empty: give --algorithms and/or --baselines")
     if not grid.algorithms and grid.compress != ["none"]:
         raise ConfigError("--compress", "needs --algorithms: the baselines bring their own compression")
@@ -139,6 +151,60 @@ def check_grid(grid: Grid) -> None:
             raise ConfigError("--network", f"unknown preset {net!r}; choose one of: {', '.join(PRESETS)}")
     for spec in grid.baselines:
         build_peer(spec)
+    for config in grid.configs:
+        check_named(config, ALGORITHMS, build_peer)
+    labels = [c["label"] for c in grid.configs]
+    dupes = sorted({str(x) for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ConfigError("configs", f"label {dupes[0]!r} names more than one configuration")
+
+
+def check_named(config: Any, algorithms: dict[str, Any], build_peer: Callable[[str], Any]) -> None:
+    """Refuse a named configuration without a label, with no or two kinds, or an unknown name."""
+    if not isinstance(config, dict):
+        raise ConfigError("configs", f"each configuration must be a table of settings, got {config!r}")
+    label = config.get("label")
+    if not isinstance(label, str) or not label.strip():
+        raise ConfigError("configs", f"every configuration needs a label (a non-empty string), got {label!r}")
+    if "network" in config:
+        raise ConfigError("configs", f"configuration {label!r}: the scenario's networks apply to every configuration "
+                                     "(no 'network' of its own)")
+    if ("algorithm" in config) == ("baseline" in config):
+        raise ConfigError("configs", f"configuration {label!r} must name exactly one of 'algorithm' and 'baseline'")
+    if "baseline" in config:
+        if "compress" in config:
+            raise ConfigError("configs", f"configuration {label!r}: a baseline brings its own compression (no 'compress')")
+        build_peer(config["baseline"])
+    elif config["algorithm"] not in algorithms:
+        raise ConfigError("configs", f"configuration {label!r}: unknown algorithm {config['algorithm']!r}; "
+                                     f"choose one of: {', '.join(sorted(algorithms))}")
+
+
+def named_cell(config: dict[str, Any], base: TrainConfig, net: str, where: str) -> Cell:
+    """The cell of one named configuration on network ``net`` (its settings over ``base``)."""
+    from distrain.algorithms import ALGORITHMS
+    from distrain.baselines import check_baseline
+
+    label = config["label"]
+    cfg = copy.deepcopy(base)
+    kind = "baseline" if "baseline" in config else "algorithm"
+    name = config.get("baseline") or config["algorithm"]
+    comp = config.get("compress", "none") if kind == "algorithm" else "none"
+    cfg.algo.algorithm, cfg.compress.compress, cfg.network.network = name if kind == "algorithm" else "allreduce", comp, net
+    try:
+        for key, value in config.items():
+            if key not in CONFIG_KEYS:
+                cfg.set(key, value)
+    except ConfigError as exc:  # an unknown or mistyped setting is the file's mistake: refuse the grid
+        raise ConfigError("configs", f"configuration {label!r}: {exc}") from None
+    cell = Cell(label + where, kind, name, comp, net, cfg)
+    if kind == "baseline":
+        cell.reason = _invalid(cfg.validate) or _invalid(lambda: check_baseline(name, cfg))
+    elif comp != "none" and not getattr(ALGORITHMS[name], "compresses", False):
+        cell.reason = f"{name} does not compress its traffic (compress {comp} would be ignored)"
+    else:
+        cell.reason = _invalid(cfg.validate)
+    return cell
 
 
 def build_cells(grid: Grid, base: TrainConfig) -> list[Cell]:
@@ -167,6 +233,7 @@ def build_cells(grid: Grid, base: TrainConfig) -> list[Cell]:
                 else:
                     cell.reason = _invalid(cfg.validate)
                 cells.append(cell)
+        cells += [named_cell(config, base, net, where) for config in grid.configs]
         for spec in grid.baselines:
             cfg = copy.deepcopy(base)
             cfg.algo.algorithm, cfg.compress.compress, cfg.network.network = "allreduce", "none", net
@@ -237,7 +304,7 @@ def run_comparison(grid: Grid, base: TrainConfig, *, echo: Callable[[str], None]
         "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command, "scenario": grid.scenario, "machine": machine_info(), "baseline": baseline,
         "grid": {"algorithms": grid.algorithms, "compress": grid.compress, "networks": grid.networks,
-                 "baselines": grid.baselines, "repeats": grid.repeats},
+                 "baselines": grid.baselines, "configs": grid.configs, "repeats": grid.repeats},
         "settings": base.to_dict(), "configs": [], "plots": [],
     }
     rows: list[dict[str, Any]] = comparison["configs"]
@@ -326,6 +393,10 @@ def load_scenario(path: str | Path) -> tuple[Grid, dict[str, Any], str]:
         [train]
         workers = 4
         epochs = 5
+        [[configs]]              # named configurations: their own settings over [train]
+        label = "diloco H=16"
+        algorithm = "diloco"
+        sync_every = 16
     """
     data = read_config_file(path)
     unknown = sorted(set(data) - set(SCENARIO_KEYS))
@@ -336,6 +407,10 @@ def load_scenario(path: str | Path) -> tuple[Grid, dict[str, Any], str]:
                       ("baselines", "--baselines")):
         if key in data:
             setattr(grid, key, split_list(data[key], flag))
+    configs = data.get("configs", [])
+    if not isinstance(configs, list):
+        raise ConfigError("--scenario", f"{path}: configs must be an array of tables ([[configs]])")
+    grid.configs = configs
     grid.repeats = data.get("repeats", grid.repeats)
     grid.baseline = data.get("baseline")
     name = str(data.get("name") or Path(path).stem)

@@ -15,7 +15,7 @@ from distrain.config import TrainConfig
 from distrain.errors import ConfigError, WorkerFailure
 from tests.unit.test_report import make_run
 
-SPEED = {"allreduce": 1.0, "dpsgd": 2.0, "ddp": 0.9}
+SPEED = {"allreduce": 1.0, "dpsgd": 2.0, "ddp": 0.9, "diloco": 1.5}
 
 
 @pytest.fixture
@@ -123,3 +123,47 @@ def test_scenario_files_may_name_algorithms_not_yet_built(tmp_path: Path) -> Non
     (tmp_path / "bad.toml").write_text('algorithm = ["x"]\n')
     with pytest.raises(ConfigError, match="unknown key 'algorithm'"):
         load_scenario(tmp_path / "bad.toml")
+
+
+def test_named_configurations_run_with_their_own_settings(tmp_path: Path, fake_launch: list[TrainConfig]) -> None:
+    path = tmp_path / "h.toml"
+    path.write_text('name = "sweep"\nalgorithms = ["allreduce"]\nnetworks = ["lan", "edge"]\nbaseline = "ddp @edge"\n'
+                    'baselines = ["ddp"]\n[train]\nworkers = 2\ndataset = "synthetic"\nmodel = "mlp"\nsync_every = 8\n'
+                    '[[configs]]\nlabel = "diloco H=16"\nalgorithm = "diloco"\nsync_every = 16\n'
+                    '[[configs]]\nlabel = "diloco int8"\nalgorithm = "diloco"\ncompress = "int8"\n'
+                    '[[configs]]\nlabel = "peer H=4"\nbaseline = "ddp"\nsync_every = 4\n')
+    grid, train, _ = load_scenario(path)
+    grid.out = tmp_path / "cmp"
+    base_cfg = TrainConfig.from_dict(train)
+    comparison = run_comparison(grid, base_cfg, echo=lambda line: None)
+    assert [row["label"] for row in comparison["configs"]] == [
+        "allreduce @lan", "diloco H=16 @lan", "diloco int8 @lan", "peer H=4 @lan", "ddp @lan",
+        "allreduce @edge", "diloco H=16 @edge", "diloco int8 @edge", "peer H=4 @edge", "ddp @edge"]
+    by_dir = {Path(c.run.run_dir).parent.name: c for c in fake_launch}
+    h16, int8, peer = by_dir["diloco_H_16_edge"], by_dir["diloco_int8_edge"], by_dir["peer_H_4_edge"]
+    assert (h16.algo.algorithm, h16.outer.sync_every, h16.compress.compress, h16.network.network) == ("diloco", 16, "none", "edge")
+    assert (int8.outer.sync_every, int8.compress.compress) == (8, "int8")  # the shared setting where it sets none
+    assert (peer.algo.algorithm, peer.outer.sync_every) == ("allreduce", 4)
+    assert base_cfg.outer.sync_every == 8  # the shared settings are not edited
+    assert comparison["baseline"] == "ddp @edge"
+    saved = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    assert saved["grid"]["configs"][0] == {"label": "diloco H=16", "algorithm": "diloco", "sync_every": 16}
+
+    bad = [
+        ([{"algorithm": "diloco"}], "needs a label"),
+        ([{"label": "x"}], "exactly one of"),
+        ([{"label": "x", "algorithm": "diloco", "baseline": "ddp"}], "exactly one of"),
+        ([{"label": "x", "algorithm": "nope"}], "unknown algorithm 'nope'"),
+        ([{"label": "x", "baseline": "ddp-nope"}], "--baselines"),
+        ([{"label": "x", "baseline": "ddp", "compress": "int8"}], "its own compression"),
+        ([{"label": "x", "algorithm": "diloco", "network": "edge"}], "networks apply to every"),
+        ([{"label": "x", "algorithm": "diloco", "no_such_setting": 1}], "configuration 'x'"),
+        ([{"label": "x", "algorithm": "diloco", "sync_every": "often"}], "configuration 'x'"),
+        ([{"label": "x", "algorithm": "diloco"}, {"label": "x", "algorithm": "allreduce"}], "more than one"),
+        (["diloco"], "table of settings"),
+    ]
+    for configs, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            build_cells(Grid(algorithms=[], configs=configs, out=tmp_path), base())
+    cells = build_cells(Grid(algorithms=[], configs=[{"label": "x", "algorithm": "diloco", "sync_every": 0}]), base())
+    assert cells[0].reason is not None and "--sync-every" in cells[0].reason  # an invalid run is skipped with its reason
