@@ -256,6 +256,9 @@ class RunConfig:
     run_dir: str | None = _opt(None, "run directory (default: runs/<name>)")
     name: str | None = _opt(None, "run name (default: <algorithm>-<dataset>-<time>)")
     eval_every: float = _opt(1.0, "evaluate the test accuracy every this many epochs")
+    eval_samples: int = _opt(0, "evaluations during the run use this many test samples, evenly spread over the test set "
+                             "(the same ones each time; time_to_target_s is judged on them); the final evaluation "
+                             "uses them all (0 = all samples every time)")
     target_accuracy: float = _opt(0.95, "test accuracy whose first crossing gives time_to_target_s")
     target_loss: float | None = _opt(None, "test loss whose first crossing (at or below) gives time_to_target_s "
                                      "instead of --target-accuracy (regression: the mean squared error)")
@@ -271,6 +274,7 @@ class RunConfig:
     def validate(self) -> None:
         check_positive("epochs", self.epochs)
         check_positive("eval_every", self.eval_every)
+        check_positive("eval_samples", self.eval_samples, integer=True, allow_zero=True)
         if not (0 < self.target_accuracy <= 1):
             raise ConfigError("--target-accuracy", f"must be in (0, 1], got {self.target_accuracy!r}")
         if self.target_loss is not None:

@@ -20,7 +20,8 @@ from tests.reliability.common import run_cli
 def test_a_gpt_trains_on_the_local_text_corpus(tmp_path, capsys):
     run_dir = tmp_path / "lm"
     args = ["--model", "gpt", "--dataset", "text", "--workers", "2", "--context", "32", "--model-width", "32",
-            "--model-depth", "1", "--batch-size", "8", "--epochs", "0.004", "--eval-every", "10", "--lr", "0.01",
+            "--model-depth", "1", "--batch-size", "8", "--epochs", "0.004", "--eval-every", "0.003", "--lr", "0.01",
+            "--eval-samples", "40",
             "--optimizer", "adam", "--warmup-epochs", "0", "--run-dir", str(run_dir), "--no-progress"]
     result = run_cli(args, timeout=200, DISTRAIN_CACHE=str(tmp_path / "cache"))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -28,7 +29,9 @@ def test_a_gpt_trains_on_the_local_text_corpus(tmp_path, capsys):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["task"] == "lm" and summary["final_test_accuracy"] is None
     assert summary["final_test_loss"] < math.log(256) - 1.0  # it learned the corpus's byte statistics
-    final = [m for m in read_metrics(run_dir) if "test_loss" in m][-1]
+    evals = [m for m in read_metrics(run_dir) if "test_loss" in m]
+    assert len(evals) == 2  # one during the run (on 40 validation windows), the final one (on all of them)
+    final = evals[-1]
     assert final["test_bpb"] == pytest.approx(final["test_loss"] / math.log(2))
     assert "final test loss" in result.stdout
     # tokens per second: every worker's windows of 32 tokens, over the training time
@@ -43,7 +46,7 @@ def test_a_gpt_trains_on_the_local_text_corpus(tmp_path, capsys):
     assert config["model_parameters"] == sum(p.numel() for p in model.parameters())
     _, val = load_dataset("text", context=32, cache_dir=tmp_path / "cache")
     measured = build_task("lm").evaluate(model, val, torch.device("cpu"))
-    assert measured["test_loss"] == pytest.approx(summary["final_test_loss"], rel=1e-5)
+    assert measured["test_loss"] == pytest.approx(summary["final_test_loss"], rel=1e-5)  # --eval-samples: all at the end
     assert summary["final_val_bpb"] == pytest.approx(summary["final_val_loss"] / math.log(2))
     assert 2.0 < summary["bigram_val_bpb"] < 5.0 and "bigram model" in result.stdout
     # distrain sample continues a prompt with the trained model

@@ -540,3 +540,22 @@ def test_shard_stats_counts_match_a_direct_count() -> None:
     assert json.loads(json.dumps(stats)) == stats
     with pytest.raises(DataError, match="not below num_classes=5"):
         shard_stats(labels, parts, num_classes=5)
+
+
+def test_eval_subset_spreads_a_fixed_choice_over_the_set_and_batches_like_it() -> None:
+    from torch.utils.data import TensorDataset
+
+    from distrain.data.batches import EvenSubset, batches_of, eval_subset
+    from distrain.data.datasets import ArrayDataset
+
+    x, y = torch.arange(100.0).unsqueeze(1), torch.arange(100) % 7
+    for full in (ArrayDataset(x, y), TensorDataset(x, y)):
+        assert eval_subset(full, 0) is full and eval_subset(full, 100) is full and eval_subset(full, 500) is full
+        part = eval_subset(full, 8)
+        assert isinstance(part, EvenSubset) and len(part) == 8
+        picked = [int(part[i][0]) for i in range(8)]
+        assert picked == sorted(set(picked)) and picked[0] == 0 and picked[-1] >= 80  # distinct, spread to the end
+        assert all(b - a in (12, 13) for a, b in zip(picked, picked[1:], strict=False))
+        bx, by = batches_of(part, torch.arange(8))
+        assert bx.squeeze(1).tolist() == picked and by.dtype == torch.int64 and by.tolist() == [p % 7 for p in picked]
+        assert [int(part[i][0]) for i in range(8)] == [int(eval_subset(full, 8)[i][0]) for i in range(8)]  # the same each time

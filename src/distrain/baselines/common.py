@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distrain.baselines.wire import WireMeter
 from distrain.comm.group import check_device, close_group, init_group
 from distrain.config import TrainConfig
-from distrain.data.batches import batches_of
+from distrain.data.batches import batches_of, eval_subset
 from distrain.emulation import Emulation, NetworkSettings
 from distrain.errors import ConfigError, DataError, DistrainError
 from distrain.launch.common import (
@@ -198,6 +198,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     # --- the loop -----------------------------------------------------------------------------
     metrics = MetricsWriter(run_dir, rank)
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
+    probe_set = eval_subset(test_set, cfg.run.eval_samples)  # evaluations during the run; the last one uses all
     time_to_target: float | None = None
     accuracy: float | None = float("nan") if task.labels else None
     test_loss = float("nan")
@@ -238,7 +239,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
             t_eval = time.perf_counter()
             eval_model = peer.eval_model(model)
             if rank == 0:
-                measured = task.evaluate(eval_model, test_set, device)
+                measured = task.evaluate(eval_model, test_set if step + 1 == total_steps else probe_set, device)
                 record.update(measured)
                 accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
                 if time_to_target is None and task.reached(measured, cfg.run.target_accuracy, cfg.run.target_loss):

@@ -39,6 +39,7 @@ from distrain.data import (
     load_worker_shards,
     partition_indices,
 )
+from distrain.data.batches import eval_subset
 from distrain.data.sampler import ShardSampler
 from distrain.distributed import DistributedOptimizer
 from distrain.emulation import NetworkSettings
@@ -292,6 +293,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # a joiner keeps its earlier life's lines up to where it comes back
     metrics = MetricsWriter(run_dir, rank, resume_step=resume_step if joined is None else start_step)
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
+    probe_set = eval_subset(test_set, cfg.run.eval_samples)  # evaluations during the run; the last one uses all
     progress = _progress_bar(cfg, rank, total_steps, start_step)
     time_to_target: float | None = None
     accuracy: float | None = float("nan") if task.labels else None
@@ -385,7 +387,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             eval_model = opt.eval_model()  # collective for decentralized algorithms
             follow_changes()  # a loss found there: the survivors' average is what is evaluated
             if leads(algorithm, transport):
-                measured = task.evaluate(eval_model, test_set, device)
+                measured = task.evaluate(eval_model, probe_set if running else test_set, device)
                 record.update(measured)
                 if tokens_per_sample is not None and algorithm.synchronous and record["time"] > 0:
                     record["tokens_per_s"] = (step + 1) * global_batch * tokens_per_sample / record["time"]
@@ -418,7 +420,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # took then), evaluated only now, so that nobody paused for it.
     for point, eval_model in algorithm.consensus_history():  # collective
         if leads(algorithm, transport):
-            measured = task.evaluate(eval_model, test_set, device)
+            measured = task.evaluate(eval_model, probe_set, device)
             metrics.write({**point, **measured, "snapshot": True})
             if (task.reached(measured, cfg.run.target_accuracy, cfg.run.target_loss)
                     and (time_to_target is None or point["time"] < time_to_target)):
