@@ -243,3 +243,43 @@ def test_bench_link_in_namespaces_reaches_the_cap(tmp_path):
         r = result["results"][op]
         assert 0.8 <= r["utilisation"] <= 1.02, (op, r)  # tc really caps it, and we get most of it
     assert ours(os.getpid()) == []
+
+
+LAUNCHED = """
+import os, time, torch, distrain
+torch.manual_seed(0)
+model = torch.nn.Linear(500, 500)                       # 250,500 parameters: 1,002,000 bytes of gradient
+opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), algorithm="allreduce")
+x = torch.randn(8, 500)
+model(x).sum().backward(); opt.step(); opt.zero_grad()  # a first step: buckets are built
+before, t0 = opt.traffic()["bytes_sent"], time.perf_counter()
+for _ in range(3):
+    model(x).sum().backward(); opt.step(); opt.zero_grad()
+print("RESULT", opt.rank, os.readlink("/proc/self/ns/net"), opt.traffic()["bytes_sent"] - before,
+      time.perf_counter() - t0, flush=True)
+opt.finish()
+"""
+
+
+@needs_netns
+@pytest.mark.timeout(200)
+def test_launch_runs_each_rank_of_a_script_in_a_capped_namespace_and_cleans_up(tmp_path):
+    (tmp_path / "job.py").write_text(LAUNCHED)
+    proc = subprocess.Popen(distrain_cmd("launch", "--workers", "2", "--emulation", "netns", "--bandwidth", "20mbit",
+                                         "--latency", "1ms", "--timeout", "60", "job.py"),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    results = {}
+    for line in out.splitlines():
+        if "RESULT" in line:
+            rank, netns, sent, seconds = line.split("RESULT ", 1)[1].split()
+            results[int(rank)] = (netns, int(sent), float(seconds))
+    assert sorted(results) == [0, 1], out
+    mine = os.readlink("/proc/self/ns/net")
+    assert len({results[0][0], results[1][0], mine}) == 3  # each rank in a namespace of its own
+    for _, sent, seconds in results.values():
+        # a 2-worker ring all-reduce sends each worker's whole gradient once a step: 3 steps of ~1 MB
+        assert sent == pytest.approx(3 * 1_002_000, rel=0.01)
+        assert seconds >= 0.9 * sent * 8 / 20e6  # the cap held: no faster than 20 Mbit/s allows
+    assert ours(proc.pid) == []

@@ -31,7 +31,7 @@ def launch(args: list[str], cwd: Path, timeout: float = 120) -> tuple[subprocess
 @pytest.mark.parametrize("args, flag", [
     (["--bandwidth", "10parsecs", "x.py"], "--bandwidth"),
     (["--workers", "0", "x.py"], "--workers"),
-    (["--emulation", "netns", "x.py"], "--emulation"),
+    (["--emulation", "moon", "x.py"], "--emulation"),
     (["--servers", "-1", "x.py"], "--servers"),
     (["missing.py"], "SCRIPT"),
     ([], "SCRIPT"),

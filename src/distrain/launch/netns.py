@@ -137,6 +137,16 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
+def free_subnet(first: int = 1) -> str:
+    """A ``10.77.X`` subnet (X from ``first`` to 250) that no address of this machine is in, for a
+    cluster whose bridge has an address of this machine's."""
+    used = set(re.findall(r"inet 10\.77\.(\d+)\.", _cmd("ip", "-o", "-4", "addr", "show", check=False).stdout))
+    for x in range(first, 251):
+        if str(x) not in used:
+            return f"10.77.{x}"
+    raise ConfigError("--emulation", "no free 10.77.X.0/24 subnet is left on this machine for the namespaces")
+
+
 def _die_with_parent() -> None:
     """In a child, before exec: get SIGKILL when the launcher dies, however it dies."""
     with contextlib.suppress(Exception):
@@ -152,9 +162,13 @@ class NetnsCluster:
         size: members (workers, or emulated hosts).
         rates: each member's link bandwidth in bits/s (None: unlimited); both directions.
         subnet: the first three octets of the members' addresses.
+        host: give this machine itself an address on the bridge, ``SUBNET.254``, so that a
+            process outside the namespaces (``distrain launch``'s store) serves the members. The
+            subnet then needs to be free on this machine (:func:`free_subnet`).
     """
 
-    def __init__(self, size: int, rates: list[float | None] | None = None, subnet: str = SUBNET) -> None:
+    def __init__(self, size: int, rates: list[float | None] | None = None, subnet: str = SUBNET,
+                 host: bool = False) -> None:
         if not 1 <= size <= 250:
             raise ValueError(f"a cluster has 1 to 250 members, got {size}")
         self.size = size
@@ -162,6 +176,7 @@ class NetnsCluster:
         tag = os.getpid()
         self.namespaces = [f"{PREFIX}-{tag}-{i}" for i in range(size)]
         self.addresses = [f"{subnet}.{i + 1}" for i in range(size)]
+        self.host_address = f"{subnet}.254" if host else None
         self.bridge = f"{LINK_PREFIX}{tag}b"
         self.host_ends = [f"{LINK_PREFIX}{tag}v{i}" for i in range(size)]
         self.interface = INTERFACE
@@ -174,6 +189,8 @@ class NetnsCluster:
         try:
             _cmd("ip", "link", "add", self.bridge, "mtu", str(MTU), "type", "bridge")
             _cmd("ip", "link", "set", self.bridge, "up")
+            if self.host_address is not None:
+                _cmd("ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge)
             for i, (ns, host) in enumerate(zip(self.namespaces, self.host_ends, strict=True)):
                 _cmd("ip", "netns", "add", ns)
                 _cmd("ip", "link", "add", host, "mtu", str(MTU), "type", "veth", "peer", "name", INTERFACE,

@@ -14,9 +14,11 @@ import ctypes.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -62,9 +64,9 @@ class Target:
             raise ConfigError("SCRIPT", f"{self.script!r} is not a file")
 
 
-def check_settings(settings: dict[str, Any], workers: int, servers: int = 0) -> None:
+def check_settings(settings: dict[str, Any], workers: int, servers: int = 0) -> TrainConfig:
     """The emulated network's settings as ``wrap()`` will read them, checked before any process
-    starts (ConfigError naming the flag)."""
+    starts (ConfigError naming the flag); the config they make."""
     if not isinstance(servers, int) or isinstance(servers, bool) or servers < 0:
         raise ConfigError("--servers", f"must be an integer >= 0, got {servers!r}")
     cfg = TrainConfig(**settings)
@@ -74,8 +76,53 @@ def check_settings(settings: dict[str, Any], workers: int, servers: int = 0) -> 
     if servers:
         cfg.ps.validate()
     if cfg.network.emulation == "netns":
-        raise ConfigError("--emulation", "distrain launch emulates the network with the in-process link model "
-                          "(--emulation model); shaped namespaces are available with 'distrain train'")
+        from distrain.launch.netns import require_netns
+
+        require_netns()
+    return cfg
+
+
+class _Namespaces:
+    """``--emulation netns``: each rank (or node of ``--workers-per-node`` ranks) runs in its own
+    network namespace on a bridge, its link capped both ways with ``tc ... tbf`` (bandwidth traces
+    replayed with ``tc qdisc change``); latency still comes from the link model. The bridge holds
+    an address of this machine, where the launcher's store waits for every rank. Removed at the
+    end, however the job ends."""
+
+    def __init__(self, cfg: TrainConfig, world: int, workers: int) -> None:
+        from distrain.emulation import CLOCK_FILE_ENV, NETNS_WORKER_ENV, NetworkSettings
+        from distrain.launch.netns import INTERFACE, NetnsCluster, free_subnet
+
+        self.spec = NetworkSettings.from_config(cfg.network).resolve(world, workers, cfg.algo.workers_per_node)
+        self.host_of = self.spec.nodes  # one namespace per node; its first rank's link is the node's
+        self.firsts = [self.host_of.index(h) for h in range(max(self.host_of) + 1)]
+        self.cluster = NetnsCluster(len(self.firsts), rates=[self.spec.bandwidth(r, 0.0) for r in self.firsts],
+                                    subnet=free_subnet(), host=True)
+        self.work = Path(tempfile.mkdtemp(prefix="distrain-launch-"))
+        self.clock_file = self.work / "clock"  # rank 0 makes it when training starts: t = 0 of the traces
+        self.env = {"GLOO_SOCKET_IFNAME": INTERFACE, NETNS_WORKER_ENV: "1", CLOCK_FILE_ENV: str(self.clock_file),
+                    "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+        self.applier: Any = None
+
+    def open(self) -> None:
+        from distrain.launch.netns import TraceApplier
+
+        self.cluster.create()
+        if any(s is not None for s in self.spec.schedules):
+            self.applier = TraceApplier(self.cluster, self.spec, self.clock_file, ranks=self.firsts).start()
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.host_address)
+
+    def prefix(self, rank: int) -> list[str]:
+        return ["ip", "netns", "exec", self.cluster.namespaces[self.host_of[rank]]]
+
+    def close(self) -> None:
+        if self.applier is not None:
+            self.applier.stop()
+        self.cluster.destroy()
+        shutil.rmtree(self.work, ignore_errors=True)
 
 
 def _die_with_launcher() -> None:
@@ -90,10 +137,11 @@ def _die_with_launcher() -> None:
 class _Process:
     """One rank: its process and the threads copying its output with a rank prefix."""
 
-    def __init__(self, rank: int, target: Target, env: dict[str, str], lock: threading.Lock) -> None:
+    def __init__(self, rank: int, target: Target, env: dict[str, str], lock: threading.Lock,
+                 prefix: list[str] | None = None) -> None:
         self.rank = rank
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self.proc = subprocess.Popen(target.command(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen([*(prefix or []), *target.command()], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_launcher, start_new_session=True)
         self.threads = [threading.Thread(target=self._copy, args=(self.proc.stdout, sys.stdout, False, lock), daemon=True),
                         threading.Thread(target=self._copy, args=(self.proc.stderr, sys.stderr, True, lock), daemon=True)]
@@ -138,30 +186,35 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise ConfigError("--max-restarts", f"must be an integer >= 0, got {max_restarts!r}")
     target.check()
-    check_settings(settings, workers, servers)
+    cfg = check_settings(settings, workers, servers)
     world = workers + servers
-    addr = "127.0.0.1"
-    port = master_port or free_port(addr)
-    store = store_of(addr, port, timeout, host=True)  # outlives every rank: the rendezvous is the launcher's
-    if max_restarts:
-        store.set(RESTARTS_KEY, str(max_restarts))  # the members look for workers joining at every step
-    base = dict(os.environ)
-    base.setdefault("OMP_NUM_THREADS", "1")
-    base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1",
-                **{SETTINGS_ENV: json.dumps(settings)})
     lock = threading.Lock()
     procs: list[_Process] = []
     interrupted: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _frame: interrupted.append(signum))
                 for s in (signal.SIGINT, signal.SIGTERM)}
-    def start(rank: int, joining: bool = False) -> _Process:
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-        if joining:
-            env[JOIN_ENV] = "1"
-        return _Process(rank, target, env, lock)
-
+    namespaces = _Namespaces(cfg, world, workers) if cfg.network.emulation == "netns" else None
+    store = None
     try:
+        if namespaces is not None:
+            namespaces.open()
+        addr = "127.0.0.1" if namespaces is None else namespaces.address
+        port = master_port or free_port(addr)
+        store = store_of(addr, port, timeout, host=True)  # outlives every rank: the rendezvous is the launcher's
+        if max_restarts:
+            store.set(RESTARTS_KEY, str(max_restarts))  # the members look for workers joining at every step
+        base = dict(os.environ)
+        base.setdefault("OMP_NUM_THREADS", "1")
+        base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                    GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1",
+                    **{SETTINGS_ENV: json.dumps(settings)}, **(namespaces.env if namespaces is not None else {}))
+
+        def start(rank: int, joining: bool = False) -> _Process:
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            if joining:
+                env[JOIN_ENV] = "1"
+            return _Process(rank, target, env, lock, prefix=None if namespaces is None else namespaces.prefix(rank))
+
         for rank in range(world):
             procs.append(start(rank))
         restart = Restarts(max_restarts, lambda rank: start(rank, joining=True))
@@ -172,9 +225,11 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
             p.proc.wait()
             for t in p.threads:
                 t.join(timeout=5)
+        del store
+        if namespaces is not None:
+            namespaces.close()  # after every rank is gone
         for s, handler in previous.items():
             signal.signal(s, handler)
-        del store
 
 
 def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float, store: Any = None,
