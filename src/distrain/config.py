@@ -262,6 +262,9 @@ class RunConfig:
     target_accuracy: float = _opt(0.95, "test accuracy whose first crossing gives time_to_target_s")
     target_loss: float | None = _opt(None, "test loss whose first crossing (at or below) gives time_to_target_s "
                                      "instead of --target-accuracy (regression: the mean squared error)")
+    stop_at_target: bool = _opt(False, "end the run at the first evaluation that reaches the target (--target-loss, "
+                                "else --target-accuracy) instead of after --epochs; synchronous algorithms and the "
+                                "DDP baselines")
     checkpoint_every: int = _opt(0, "save a checkpoint every this many steps (0 = only at the end)")
     resume: str = _opt("none", "'auto' (newest valid checkpoint in --run-dir), 'none', or a checkpoint step directory")
     overwrite: bool = _opt(False, "start afresh in a --run-dir that holds an earlier run: its config, metrics, summary, "
@@ -597,6 +600,10 @@ class TrainConfig:
         if task == "lm" and self.model.model in ("mlp", "cnn1d", "cnn2d"):
             raise ConfigError("--model", f"{self.model.model} is not a language model: use --model gpt with --dataset text")
         ALGORITHMS[self.algo.algorithm].check_config(self)
+        if self.run.stop_at_target and (not ALGORITHMS[self.algo.algorithm].synchronous or self.algo.algorithm == "ps"):
+            stoppable = sorted(n for n, a in ALGORITHMS.items() if a.synchronous and n != "ps")
+            raise ConfigError("--stop-at-target", f"needs an algorithm whose workers all evaluate at the same steps "
+                                                  f"({', '.join(stoppable)}), got {self.algo.algorithm}")
         return self
 
     # Flat access keeps call sites short: cfg.get("lr") == cfg.optim.lr.

@@ -207,6 +207,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     dist.barrier()
     emulation.start()  # t = 0 of bandwidth traces; meter.link_model is the emulation's
     start, cpu_start = time.perf_counter(), time.process_time()
+    steps_done, stopped_at_target = 0, False
     for step in range(total_steps):
         t0 = time.perf_counter()
         x, y = batches_of(train_set, sampler.batch(step), classes=task.classes)
@@ -244,19 +245,31 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
                 accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
                 if time_to_target is None and task.reached(measured, cfg.run.target_accuracy, cfg.run.target_loss):
                     time_to_target = record["time"]
+            if cfg.run.stop_at_target and step + 1 < total_steps:  # rank 0 tells everyone whether it reached it
+                reached = torch.tensor([0.0 if time_to_target is None else 1.0], dtype=torch.float64)
+                dist.broadcast(reached, src=0)
+                if reached.item() > 0:
+                    stopped_at_target = True
+                    if rank == 0 and probe_set is not test_set:  # the final figures are on the whole test set
+                        measured = task.evaluate(eval_model, test_set, device)
+                        record.update(measured)
+                        accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
             eval_seconds += time.perf_counter() - t_eval
         record.update(peer.metrics())
         metrics.write(record)
+        steps_done = step + 1
+        if stopped_at_target:
+            break
     wall = time.perf_counter() - start - eval_seconds
     metrics.close()
     meter.close()
 
-    mine = torch.tensor([total_steps, total_steps * cfg.data.batch_size, wall, compute_seconds, exposed_seconds,
+    mine = torch.tensor([steps_done, steps_done * cfg.data.batch_size, wall, compute_seconds, exposed_seconds,
                          *meter.sent, *meter.received, time.process_time() - cpu_start], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine)
     summary = summarize(out_cfg, run_dir, [r.tolist() for r in rows], world, total_steps, global_batch, accuracy,
-                        test_loss, time_to_target, eval_seconds, None,
+                        test_loss, time_to_target, eval_seconds, None, stopped_at_target=stopped_at_target,
                         extra={**lm_figures(task, train_set, test_set, test_loss),
                                "model_parameters": count_parameters(module), **peer.summary_fields()},
                         tokens_per_sample=lm_tokens(task, sample_shape)) if rank == 0 else None

@@ -303,6 +303,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
     tokens_per_sample = lm_tokens(task, sample_shape)
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
+    stopped_at_target = False  # --stop-at-target: the run ended at the evaluation that reached it
     changes: list[Any] = list(opt.changes)  # membership changes handled so far (elastic runs)
     for change in changes:  # a joiner's own entry
         metrics.write({"step": start_step, **change.record()})
@@ -399,6 +400,14 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                 if progress is not None:
                     shown = {"acc": f"{accuracy:.3f}"} if accuracy is not None else {"test_loss": f"{test_loss:.4g}"}
                     progress.set_postfix(loss=f"{record['loss']:.3f}", **shown)
+            if running and cfg.run.stop_at_target and reached_anywhere(opt, time_to_target is not None):
+                running, stopped_at_target = False, True  # every worker ends after this step
+                if leads(algorithm, transport):
+                    if probe_set is not test_set:  # the final figures are on the whole test set
+                        measured = task.evaluate(eval_model, test_set, device)
+                        record.update(measured)
+                        accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
+                    save_model(run_dir / MODEL_FILE, eval_model)
             eval_seconds += time.perf_counter() - t_eval
         if not finite:
             record["skipped"] = True
@@ -450,7 +459,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                         {**lm_figures(task, train_set, test_set, test_loss), "model_parameters": count_parameters(model),
                          **({"lost_servers": {str(s): t for s, t in sorted(algorithm.lost_servers.items())}}
                             if algorithm.lost_servers else {})},
-                        membership=[c.record() for c in opt.changes],
+                        membership=[c.record() for c in opt.changes], stopped_at_target=stopped_at_target,
                         workers_at_end=opt.workers if elastic else world - len(lost),
                         leader=opt.id if opt.changes else None,
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
@@ -462,6 +471,13 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     if stop_at is not None:
         raise Interrupted(step)
     return summary
+
+
+def reached_anywhere(opt: DistributedOptimizer, reached: bool) -> bool:
+    """Whether any worker's evaluation reached the target (the one that evaluates knows;
+    collective: every worker calls it at the same step)."""
+    flags = opt.control_all_gather(torch.tensor([1.0 if reached else 0.0], dtype=torch.float64))
+    return any(float(f.max()) > 0 for f in flags)
 
 
 #: The per-sample loss quantiles each metrics line carries (how the batch's losses are spread).
@@ -540,6 +556,7 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
               lost_workers: dict[int, float] | None = None, segment_wall_s: list[float] | None = None,
               extra: dict[str, Any] | None = None, tokens_per_sample: int | None = None,
               membership: list[dict[str, Any]] | None = None, workers_at_end: int | None = None,
+              stopped_at_target: bool = False,
               leader: int | None = None) -> dict[str, Any]:
     """Write summary.json from every process's counters: rows of the workers, then of any servers,
     each ``[steps, samples, wall, compute, exposed comm, *sent per peer, *received per peer, cpu]``
@@ -556,7 +573,8 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
     workers, servers = rows[:world], rows[world:]
     samples = sum(r[1] for r in workers)
     summary = {
-        "algorithm": cfg.algo.algorithm, "workers": world, "epochs": cfg.run.epochs, "steps": total_steps,
+        "algorithm": cfg.algo.algorithm, "workers": world, "epochs": cfg.run.epochs,
+        "steps": int(max(r[0] for r in workers)) if stopped_at_target else total_steps,
         "dataset": cfg.data.dataset, "model": cfg.model.model, "global_batch": global_batch,
         "steps_per_worker": [int(r[0]) for r in workers],
         "final_test_accuracy": accuracy, "final_test_loss": test_loss,
@@ -586,6 +604,9 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         # long the survivors took to agree and rebuild), and how many workers trained at the end
         "membership": list(membership or []),
         "workers_at_end": world if workers_at_end is None else workers_at_end,
+        # --stop-at-target: the run ended at the evaluation that reached the target ("steps" are
+        # the steps it took, fewer than --epochs plans)
+        "stopped_at_target": stopped_at_target,
         **(extra or {}),
     }
     if tokens_per_sample is not None:
