@@ -44,6 +44,7 @@ from distrain.errors import ConfigError, DistrainError
 from distrain.report import add_speedups, config_row, format_table, run_record, write_csv
 from distrain.report.plots import make_plots
 from distrain.report.runs import group_by_label, load_run
+from distrain.runtime.faults import Interrupted
 from distrain.train.metrics import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ def run_cell(cell: Cell, run_dir: Path, seed: int) -> dict[str, Any]:
     try:
         summary = run_baseline(cell.algorithm, cfg) if cell.kind == "baseline" else launch_local(cfg)
         record = run_record(summary, run_dir)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):  # Ctrl-C or SIGTERM stops the grid, not only this run
         raise
     except SystemExit as exc:  # the launcher's "bad input" exit from inside a worker
         record = {"run_dir": str(run_dir), "status": "failed", "error": f"workers stopped with status {exc.code}"}

@@ -167,3 +167,18 @@ def test_named_configurations_run_with_their_own_settings(tmp_path: Path, fake_l
             build_cells(Grid(algorithms=[], configs=configs, out=tmp_path), base())
     cells = build_cells(Grid(algorithms=[], configs=[{"label": "x", "algorithm": "diloco", "sync_every": 0}]), base())
     assert cells[0].reason is not None and "--sync-every" in cells[0].reason  # an invalid run is skipped with its reason
+
+
+def test_a_stop_request_ends_the_grid_and_keeps_what_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from distrain.runtime.faults import Interrupted
+
+    def launch(cfg: TrainConfig) -> dict:
+        if cfg.algo.algorithm == "dpsgd":  # SIGTERM reached the workers of the second configuration
+            raise Interrupted(3, cfg.run.run_dir)
+        return make_run(Path(cfg.run.run_dir), algorithm=cfg.algo.algorithm, speed=1.0)
+
+    monkeypatch.setattr(distrain.launch, "launch_local", launch)
+    with pytest.raises(Interrupted):
+        run_comparison(Grid(algorithms=["allreduce", "dpsgd", "d2"], out=tmp_path / "cmp"), base(), echo=lambda line: None)
+    saved = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    assert [row["label"] for row in saved["configs"]] == ["allreduce"]  # d2 never started
