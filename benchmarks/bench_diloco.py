@@ -189,7 +189,7 @@ def figures(comparison: dict[str, Any], out: Path, link_bits_per_s: float | None
 
     best = fastest(DILOCO)
     result["best_diloco"] = best
-    if best is not None:
+    if best is not None and "ddp" in runs:
         result["ddp_over_best_diloco"] = ratio("ddp", best, "time_to_target_s")
         bound = ratio_spread(column(runs["ddp"], "step_s"), column(runs[best], "compute_per_step_s"))
         result["compute_bound"] = bound
