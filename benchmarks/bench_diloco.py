@@ -31,13 +31,6 @@ never reaches the target gives no ratio and no median):
   ``compute_s`` per step), the speed-up a DiLoCo that never waited could reach, and
   ``share_of_compute_bound`` = ddp_over_best_diloco / compute_bound; target >= 0.8 on lm-edge;
 - ``torchft_over_distrain``: torchft DiLoCo's time to target over distrain DiLoCo's at H = 64
-#: The run over the scenarios' own settings, for every configuration: 256 steps of 64 windows
-#: (1,414 steps make an epoch of the text; steps are ceil(epochs x 1,414)), a multiple of H, so
-#: that torchft, which syncs only at a period's end, has every step in its final model; an
-#: evaluation every 16 steps on 256 validation windows spread over the validation text (time to
-#: target is judged on them), the final one on all of it.
-SETTINGS = {"epochs": 0.1808, "eval_every": 16 / 1414, "eval_samples": 256}
-STEPS = 256
   (plain, and the best setting at H = 64), and the difference of their final losses in percent;
   targets >= 1.2 and within 1% on lm-edge;
 - ``bytes_per_step_int8_over_ddp``: target <= 1/200;
@@ -55,6 +48,11 @@ file holds).
     python benchmarks/bench_diloco.py                                  # both scenarios, 3 repeats
     python benchmarks/bench_diloco.py --scenario lm-lan
     python benchmarks/bench_diloco.py --scenario lm-lan --repeats 1 --epochs 0.01 --only ddp,diloco-h16   # a quick look
+    python benchmarks/bench_diloco.py --scenario lm-lan --only ddp     # measure DDP again, keep the other rows
+
+With ``--only``, the configurations it names are run again and replace their rows in the
+scenario's comparison; the others keep the rows (and run directories) of the run before, and the
+results say which (``kept_from_earlier_run``, with that run's provenance).
 """
 
 from __future__ import annotations
@@ -73,7 +71,9 @@ from distrain.compare import Grid, load_scenario, run_comparison
 from distrain.config import TrainConfig
 from distrain.emulation import PRESETS
 from distrain.emulation.units import parse_bandwidth
+from distrain.report import write_csv
 from distrain.report.runs import load_run
+from distrain.train.metrics import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -115,6 +115,13 @@ TARGETS = {
     "lm-lan": {"diloco_loss_over_allreduce": ("<=", 1.02), "auto_over_best_fixed": ("<=", 1.10)},
 }
 WINDOW_S = 1.0  # peak link use: the most bytes sent in any window this long
+
+
+def scenario_configs(name: str) -> list[dict[str, Any]]:
+    """The configurations run on scenario ``name`` (lm-edge: with :data:`EDGE`'s changes)."""
+    if name != "lm-edge":
+        return list(CONFIGS)
+    return [{**c, **(EDGE.get(c["label"]) or {})} for c in CONFIGS if c["label"] not in EDGE or EDGE[c["label"]] is not None]
 
 
 def peak_send_rate(run_dir: Path) -> float | None:
@@ -234,7 +241,6 @@ def main() -> int:
     labels = [c["label"] for c in CONFIGS]
     if only is not None and (not only or set(only) - set(labels)):
         parser.error(f"--only: choose among {', '.join(labels)}")
-    configs = [c for c in CONFIGS if only is None or c["label"] in only]
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     earlier = results.pop("provenance", None)
     for entry in results.values():  # each scenario keeps the provenance of the run that measured it
@@ -247,20 +253,37 @@ def main() -> int:
             train["epochs"] = args.epochs
         base = TrainConfig.from_dict({"progress": False, **train})
         out = args.out.parent / f"diloco-{name}"
-        these = configs if name != "lm-edge" else [{**c, **(EDGE.get(c["label"]) or {})} for c in configs
-                                                   if c["label"] not in EDGE or EDGE[c["label"]] is not None]
+        every = scenario_configs(name)
+        these = [c for c in every if only is None or c["label"] in only]
         grid = Grid(algorithms=[], compress=["none"], networks=grid.networks, baselines=[], configs=these,
                     repeats=args.repeats, out=out, baseline=these[0]["label"], scenario=grid.scenario)
         print(f"=== {name}: {len(these)} configurations x {args.repeats} repeats -> {out}", flush=True)
         start = time.perf_counter()
+        before = (json.loads((out / "comparison.json").read_text())
+                  if only is not None and (out / "comparison.json").exists() else None)
+        if before is not None:  # until the merge below: an interrupted rerun leaves the rows it replaces here
+            write_json_atomic(out / "comparison-before-only.json", before)
         comparison = run_comparison(grid, base, echo=lambda line: print(line, flush=True),
                                     command=" ".join(["python", "benchmarks/bench_diloco.py", *sys.argv[1:]]))
+        kept: list[str] = []
+        if before is not None:  # --only: the other configurations keep the rows (and runs) measured before
+            fresh = {row["label"]: row for row in comparison["configs"]}
+            kept = [row["label"] for row in before["configs"] if row["label"] not in fresh]
+            comparison["configs"] = [fresh.pop(row["label"], row) for row in before["configs"]] + list(fresh.values())
+            write_json_atomic(out / "comparison.json", {k: v for k, v in comparison.items() if k not in ("table", "files")})
+            write_csv(comparison["configs"], out / "comparison.csv")
+            (out / "comparison-before-only.json").unlink()
         preset = PRESETS.get(grid.networks[0], {})
         link = parse_bandwidth(preset["bandwidth"]) if "bandwidth" in preset else None
         found = figures(comparison, out, link)
+        if kept:
+            found["kept_from_earlier_run"] = {"configs": kept,
+                                              "provenance": (results.get(name) or {}).get("provenance")}
         found.update({"provenance": provenance(sys.argv), "scenario_file": str(SCENARIOS[name].relative_to(ROOT)),
                       "repeats": args.repeats,
-                      "epochs": base.run.epochs, "configurations": these, "network": grid.networks[0],
+                      "epochs": base.run.epochs,
+                      "configurations": [c for c in every if c["label"] in {r["label"] for r in comparison["configs"]}],
+                      "network": grid.networks[0],
                       "link_bits_per_s": link, "elapsed_s": time.perf_counter() - start})
         results[name] = found
         write_result(args.out, results, argv=sys.argv)
