@@ -293,6 +293,47 @@ class TraceApplier:
             self._thread.join(timeout=10)
 
 
+class NetnsHosts:
+    """An emulated run's namespaces: one per node (``--workers-per-node`` ranks, else each rank),
+    its link capped by the bandwidth of the node's first rank, bandwidth traces replayed from when
+    ``clock_file`` appears (rank 0 makes it when training starts). ``host``: give this machine an
+    address on the bridge (:attr:`address`), for a store the launcher serves.
+    ``distrain train`` and ``distrain launch`` both start their ranks in them."""
+
+    def __init__(self, spec: NetworkSpec, clock_file: Path, host: bool = False) -> None:
+        self.spec, self.clock_file = spec, clock_file
+        self.host_of = spec.nodes  # rank -> node
+        self.firsts = [self.host_of.index(h) for h in range(max(self.host_of) + 1)]  # each node's first rank
+        rates = [spec.bandwidth(r, 0.0) for r in self.firsts]
+        self.cluster = (NetnsCluster(len(self.firsts), rates=rates, subnet=free_subnet(), host=True) if host
+                        else NetnsCluster(len(self.firsts), rates=rates))
+        self.applier: TraceApplier | None = None
+
+    def open(self) -> None:
+        self.cluster.create()
+        log.info("netns cluster %s: %s", self.cluster.bridge, self.spec.describe())
+        if any(s is not None for s in self.spec.schedules):
+            self.applier = TraceApplier(self.cluster, self.spec, self.clock_file, ranks=self.firsts).start()
+
+    def close(self) -> None:
+        """Stop the traces and remove the namespaces (their processes must be gone)."""
+        if self.applier is not None:
+            self.applier.stop()
+        self.cluster.destroy()
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.host_address)
+
+    def namespace(self, rank: int) -> str:
+        return self.cluster.namespaces[self.host_of[rank]]
+
+    def env(self) -> dict[str, str]:
+        """What every rank's environment adds: gloo on the capped interface, the emulation told
+        that the links are shaped, the traces' clock file."""
+        return {"GLOO_SOCKET_IFNAME": INTERFACE, NETNS_WORKER_ENV: "1", CLOCK_FILE_ENV: str(self.clock_file)}
+
+
 # -- distrain train --emulation netns --------------------------------------------------------
 
 @contextlib.contextmanager
@@ -378,8 +419,6 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     check_device(cfg)
     world = cfg.cluster.workers + server_count(cfg)  # parameter servers get namespaces too
     spec = NetworkSettings.from_config(cfg.network).resolve(world, cfg.cluster.workers, cfg.algo.workers_per_node)
-    host_of = spec.nodes  # one namespace per node; its first rank's link settings are the node's
-    firsts = [host_of.index(h) for h in range(max(host_of) + 1)]
     preflight(cfg)
     run_dir = default_run_dir(cfg, time.time()).resolve()
     claim_run_dir(cfg, run_dir)
@@ -396,23 +435,18 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     if cfg.run.resume in ("none", ""):  # a resumed run's summary is its result until a better one
         (run_dir / "summary.json").unlink(missing_ok=True)
 
-    cluster = NetnsCluster(len(firsts), rates=[spec.bandwidth(r, 0.0) for r in firsts])
+    hosts = NetnsHosts(spec, clock_file)
+    host_of, firsts, cluster = hosts.host_of, hosts.firsts, hosts.cluster
     procs: list[subprocess.Popen] = []
     logs = [work / f"rank{r}.log" for r in range(world)]
-    applier: TraceApplier | None = None
     with _sigterm_as_interrupt():
         try:
-            cluster.create()
-            log.info("netns cluster %s: %s", cluster.bridge, spec.describe())
-            if any(s is not None for s in spec.schedules):
-                applier = TraceApplier(cluster, spec, clock_file, ranks=firsts).start()
+            hosts.open()
             for r in range(world):
                 host = host_of[r]
                 env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r - firsts[host]),
                        "LOCAL_WORLD_SIZE": str(host_of.count(host)), "MASTER_ADDR": cluster.addresses[0],
-                       "MASTER_PORT": str(MASTER_PORT),
-                       "GLOO_SOCKET_IFNAME": INTERFACE, NETNS_WORKER_ENV: "1", CLOCK_FILE_ENV: str(clock_file),
-                       "PYTHONUNBUFFERED": "1"}
+                       "MASTER_PORT": str(MASTER_PORT), **hosts.env(), "PYTHONUNBUFFERED": "1"}
                 env.pop("TORCHELASTIC_RUN_ID", None)
                 env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns that namespaces have no host names
                 with open(logs[r], "wb") as out:
@@ -421,10 +455,8 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
                                                stderr=None if r == 0 else subprocess.STDOUT))
             failures = supervise(procs, grace=min(cfg.cluster.timeout, 30.0))
         finally:
-            if applier is not None:
-                applier.stop()
             stop_processes(procs)
-            cluster.destroy()
+            hosts.close()
     if failures:
         if all(code == EXIT_BAD_INPUT for _, code in failures):
             raise SystemExit(EXIT_BAD_INPUT)

@@ -82,49 +82,6 @@ def check_settings(settings: dict[str, Any], workers: int, servers: int = 0) -> 
     return cfg
 
 
-class _Namespaces:
-    """``--emulation netns``: each rank (or node of ``--workers-per-node`` ranks) runs in its own
-    network namespace on a bridge, its link capped both ways with ``tc ... tbf`` (bandwidth traces
-    replayed with ``tc qdisc change``); latency still comes from the link model. The bridge holds
-    an address of this machine, where the launcher's store waits for every rank. Removed at the
-    end, however the job ends."""
-
-    def __init__(self, cfg: TrainConfig, world: int, workers: int) -> None:
-        from distrain.emulation import CLOCK_FILE_ENV, NETNS_WORKER_ENV, NetworkSettings
-        from distrain.launch.netns import INTERFACE, NetnsCluster, free_subnet
-
-        self.spec = NetworkSettings.from_config(cfg.network).resolve(world, workers, cfg.algo.workers_per_node)
-        self.host_of = self.spec.nodes  # one namespace per node; its first rank's link is the node's
-        self.firsts = [self.host_of.index(h) for h in range(max(self.host_of) + 1)]
-        self.cluster = NetnsCluster(len(self.firsts), rates=[self.spec.bandwidth(r, 0.0) for r in self.firsts],
-                                    subnet=free_subnet(), host=True)
-        self.work = Path(tempfile.mkdtemp(prefix="distrain-launch-"))
-        self.clock_file = self.work / "clock"  # rank 0 makes it when training starts: t = 0 of the traces
-        self.env = {"GLOO_SOCKET_IFNAME": INTERFACE, NETNS_WORKER_ENV: "1", CLOCK_FILE_ENV: str(self.clock_file),
-                    "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
-        self.applier: Any = None
-
-    def open(self) -> None:
-        from distrain.launch.netns import TraceApplier
-
-        self.cluster.create()
-        if any(s is not None for s in self.spec.schedules):
-            self.applier = TraceApplier(self.cluster, self.spec, self.clock_file, ranks=self.firsts).start()
-
-    @property
-    def address(self) -> str:
-        return str(self.cluster.host_address)
-
-    def prefix(self, rank: int) -> list[str]:
-        return ["ip", "netns", "exec", self.cluster.namespaces[self.host_of[rank]]]
-
-    def close(self) -> None:
-        if self.applier is not None:
-            self.applier.stop()
-        self.cluster.destroy()
-        shutil.rmtree(self.work, ignore_errors=True)
-
-
 def _die_with_launcher() -> None:
     """In a child, before exec: the kernel kills it when the launcher dies (Linux)."""
     try:
@@ -193,10 +150,15 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
     interrupted: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _frame: interrupted.append(signum))
                 for s in (signal.SIGINT, signal.SIGTERM)}
-    namespaces = _Namespaces(cfg, world, workers) if cfg.network.emulation == "netns" else None
-    store = None
+    namespaces, work, store = None, None, None
     try:
-        if namespaces is not None:
+        if cfg.network.emulation == "netns":
+            from distrain.emulation import NetworkSettings
+            from distrain.launch.netns import NetnsHosts
+
+            spec = NetworkSettings.from_config(cfg.network).resolve(world, workers, cfg.algo.workers_per_node)
+            work = Path(tempfile.mkdtemp(prefix="distrain-launch-"))  # the traces' clock file
+            namespaces = NetnsHosts(spec, work / "clock", host=True)  # the store waits on this machine's bridge
             namespaces.open()
         addr = "127.0.0.1" if namespaces is None else namespaces.address
         port = master_port or free_port(addr)
@@ -207,13 +169,16 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         base.setdefault("OMP_NUM_THREADS", "1")
         base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                     GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1",
-                    **{SETTINGS_ENV: json.dumps(settings)}, **(namespaces.env if namespaces is not None else {}))
+                    **{SETTINGS_ENV: json.dumps(settings)}, **(namespaces.env() if namespaces is not None else {}))
+        if namespaces is not None:
+            base.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns that namespaces have no host names
 
         def start(rank: int, joining: bool = False) -> _Process:
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
             if joining:
                 env[JOIN_ENV] = "1"
-            return _Process(rank, target, env, lock, prefix=None if namespaces is None else namespaces.prefix(rank))
+            prefix = None if namespaces is None else ["ip", "netns", "exec", namespaces.namespace(rank)]
+            return _Process(rank, target, env, lock, prefix=prefix)
 
         for rank in range(world):
             procs.append(start(rank))
@@ -228,6 +193,8 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         del store
         if namespaces is not None:
             namespaces.close()  # after every rank is gone
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
