@@ -181,38 +181,42 @@ def check_named(config: Any, algorithms: dict[str, Any], build_peer: Callable[[s
                                      f"choose one of: {', '.join(sorted(algorithms))}")
 
 
-def named_cell(config: dict[str, Any], base: TrainConfig, net: str, where: str) -> Cell:
-    """The cell of one named configuration on network ``net`` (its settings over ``base``)."""
+def make_cell(label: str, kind: str, name: str, comp: str, net: str, cfg: TrainConfig) -> Cell:
+    """A configuration of the grid: ``cfg`` set to run algorithm (or baseline) ``name`` with
+    compressor ``comp`` on network ``net``, and why it cannot run, if it cannot."""
     from distrain.algorithms import ALGORITHMS
     from distrain.baselines import check_baseline
 
+    cfg.algo.algorithm, cfg.compress.compress, cfg.network.network = name if kind == "algorithm" else "allreduce", comp, net
+    cell = Cell(label, kind, name, comp, net, cfg)
+    if kind == "baseline":
+        cell.reason = _invalid(cfg.validate) or _invalid(lambda: check_baseline(name, cfg))
+    elif name not in ALGORITHMS:
+        cell.reason = f"algorithm {name!r} is not in this build (available: {', '.join(sorted(ALGORITHMS))})"
+    elif comp != "none" and not getattr(ALGORITHMS[name], "compresses", False):
+        cell.reason = f"{name} does not compress its traffic (--compress {comp} would be ignored)"
+    else:
+        cell.reason = _invalid(cfg.validate)
+    return cell
+
+
+def named_cell(config: dict[str, Any], base: TrainConfig, net: str, where: str) -> Cell:
+    """The cell of one named configuration on network ``net`` (its settings over ``base``)."""
     label = config["label"]
     cfg = copy.deepcopy(base)
-    kind = "baseline" if "baseline" in config else "algorithm"
-    name = config.get("baseline") or config["algorithm"]
-    comp = config.get("compress", "none") if kind == "algorithm" else "none"
-    cfg.algo.algorithm, cfg.compress.compress, cfg.network.network = name if kind == "algorithm" else "allreduce", comp, net
     try:
         for key, value in config.items():
             if key not in CONFIG_KEYS:
                 cfg.set(key, value)
     except ConfigError as exc:  # an unknown or mistyped setting is the file's mistake: refuse the grid
         raise ConfigError("configs", f"configuration {label!r}: {exc}") from None
-    cell = Cell(label + where, kind, name, comp, net, cfg)
-    if kind == "baseline":
-        cell.reason = _invalid(cfg.validate) or _invalid(lambda: check_baseline(name, cfg))
-    elif comp != "none" and not getattr(ALGORITHMS[name], "compresses", False):
-        cell.reason = f"{name} does not compress its traffic (compress {comp} would be ignored)"
-    else:
-        cell.reason = _invalid(cfg.validate)
-    return cell
+    kind = "baseline" if "baseline" in config else "algorithm"
+    return make_cell(label + where, kind, config.get("baseline") or config["algorithm"],
+                     config.get("compress", "none"), net, cfg)
 
 
 def build_cells(grid: Grid, base: TrainConfig) -> list[Cell]:
     """The grid's configurations in run order, each with its own config (validated, or a reason)."""
-    from distrain.algorithms import ALGORITHMS
-    from distrain.baselines import check_baseline
-
     check_grid(grid)
     shared = copy.deepcopy(base)  # the shared settings must be valid on their own (exit 2 naming the flag)
     shared.algo.algorithm, shared.compress.compress, shared.network.network = "allreduce", "none", "none"
@@ -224,23 +228,9 @@ def build_cells(grid: Grid, base: TrainConfig) -> list[Cell]:
         for algo in grid.algorithms:
             for comp in grid.compress:
                 label = algo + (f"+{comp}" if comp != "none" else "") + where
-                cfg = copy.deepcopy(base)
-                cfg.algo.algorithm, cfg.compress.compress, cfg.network.network = algo, comp, net
-                cell = Cell(label, "algorithm", algo, comp, net, cfg)
-                if algo not in ALGORITHMS:
-                    cell.reason = f"algorithm {algo!r} is not in this build (available: {', '.join(sorted(ALGORITHMS))})"
-                elif comp != "none" and not getattr(ALGORITHMS[algo], "compresses", False):
-                    cell.reason = f"{algo} does not compress its traffic (--compress {comp} would be ignored)"
-                else:
-                    cell.reason = _invalid(cfg.validate)
-                cells.append(cell)
+                cells.append(make_cell(label, "algorithm", algo, comp, net, copy.deepcopy(base)))
         cells += [named_cell(config, base, net, where) for config in grid.configs]
-        for spec in grid.baselines:
-            cfg = copy.deepcopy(base)
-            cfg.algo.algorithm, cfg.compress.compress, cfg.network.network = "allreduce", "none", net
-            cell = Cell(spec + where, "baseline", spec, "none", net, cfg)
-            cell.reason = _invalid(cfg.validate) or _invalid(lambda s=spec, c=cfg: check_baseline(s, c))
-            cells.append(cell)
+        cells += [make_cell(spec + where, "baseline", spec, "none", net, copy.deepcopy(base)) for spec in grid.baselines]
     labels = [c.label for c in cells]
     if grid.baseline is not None and grid.baseline not in labels:
         raise ConfigError("--baseline", f"names no configuration of the grid; choose one of: {', '.join(labels)}")
