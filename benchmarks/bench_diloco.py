@@ -15,6 +15,10 @@ repeat k with seed + k):
 - torchft's ``DiLoCo`` and ``LocalSGD`` at H = 64 (``distrain[peers]``; skipped with the reason
   when torchft is absent), with the same model, shards, inner and outer optimizers.
 
+Every DiLoCo configuration (torchft's too) takes the scenarios' outer step, plain averaging (outer
+SGD at lr 1, no momentum): the scenario files give the hand runs that chose it over the outer
+Nesterov step, whose momentum overshoots over a run of a few outer steps.
+
 On lm-edge (``EDGE``), DDP runs with ``--stop-at-target`` (at 2.4 s of all-reduce a step it would
 take 11 minutes a run, and only its time to target and step time count there), and all-reduce is
 left out (DDP's bytes; its figure is lm-lan's).
