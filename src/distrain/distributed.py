@@ -682,19 +682,26 @@ class DistributedOptimizer:
         """The user optimizer's state and every algorithm state (error-feedback residuals, gossip
         state, bucket order), with the step count: what resuming needs besides the model.
 
-        Not for ``algorithm="ps"``: the servers' shards and optimizer state stay on the servers
-        (``distrain train --algorithm ps`` checkpoints them); this raises rather than save a
-        state that would resume without them."""
-        if self.config.algo.algorithm == "ps":
-            raise NotImplementedError("state_dict() under algorithm='ps' would leave out the servers' shards and "
-                                      "optimizer state; use 'distrain train --algorithm ps' for checkpointed runs")
-        return {"steps": self.steps, "optimizer": self.optimizer.state_dict(),
-                "algorithm": self.algorithm.state_dict()}
+        Under ``algorithm="ps"`` it also holds every server's optimizer state, asked from the
+        servers now (call it between steps, before :meth:`finish`; with ``ps_mode="async"`` on
+        every worker at the same step, since it waits for them all); the shards are the model's
+        parameters, which worker 0 sends the servers when a resumed run starts."""
+        state = {"steps": self.steps, "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.state_dict()}
+        servers = getattr(self.algorithm, "server_state", None)
+        if servers is not None:
+            if self.config.ps.ps_mode == "async":  # one snapshot: every worker's pushes so far applied
+                dist.barrier(group=self.workers_group)
+            state["servers"] = servers()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (before the first step; the model's own state is yours
+        to load)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.algorithm.load_state_dict(state["algorithm"])
         self.steps = int(state["steps"])
+        if state.get("servers") is not None:
+            self.algorithm.load_server_state(state["servers"])  # type: ignore[attr-defined]
 
     def shard(self, dataset: Dataset, labels: Any = None) -> Subset:
         """This worker's shard of ``dataset``: the split ``distrain train`` makes (``partition``

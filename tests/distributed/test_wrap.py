@@ -154,18 +154,19 @@ def test_synchronous_under_torchrun(tmp_path: Path):
 
 
 #: Settings whose state goes beyond the optimizer's: error-feedback residuals and momentum moved
-#: into the compressor, and the gossip's mixing.
-RESUMABLE = {"allreduce-topk": ("allreduce", {"compress": "group_topk:0.1", "momentum_correction": "on"}),
-             "dpsgd": ("dpsgd", {})}
+#: into the compressor, the gossip's mixing, and the servers' momentum (2 servers).
+RESUMABLE = {"allreduce-topk": ("allreduce", {"compress": "group_topk:0.1", "momentum_correction": "on"}, 0),
+             "dpsgd": ("dpsgd", {}, 0), "ps": ("ps", {}, 2), "ps-async": ("ps", {"ps_mode": "async"}, 2)}
 
 
 @pytest.mark.parametrize("name", [pytest.param("allreduce-topk", marks=pytest.mark.slow),  # CI: test_resume.py
-                                  pytest.param("dpsgd", marks=pytest.mark.slow)])
+                                  pytest.param("dpsgd", marks=pytest.mark.slow), "ps",
+                                  pytest.param("ps-async", marks=pytest.mark.slow)])
 def test_a_script_resumed_from_its_checkpoint_matches_the_uninterrupted_run(tmp_path: Path, name: str):
-    algorithm, settings = RESUMABLE[name]
-    run("launch", algorithm, "full", tmp_path, settings)
-    run("launch", algorithm, "first", tmp_path, settings)
-    run("launch", algorithm, "second", tmp_path, settings)
+    algorithm, settings, servers = RESUMABLE[name]
+    run("launch", algorithm, "full", tmp_path, settings, servers=servers)
+    run("launch", algorithm, "first", tmp_path, settings, servers=servers)
+    run("launch", algorithm, "second", tmp_path, settings, servers=servers)
     for rank in range(WORKERS):
         uninterrupted = torch.load(tmp_path / f"full{rank}.pt", weights_only=True)
         resumed = torch.load(tmp_path / f"second{rank}.pt", weights_only=True)

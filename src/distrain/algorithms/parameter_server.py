@@ -95,6 +95,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import time
@@ -136,14 +137,73 @@ TAKEOVER = -2
 #: The takeover message: lost server, the worker that sends its parameters, the step redone,
 #: the number of parameters (the whole model's).
 TAKEOVER_FIELDS = 4
+#: The clock of a worker's header that asks the server for its optimizer state (the state
+#: follows, :func:`send_state`; the worker's next header is its push as usual).
+STATE = -3
 #: Store keys of the workers' agreement on a lost server (see :meth:`ParameterServer._agree`).
 TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/takeover/{}/{}"
 #: The largest shard a server accepts, and worker 0 sends (float32 parameters): 8 GiB.
 MAX_SHARD_BYTES = 2**33
+#: The largest layout of an optimizer state a worker or server accepts (JSON bytes).
+MAX_STATE_META = 2**20
 #: Shard-sized buffers a server keeps besides one gradient per pusher: the shard, its gradient,
 #: optimizer state.
 SERVER_COPIES = 3
 GIB = 2**30
+
+
+def send_state(transport: Transport, state: dict[str, Any], dst: int) -> None:
+    """Send a nested dict of tensors and plain values (numbers, strings, booleans, None, lists)
+    to ``dst``, never pickled: its layout as JSON bytes (each tensor named by position, dtype and
+    shape), then every tensor. :func:`recv_state` rebuilds it."""
+    tensors: list[torch.Tensor] = []
+
+    def layout(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value.detach().reshape(-1).contiguous())
+            return {"__tensor__": len(tensors) - 1, "dtype": str(value.dtype).removeprefix("torch."),
+                    "shape": list(value.shape)}
+        if isinstance(value, dict):
+            return {"__dict__": [[layout(k), layout(v)] for k, v in value.items()]}  # keys keep their type
+        if isinstance(value, (list, tuple)):
+            return [layout(v) for v in value]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise TypeError(f"cannot send a {type(value).__name__} in an optimizer state")
+
+    meta = json.dumps(layout(state)).encode()
+    handles = [transport.send(torch.tensor([len(meta)], dtype=torch.int64), dst),
+               transport.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst)]
+    handles += [transport.send(t, dst) for t in tensors]
+    for h in handles:
+        h.wait()
+
+
+def recv_state(transport: Transport, src: int) -> dict[str, Any]:
+    """The state :func:`send_state` sent from ``src``."""
+    size = torch.zeros(1, dtype=torch.int64)
+    transport.recv(size, src).wait()
+    if not 0 < int(size) <= MAX_STATE_META:
+        raise WorkerFailure(f"malformed optimizer state from rank {src}: {int(size)} bytes of layout")
+    meta = torch.zeros(int(size), dtype=torch.uint8)
+    transport.recv(meta, src).wait()
+    layout = json.loads(bytes(meta.tolist()).decode())
+
+    def build(value: Any) -> Any:
+        if isinstance(value, dict) and "__tensor__" in value:
+            dtype = getattr(torch, str(value["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise WorkerFailure(f"malformed optimizer state from rank {src}: dtype {value['dtype']!r}")
+            out = torch.zeros(int(torch.Size(value["shape"]).numel()), dtype=dtype)
+            transport.recv(out, src).wait()  # in the order they were sent: depth first, as laid out
+            return out.reshape(value["shape"])
+        if isinstance(value, dict) and "__dict__" in value:
+            return {build(k): build(v) for k, v in value["__dict__"]}
+        if isinstance(value, list):
+            return [build(v) for v in value]
+        return value
+
+    return build(layout)
 
 
 def physical_memory() -> int | None:
@@ -469,6 +529,8 @@ class ParameterServer(Algorithm):
         #: pulls then land in a second buffer, so a failed one leaves the last parameters whole
         self.takes_over = elastic_servers(self.config) and self.push is None and len(self.servers) > 1
         self._spare = self.flat.clone() if self.takes_over else None
+        self._started = False  # worker 0 started the servers (start())
+        self._loaded_servers: list[dict[str, Any]] | None = None  # load_server_state(): sent at the start
         # --workers-per-node: sum inside the node; only its leader talks to the servers
         k = self.config.algo.workers_per_node
         self.nodes = (NodeGroups(transport, k, timeout=self.config.cluster.timeout, workers=self.num_workers)
@@ -486,16 +548,60 @@ class ParameterServer(Algorithm):
         return CompressInfo(step=ctx.step, ratio=ratio, worker=self.transport.rank), dense
 
     def start(self, total_steps: int, steps_per_epoch: int) -> None:
-        """Worker 0 tells every server its shard size and the run length, and sends the start values."""
+        """Worker 0 tells every server its shard size and the run length, and sends the start values
+        (and the optimizer state to start from, after :meth:`load_server_state`)."""
+        self._started = True
         if self.transport.rank != 0:
             return
         self.flat.copy_(torch.cat([p.detach().reshape(-1) for p in self.params]))  # after any resume
         handles: list[Handle] = []
-        for server, (lo, hi) in zip(self.servers, self.bounds, strict=True):
+        loaded = self._loaded_servers
+        for s, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
             header = torch.tensor([hi - lo, total_steps, steps_per_epoch], dtype=torch.int64)
-            handles += [self.transport.send(header, server), self.transport.send(self.flat[lo:hi].contiguous(), server)]
+            follows = torch.tensor([0 if loaded is None else 1], dtype=torch.int64)
+            handles += [self.transport.send(header, server), self.transport.send(self.flat[lo:hi].contiguous(), server),
+                        self.transport.send(follows, server)]
+            if loaded is not None:
+                for h in handles:
+                    h.wait()
+                handles = []
+                send_state(self.transport, loaded[s], server)
         for h in handles:
             h.wait()
+
+    def server_state(self) -> list[dict[str, Any]] | None:
+        """Every server's optimizer state, asked for now (between two steps): what ``wrap()``'s
+        ``state_dict()`` holds besides the workers' own state. None on a worker that does not talk
+        to the servers (``--workers-per-node``: only each node's first worker does)."""
+        if not self.pushes:
+            return None
+        if not self._started:  # no step yet: the servers hold what they were started with
+            return self._loaded_servers
+        if self._ended:
+            raise RuntimeError("state_dict() under algorithm='ps' after this worker's training ended: the servers "
+                               "stop serving it then; save the state before finish()")
+        if self.layout.live() != list(range(len(self.servers))):
+            raise WorkerFailure("the servers took over a lost server's parameters: their state no longer matches "
+                                "the run's shards, so it cannot be saved for a resume")
+        asking = torch.tensor([STATE, 0], dtype=torch.int64)
+        states = []
+        for server in self.servers:
+            self.transport.send(asking, server).wait()
+            states.append(recv_state(self.transport, server))
+        return states
+
+    def load_server_state(self, states: list[dict[str, Any]] | None) -> None:
+        """Start the servers from ``states`` (:meth:`server_state` of a run with as many servers
+        and the same model); before the first step."""
+        if states is None:
+            return
+        if self._started:
+            raise RuntimeError("load_state_dict() under algorithm='ps' must come before the first step: the "
+                               "servers take their optimizer state when training starts")
+        if not isinstance(states, list) or len(states) != len(self.servers):
+            raise ConfigError("servers", f"the saved state is of {len(states) if isinstance(states, list) else '?'} "
+                                         f"servers, this run has {len(self.servers)}")
+        self._loaded_servers = states
 
     def after_backward(self, ctx: StepContext) -> None:
         self.grad.copy_(torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
@@ -748,6 +854,9 @@ class ShardServer:
             raise WorkerFailure(f"server {self.index}: {exc} (from worker 0)") from None
         self.shard = torch.nn.Parameter(torch.empty(numel))
         transport.recv(self.shard.data, 0).wait()
+        follows = torch.zeros(1, dtype=torch.int64)
+        transport.recv(follows, 0).wait()  # 1: worker 0 sends the optimizer state to resume from
+        loaded = recv_state(transport, 0) if int(follows) == 1 else None
         pushes, asynchronous = len(self.pushers), cfg.ps.ps_mode == "async"
         self.optimizer, self.lr_factor = server_optimizer(
             like, self.shard, asynchronous=asynchronous, pushers=pushes, max_staleness=cfg.ps.max_staleness,
@@ -757,15 +866,45 @@ class ShardServer:
                      self.index, like.param_groups[0]["momentum"], self.optimizer.momentum, pushes, cfg.ps.max_staleness)
         self.shard.grad = torch.zeros(numel)
         self.updates = 0
+        self.steps = 0  # the workers' steps served (sync: rounds; async: the most any worker pushed)
+        self.clocks = [0] * len(self.pushers)  # each pusher's last clock
+        self.resume_step: int | None = None  # the step a state sent at the start continues from
+        if loaded is not None:
+            self.load_optimizer_state(loaded)
         self._store: Any = None  # the rendezvous store, where lost workers are declared (elastic runs)
         self.layout: ShardLayout | None = None  # every server's ranges, from the first takeover on
-        self.steps = 0  # the workers' steps served (sync: rounds; async: the most any worker pushed)
         self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
         c = cfg.compress
         self.decoder = (None if c.compress.strip() == "none"
                         else PushDecoder(build_compressor(c.compress, error_feedback=False, seed=cfg.run.seed), numel))
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
         self.earlier = RunTotals()  # what the earlier segments of a resumed run did
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """This server's optimizer state, update count, the steps it served and each pusher's
+        last clock (what ``wrap()``'s ``state_dict()`` holds)."""
+        clocks = list(self.clocks) if self.cfg.ps.ps_mode == "async" else [self.steps] * len(self.pushers)
+        return {"optimizer": self.optimizer.state_dict(), "updates": self.updates, "steps": self.steps,
+                "clocks": clocks}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`optimizer_state` of a run with the same shards and pushers."""
+        optimizer, clocks = state.get("optimizer"), state.get("clocks")
+        if not isinstance(optimizer, dict) or not isinstance(clocks, list) or len(clocks) != len(self.pushers):
+            raise WorkerFailure(f"server {self.index}: the optimizer state it was sent is malformed, or of a run "
+                                f"with another number of workers pushing ({len(self.pushers)} here)")
+        self.optimizer.load_state_dict(optimizer)
+        self.updates, self.steps, self.clocks = int(state.get("updates", 0)), int(state.get("steps", 0)), clocks
+        self.resume_step = self.steps
+
+    def _recv_header(self, out: torch.Tensor, worker: int) -> None:
+        """``worker``'s next push header into ``out``, answering its requests for the optimizer
+        state on the way (:data:`STATE`)."""
+        while True:
+            self.transport.recv(out, worker).wait()
+            if int(out[0]) != STATE:
+                return
+            send_state(self.transport, self.optimizer_state(), worker)
 
     def _recv_push(self, out: torch.Tensor, worker: int) -> Handle | None:
         """Receive ``worker``'s gradient push into ``out``: a handle to wait for when dense, else
@@ -814,7 +953,7 @@ class ShardServer:
             if self.watch is not None:
                 self.watch.step = step
             for i in list(live):
-                self._with_worker(i, live, step, grads, lambda i=i: self.transport.recv(headers[i], pushers[i]).wait())
+                self._with_worker(i, live, step, grads, lambda i=i: self._recv_header(headers[i], pushers[i]))
             clocks = headers[live, 0]
             if bool((clocks == STOP).all()):
                 break
@@ -929,15 +1068,18 @@ class ShardServer:
         """Apply pushes in arrival order; hold back answers to workers too far ahead."""
         n, limit = len(self.pushers), self.cfg.ps.max_staleness
         index = {w: i for i, w in enumerate(self.pushers)}
-        clocks = [0] * n
+        clocks = self.clocks  # from a state sent at the start, else zeros
         ended = [False] * n
-        pulled = [0] * n  # self.updates when each pusher last got the parameters
+        pulled = [self.updates] * n  # self.updates when each pusher last got the parameters (a resumed run: its start)
         waiting: deque[int] = deque()
         header = torch.zeros(2, dtype=torch.int64)
         grad = torch.zeros(self.shard.numel())
         while not all(ended):
             worker = self.transport.recv_any(header)
             clock = int(header[0])
+            if worker in index and clock == STATE:
+                send_state(self.transport, self.optimizer_state(), worker)
+                continue
             if worker in index and clock == STOP and not ended[index[worker]] and worker not in waiting:
                 ended[index[worker]] = True
             elif worker not in index or clock != clocks[index[worker]] + 1 or ended[index[worker]]:
@@ -1028,7 +1170,7 @@ def _serve(cfg: TrainConfig, run_dir: str | Path | None, like: torch.optim.Optim
     start, cpu_start = time.perf_counter(), time.process_time()
     server = ShardServer(cfg, transport, run_dir, like)
     server.started, server.cpu_started = start, cpu_start  # waiting for the workers' start counts too
-    start_step = 0
+    start_step = server.resume_step or 0  # wrap(): worker 0 sent the state to continue from
     if state is not None:
         server.load(state)
         server.earlier = RunTotals.from_state(state.get("totals"))
