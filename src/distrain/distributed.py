@@ -696,12 +696,13 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (before the first step; the model's own state is yours
-        to load)."""
+        to load). A state the servers refuse (after the first step, or of another number of
+        servers) raises before anything is loaded."""
+        if state.get("servers") is not None:
+            self.algorithm.load_server_state(state["servers"])  # type: ignore[attr-defined]
         self.optimizer.load_state_dict(state["optimizer"])
         self.algorithm.load_state_dict(state["algorithm"])
         self.steps = int(state["steps"])
-        if state.get("servers") is not None:
-            self.algorithm.load_server_state(state["servers"])  # type: ignore[attr-defined]
 
     def shard(self, dataset: Dataset, labels: Any = None) -> Subset:
         """This worker's shard of ``dataset``: the split ``distrain train`` makes (``partition``
