@@ -180,6 +180,10 @@ def _configure(config: TrainConfig | None, settings: dict[str, Any], model: torc
                                       and dist.get_world_size(process_group) != dist.get_world_size()):
         raise ConfigError("process_group", "only the default (world) group is supported; initialise it with "
                           "torch.distributed.init_process_group, or let wrap() join the one the launcher describes")
+    if dist.is_initialized() and "nccl" in (backend := str(dist.get_backend())) and "gloo" not in backend:
+        raise ConfigError("process_group", f"the default group's backend is {backend!r}, which moves CUDA tensors "
+                          "only, and distrain's control messages are CPU tensors: initialise it with "
+                          "backend='cpu:gloo,cuda:nccl'")
     world = dist.get_world_size() if dist.is_initialized() else _world_from_env()[1]
     servers = cfg.ps.servers if cfg.algo.algorithm == "ps" else 0
     if "servers" in given and not servers:
@@ -211,9 +215,10 @@ def _join(cfg: TrainConfig) -> bool:
     """Open the default process group unless one exists; True when this call opened it."""
     if dist.is_initialized():
         return False
-    from distrain.comm.group import backend_for, init_group
+    from distrain.comm.group import backend_for, check_device, init_group
 
     rank, world = _world_from_env()
+    check_device(cfg, processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         if cfg.cluster.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())

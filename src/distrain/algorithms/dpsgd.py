@@ -82,7 +82,11 @@ class FlatParams:
         if out is None:
             out = torch.empty(self.numel, dtype=self.dtype)
         if self.params:
-            torch.cat([p.detach().reshape(-1) for p in self.params], out=out)
+            parts = [p.detach().reshape(-1) for p in self.params]
+            if parts[0].device == out.device:
+                torch.cat(parts, out=out)
+            else:  # a model on the GPU, mixed on the CPU: one copy across
+                out.copy_(torch.cat(parts))
         return out
 
     @torch.no_grad()
@@ -239,7 +243,7 @@ class DPSGD(Algorithm):
         if not mine:
             return
         assert self.transport is not None
-        total = torch.cat([b.reshape(-1) for b in mine])
+        total = torch.cat([b.reshape(-1) for b in mine]).cpu()  # the reductions are on the CPU
         reduce(total)
         for c, chunk in zip(into, total.div_(self.transport.world_size).split([b.numel() for b in mine]), strict=True):
             c.copy_(chunk.view_as(c))

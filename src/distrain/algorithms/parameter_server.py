@@ -497,9 +497,12 @@ class ParameterServer(Algorithm):
         self.num_workers = self.config.cluster.workers
         self.servers = [self.num_workers + s for s in range(self.config.ps.servers)]
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # The wire and the servers' shards are float32, whatever the model's floating-point type.
-        self.flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to(torch.float32)
-        self.grad = torch.zeros_like(self.flat)
+        # The wire and the servers' shards are float32 on the CPU, whatever the model's type and
+        # device (a model on the GPU: pinned copies, one transfer each way a step).
+        pin = bool(self.params) and self.params[0].device.type == "cuda"
+        self.flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to("cpu", torch.float32)
+        self.flat = self.flat.pin_memory() if pin else self.flat
+        self.grad = torch.zeros_like(self.flat, pin_memory=pin)
         self.bounds = shard_bounds(self.flat.numel(), len(self.servers))
         self.layout = ShardLayout(self.bounds)
         largest = max(hi - lo for lo, hi in self.bounds) * 4
@@ -604,11 +607,12 @@ class ParameterServer(Algorithm):
         self._loaded_servers = states
 
     def after_backward(self, ctx: StepContext) -> None:
-        self.grad.copy_(torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
-                                   for p in self.params]))
+        self.grad.copy_(torch.cat([p.grad.reshape(-1) if p.grad is not None
+                                   else torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in self.params]))
         info, dense = self._push_info(ctx) if self.push is not None else (None, True)
         if self.push is not None and self.momentum and self.weight_decay:  # the servers' SGD has none
-            self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]), alpha=self.weight_decay)
+            self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]).to(self.grad.device),
+                           alpha=self.weight_decay)
         self.clock += 1
         intra = self.nodes.intra if self.nodes is not None and self.nodes.intra.world_size > 1 else None
         if intra is not None:

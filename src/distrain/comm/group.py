@@ -17,15 +17,34 @@ if TYPE_CHECKING:
     from distrain.config import TrainConfig
 
 
+#: The backend of a CUDA run: NCCL moves CUDA tensors only, and distrain's control messages (the
+#: step agreement, shard reports, membership) are CPU tensors, so those travel over gloo beside it.
+NCCL = "cpu:gloo,cuda:nccl"
+
+
 def backend_for(cfg: TrainConfig) -> str:
-    if cfg.cluster.backend != "auto":
-        return cfg.cluster.backend
-    return "nccl" if cfg.cluster.device == "cuda" else "gloo"
+    backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else "nccl" if cfg.cluster.device == "cuda" else "gloo"
+    return NCCL if backend == "nccl" else backend
 
 
-def check_device(cfg: TrainConfig) -> None:
+def check_device(cfg: TrainConfig, processes: int | None = None) -> None:
+    """Refuse, before any process starts, what this machine cannot run: CUDA without a GPU, NCCL
+    without CUDA, or NCCL with more processes on this machine (``processes``; default: the run's
+    workers and parameter servers) than GPUs, since NCCL refuses two ranks on one GPU (gloo
+    lets them share it)."""
     if cfg.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device", "cuda was asked for but this machine has no CUDA device; use --device cpu")
+    if backend_for(cfg) != NCCL:
+        return
+    if cfg.cluster.device != "cuda":
+        raise ConfigError("--backend", "nccl moves CUDA tensors only; use --device cuda, or --backend gloo")
+    if processes is None:
+        processes = cfg.cluster.workers + (cfg.ps.servers if cfg.algo.algorithm == "ps" else 0)
+    gpus = torch.cuda.device_count()
+    if processes > gpus:
+        raise ConfigError("--backend", f"nccl needs a GPU for each process: {processes} processes on this machine, "
+                                       f"{gpus} GPU(s); use --backend gloo (the processes then share the GPUs) or "
+                                       f"at most {gpus} processes")
 
 
 def init_group(cfg: TrainConfig, rank: int, world: int, init_method: str | None = None,

@@ -308,7 +308,7 @@ def run_in_process(cfg: TrainConfig, run_dir: str | Path, **user: Any) -> dict[s
     """One worker, in this process: a world of size 1 with an in-memory store."""
     from distrain.train.loop import train
 
-    check_device(cfg)
+    check_device(cfg, processes=1)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         raise ConfigError("--workers", "a process group already exists in this process; use torchrun or call fit() outside it")

@@ -47,7 +47,7 @@ def run_torchrun_worker(cfg: TrainConfig, *, summary_everywhere: bool = False,
     rank with ``summary_everywhere``: a script running the same code on each rank reads it)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     configure_worker_logging(rank)
-    check_device(cfg)
+    check_device(cfg, processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world - server_count(cfg)))
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
