@@ -21,7 +21,9 @@ Nesterov step, whose momentum overshoots over a run of a few outer steps.
 
 On lm-edge (``EDGE``), DDP runs with ``--stop-at-target`` (at 2.4 s of all-reduce a step it would
 take 11 minutes a run, and only its time to target and step time count there), and all-reduce is
-left out (DDP's bytes; its figure is lm-lan's).
+left out (DDP's bytes; its figure is lm-lan's). ``lm-edge-drop`` is lm-edge with a bandwidth trace
+(``benchmarks/traces/drop-10x.csv``) that drops every link 10 times mid-run, from 20 to 2 Mbit/s,
+and runs diloco at H = 16, 64 and auto only.
 
 Figures, per scenario (medians over repeats of per-repeat ratios, with min and max; a repeat that
 never reaches the target gives no ratio and no median):
@@ -41,7 +43,7 @@ never reaches the target gives no ratio and no median):
 - ``diloco_loss_over_allreduce``: final validation loss of diloco H = 64 over all-reduce's at
   equal tokens; target <= 1.02 on lm-lan;
 - ``auto_over_best_fixed``: auto's time to target over the best of H = 16 and H = 64; target
-  <= 1.10 on both scenarios.
+  <= 1.10 on lm-lan and lm-edge, < 1 on lm-edge-drop (auto beats every fixed H).
 
 Timing figures need a quiet machine: run nothing else beside it. Every run's directory stays under
 ``benchmarks/results/diloco-<scenario>/`` for ``distrain report`` (not committed); the comparison
@@ -51,6 +53,7 @@ file holds).
 
     python benchmarks/bench_diloco.py                                  # both scenarios, 3 repeats
     python benchmarks/bench_diloco.py --scenario lm-lan
+    python benchmarks/bench_diloco.py --scenario lm-edge-drop         # auto when the link falls mid-run
     python benchmarks/bench_diloco.py --scenario lm-lan --repeats 1 --epochs 0.01 --only ddp,diloco-h16   # a quick look
     python benchmarks/bench_diloco.py --scenario lm-lan --only ddp     # measure DDP again, keep the other rows
 
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -82,7 +86,13 @@ from distrain.train.metrics import write_json_atomic
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SCENARIOS = {"lm-lan": ROOT / "benchmarks" / "scenarios" / "lm-lan.toml",
-             "lm-edge": ROOT / "benchmarks" / "scenarios" / "lm-edge.toml"}
+             "lm-edge": ROOT / "benchmarks" / "scenarios" / "lm-edge.toml",
+             "lm-edge-drop": ROOT / "benchmarks" / "scenarios" / "lm-edge.toml"}
+#: lm-edge-drop: lm-edge whose links fall 10 times, from 20 to 2 Mbit/s, DROP_AT_S seconds into the
+#: run (the trace file), with DiLoCo at H = 16, 64 and auto only: where auto should beat every
+#: fixed H, since a period fit for the link before the drop is 10 times too short after it.
+DROP = {"bandwidth_trace": "benchmarks/traces/drop-10x.csv"}
+DROP_CONFIGS = ["diloco-h16", "diloco-h64", "diloco-auto"]
 H = 64
 #: The run over the scenarios' own settings, for every configuration: 256 steps of 64 windows
 #: (1,414 steps make an epoch of the text; steps are ceil(epochs x 1,414)), a multiple of H, so
@@ -117,12 +127,16 @@ TARGETS = {
                 "torchft_over_distrain_time": (">=", 1.2), "torchft_loss_difference_pct": ("<=", 1.0),
                 "bytes_per_step_int8_over_ddp": ("<=", 1 / 200), "auto_over_best_fixed": ("<=", 1.10)},
     "lm-lan": {"diloco_loss_over_allreduce": ("<=", 1.02), "auto_over_best_fixed": ("<=", 1.10)},
+    "lm-edge-drop": {"auto_over_best_fixed": ("<", 1.0)},
 }
 WINDOW_S = 1.0  # peak link use: the most bytes sent in any window this long
 
 
 def scenario_configs(name: str) -> list[dict[str, Any]]:
-    """The configurations run on scenario ``name`` (lm-edge: with :data:`EDGE`'s changes)."""
+    """The configurations run on scenario ``name`` (lm-edge: with :data:`EDGE`'s changes;
+    lm-edge-drop: :data:`DROP_CONFIGS`)."""
+    if name == "lm-edge-drop":
+        return [c for c in CONFIGS if c["label"] in DROP_CONFIGS]
     if name != "lm-edge":
         return list(CONFIGS)
     return [{**c, **(EDGE.get(c["label"]) or {})} for c in CONFIGS if c["label"] not in EDGE or EDGE[c["label"]] is not None]
@@ -225,7 +239,7 @@ def figures(comparison: dict[str, Any], out: Path, link_bits_per_s: float | None
     for name, (op, bound) in TARGETS.get(comparison["scenario"]["name"], {}).items():
         value = result.get(name)
         median = value.get("median") if isinstance(value, dict) else None
-        met = None if median is None else (median >= bound if op == ">=" else median <= bound)
+        met = None if median is None else {">=": median >= bound, "<=": median <= bound, "<": median < bound}[op]
         result["targets"][name] = {"target": f"{op} {bound:g}", "median": median, "met": met}
     return result
 
@@ -241,6 +255,7 @@ def main() -> int:
                         help="the figures' file; the runs go beside it, into diloco-<scenario>/")
     args = parser.parse_args()
     check_repeats(parser, args.repeats)
+    os.chdir(ROOT)
     only = None if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
     labels = [c["label"] for c in CONFIGS]
     if only is not None and (not only or set(only) - set(labels)):
@@ -253,6 +268,8 @@ def main() -> int:
     for name in args.scenario or ["lm-lan", "lm-edge"]:
         grid, train, _ = load_scenario(SCENARIOS[name])
         train.update(SETTINGS)
+        if name == "lm-edge-drop":
+            train.update(DROP)  # a repository-relative path: the script runs from the repository's root
         if args.epochs is not None:
             train["epochs"] = args.epochs
         base = TrainConfig.from_dict({"progress": False, **train})
@@ -287,7 +304,7 @@ def main() -> int:
                       "repeats": args.repeats,
                       "epochs": base.run.epochs,
                       "configurations": [c for c in every if c["label"] in {r["label"] for r in comparison["configs"]}],
-                      "network": grid.networks[0],
+                      "network": grid.networks[0], "bandwidth_trace": train.get("bandwidth_trace"),
                       "link_bits_per_s": link, "elapsed_s": time.perf_counter() - start})
         results[name] = found
         write_result(args.out, results, argv=sys.argv)
