@@ -12,7 +12,7 @@ import torch
 from distrain.comm.transport import Transport
 
 
-def _swap(transport: Transport, outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
+def swap(transport: Transport, outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
     """Send to the successor while receiving from the predecessor; both sides know the sizes."""
     handles = []
     # Receive first: with gloo, when both ends of a pair post their send before their receive,
@@ -35,7 +35,7 @@ def ring_reduce_scatter(transport: Transport, chunks: list[torch.Tensor]) -> int
     for k in range(n - 1):
         send_idx, recv_idx = (rank - k) % n, (rank - k - 1) % n
         incoming = scratch[: chunks[recv_idx].numel()]
-        _swap(transport, chunks[send_idx], incoming)
+        swap(transport, chunks[send_idx], incoming)
         chunks[recv_idx].add_(incoming.view_as(chunks[recv_idx]))
     return (rank + 1) % n
 
@@ -45,7 +45,7 @@ def ring_all_gather(transport: Transport, chunks: list[torch.Tensor]) -> None:
     n, rank = transport.world_size, transport.rank
     for k in range(n - 1):
         send_idx, recv_idx = (rank + 1 - k) % n, (rank - k) % n
-        _swap(transport, chunks[send_idx], chunks[recv_idx])
+        swap(transport, chunks[send_idx], chunks[recv_idx])
 
 
 def ring_all_reduce(transport: Transport, flat: torch.Tensor) -> None:

@@ -4,8 +4,10 @@ The flattened tensor is cut into blocks of ``block`` elements (64 by default; th
 with zeros); each block is sent as its scale ``s = max |x| / q`` (float32, ``q`` = 127 for int8,
 7 for int4) and its codes ``round(x / s)`` in ``[-q, q]`` (int8; int4 codes two to a byte). The
 error of an element is at most ``s / 2``, i.e. half a quantization step of its block. Payloads
-are not summable: they are gathered and summed after decoding. Lossy, so error feedback applies
-(``--error-feedback on``, the default).
+are not summable: a tensor of at least as many blocks as workers is summed by a ring that decodes,
+adds and quantizes again at each hop (:func:`distrain.compress.collective.requantizing_ring`),
+a smaller one gathered and summed after decoding. Lossy, so error feedback applies
+(``--error-feedback on``, the default) to each worker's own quantization.
 
 Payload bytes for ``n`` elements: ``n + 4 * ceil(n / block)`` (int8), ``ceil(n / 2) + 4 *
 ceil(n / block)`` (int4): about 3.8x and 6.4x fewer than float32 at blocks of 64.
@@ -34,6 +36,8 @@ class BlockQuantizer(Compressor):
 
     summable = False
     lossy = True
+    #: partial sums can be quantized again at each hop of a ring (compress/collective.py)
+    requantizes = True
 
     def __init__(self, bits: int, block: int = DEFAULT_BLOCK) -> None:
         if bits not in (8, 4):
