@@ -75,7 +75,7 @@ from typing import Any
 
 from provenance import check_repeats, provenance, ratio_spread, spread, write_result
 
-from distrain.compare import Grid, load_scenario, run_comparison
+from distrain.compare import Grid, comparison_plots, load_scenario, run_comparison
 from distrain.config import TrainConfig
 from distrain.emulation import PRESETS
 from distrain.emulation.units import parse_bandwidth
@@ -291,6 +291,7 @@ def main() -> int:
             fresh = {row["label"]: row for row in comparison["configs"]}
             kept = [row["label"] for row in before["configs"] if row["label"] not in fresh]
             comparison["configs"] = [fresh.pop(row["label"], row) for row in before["configs"]] + list(fresh.values())
+            comparison["plots"] = [p.name for p in comparison_plots(comparison["configs"], out)]  # every row's runs
             write_json_atomic(out / "comparison.json", {k: v for k, v in comparison.items() if k not in ("table", "files")})
             write_csv(comparison["configs"], out / "comparison.csv")
             (out / "comparison-before-only.json").unlink()

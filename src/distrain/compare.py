@@ -325,7 +325,7 @@ def run_comparison(grid: Grid, base: TrainConfig, *, echo: Callable[[str], None]
 
     plots: list[Path] = []
     try:
-        plots = _plots(rows, out)
+        plots = comparison_plots(rows, out)
     except Exception as exc:  # noqa: BLE001 - the numbers are worth keeping without the pictures
         log.warning("plotting failed: %s", _one_line(exc))
         echo(f"plots failed ({_one_line(exc)}); the numbers are in comparison.json")
@@ -356,7 +356,9 @@ def _describe(record: dict[str, Any]) -> str:
             f"target {'not reached' if tta is None else f'at {tta:.1f} s'} ({record['elapsed_s']:.0f} s in all)")
 
 
-def _plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+def comparison_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """The plots of :mod:`distrain.report` over the runs of ``rows`` (a comparison's rows, run
+    directories relative to ``out``), written into ``out``."""
     runs = [load_run(out / r["run_dir"], row["label"]) for row in rows for r in row["runs"] if r["status"] == "ok"]
     return make_plots(group_by_label(runs), out) if runs else []
 
