@@ -266,7 +266,7 @@ def main() -> int:
         if isinstance(entry, dict) and earlier is not None:
             entry.setdefault("provenance", earlier)
     for name in args.scenario or ["lm-lan", "lm-edge"]:
-        grid, train, _ = load_scenario(SCENARIOS[name])
+        grid, train, _ = load_scenario(SCENARIOS[name].relative_to(ROOT))  # recorded as given: repository-relative
         train.update(SETTINGS)
         if name == "lm-edge-drop":
             train.update(DROP)  # a repository-relative path: the script runs from the repository's root
@@ -309,6 +309,10 @@ def main() -> int:
                       "link_bits_per_s": link, "elapsed_s": time.perf_counter() - start})
         results[name] = found
         write_result(args.out, results, argv=sys.argv)
+        saved = {k: v for k, v in comparison.items() if k not in ("table", "files")}
+        if kept:
+            saved["kept_from_earlier_run"] = found["kept_from_earlier_run"]
+        write_result(out / "comparison.json", saved, argv=sys.argv)  # with its provenance, paths relative
         print(comparison["table"], flush=True)
         for key, target in found["targets"].items():
             print(f"{name} {key}: median {target['median']} (target {target['target']}): "
