@@ -133,8 +133,8 @@ def test_compressed_pushes_with_a_ratio_per_worker_and_step_match_a_replay(tmp_p
         for s, (lo, hi) in enumerate(shard_bounds(sum(t.numel() for t in want.values()), SERVERS)):
             got = int(results[w]["sent"][WORKERS + s])
             got -= 16  # the end of training: [STOP, 0]
-            if w == 0:  # worker 0 also sent each server the start header (3 int64) and its shard
-                got -= 3 * 8 + 4 * (hi - lo)
+            if w == 0:  # worker 0 also sent each server the start header (3 int64), its shard and
+                got -= 3 * 8 + 4 * (hi - lo) + 8  # whether a saved optimizer state follows (1 int64; none)
             assert got == sent[w][s], (w, s)
 
 
