@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.reliability.common import QUICK, cli_env, kill_tagged, tagged
+from tests.reliability.common import QUICK, cli_env, run_launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SCRIPT = Path(__file__).with_name("cuda_script.py")
@@ -22,15 +22,8 @@ SCRIPT = Path(__file__).with_name("cuda_script.py")
 
 def launch(workers: int, algorithm: str, settings: dict, servers: int = 0) -> tuple[subprocess.CompletedProcess, dict]:
     """Run cuda_script.py as ``workers`` processes; its output and each rank's difference from one process."""
-    tag = uuid.uuid4().hex
-    try:
-        done = subprocess.run([sys.executable, "-m", "distrain", "launch", "--workers", str(workers),
-                               *(("--servers", str(servers)) if servers else ()), "--timeout", "60", str(SCRIPT),
-                               algorithm, json.dumps(settings)], env=cli_env(tag), capture_output=True, text=True,
-                              timeout=180)
-        assert tagged(tag) == []
-    finally:
-        kill_tagged(tag)
+    done = run_launch(["--workers", str(workers), *(("--servers", str(servers)) if servers else ()), "--timeout", "60",
+                       str(SCRIPT), algorithm, json.dumps(settings)], timeout=180)
     found = re.findall(rf"rank (\d+) of {workers}: cuda difference (\S+)", done.stdout + done.stderr)
     return done, {int(rank): float(diff) for rank, diff in found}
 

@@ -3,16 +3,12 @@ tensors and plain values arrives whole over real gloo point-to-point messages, n
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import uuid
-
 import torch
 
 from distrain.algorithms.parameter_server import recv_state, send_state
 from distrain.comm import Transport
 from tests.harness import run_group
-from tests.reliability.common import cli_env, kill_tagged, tagged
+from tests.reliability.common import run_launch
 
 
 def adam_like_state() -> dict:
@@ -83,14 +79,7 @@ def test_the_servers_refuse_a_state_they_cannot_take_and_nothing_is_loaded(tmp_p
     # clear error on every worker, with the model and step count untouched, and the run goes on.
     script = tmp_path / "refusals.py"
     script.write_text(REFUSALS)
-    tag = uuid.uuid4().hex
-    try:
-        done = subprocess.run([sys.executable, "-m", "distrain", "launch", "--workers", "2", "--servers", "1",
-                               "--timeout", "30", str(script)], env=cli_env(tag), capture_output=True, text=True,
-                              timeout=120)
-        assert tagged(tag) == []
-    finally:
-        kill_tagged(tag)
+    done = run_launch(["--workers", "2", "--servers", "1", "--timeout", "30", str(script)])
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout + done.stderr
     for line in ("refused ConfigError: servers: the saved state is of 2 servers, this run has 1",

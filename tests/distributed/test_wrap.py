@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.reliability.common import cli_env, kill_tagged, tagged
+from tests.reliability.common import cli_env, kill_tagged, run_launch, tagged
 
 SCRIPT = Path(__file__).with_name("wrap_script.py")
 _spec = importlib.util.spec_from_file_location("wrap_script", SCRIPT)
@@ -105,14 +105,7 @@ def test_parameter_servers_refuse_an_optimizer_they_cannot_step(tmp_path: Path):
     script.write_text("import torch, distrain\n"
                       "model = torch.nn.Linear(2, 1)\n"
                       "distrain.wrap(model, torch.optim.Rprop(model.parameters()), algorithm='ps', ps_mode='async')\n")
-    tag = uuid.uuid4().hex
-    try:
-        done = subprocess.run([sys.executable, "-m", "distrain", "launch", "--workers", "2", "--servers", "1",
-                               "--timeout", "30", str(script)], env=cli_env(tag), capture_output=True, text=True,
-                              timeout=120)
-        assert tagged(tag) == []
-    finally:
-        kill_tagged(tag)
+    done = run_launch(["--workers", "2", "--servers", "1", "--timeout", "30", str(script)])
     assert done.returncode == 1
     assert "ps_mode: async servers step SGD, Adam or AdamW, not Rprop; use ps_mode sync" in done.stderr
 

@@ -53,6 +53,19 @@ def run_cli(args: list[str], timeout: float = 180, **extra_env: str) -> Result:
     return Result(proc.returncode, out, err, wall, orphans)
 
 
+def run_launch(args: list[str], timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess:
+    """``python -m distrain launch ARGS`` as a user runs it; its output, once it has left nothing
+    running (whatever it left is reaped either way)."""
+    tag = uuid.uuid4().hex
+    try:
+        done = subprocess.run([sys.executable, "-m", "distrain", "launch", *args], env=cli_env(tag, **extra_env),
+                              capture_output=True, text=True, timeout=timeout)
+        assert tagged(tag) == []
+    finally:
+        kill_tagged(tag)
+    return done
+
+
 def tagged(tag: str) -> list[int]:
     """Processes still alive whose environment carries ``tag`` (orphans of a test run)."""
     pids = []
