@@ -45,6 +45,33 @@ def copy_module(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
+class FlatParams:
+    """The trainable parameters of a model seen as one vector (copied in and out): a model on
+    the GPU is read into a CPU vector with one copy across."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.numel = sum(self.sizes)
+        self.dtype = params[0].dtype if params else torch.float32
+
+    def read(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.numel, dtype=self.dtype)
+        if self.params:
+            parts = [p.detach().reshape(-1) for p in self.params]
+            if parts[0].device == out.device:
+                torch.cat(parts, out=out)
+            else:
+                out.copy_(torch.cat(parts))
+        return out
+
+    @torch.no_grad()
+    def write(self, flat: torch.Tensor) -> None:
+        for p, chunk in zip(self.params, flat.split(self.sizes), strict=True):
+            p.copy_(chunk.view_as(p))
+
+
 class Algorithm:
     """One instance per worker; composes the Transport (and later a Compressor).
 

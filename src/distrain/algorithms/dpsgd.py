@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from distrain.algorithms.base import Algorithm, StepContext, copy_module
+from distrain.algorithms.base import Algorithm, FlatParams, StepContext, copy_module
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import ConfigError
 from distrain.topology import (
@@ -67,32 +67,6 @@ from distrain.topology import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class FlatParams:
-    """The trainable parameters of a model seen as one vector (copied in and out)."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.sizes = [p.numel() for p in params]
-        self.numel = sum(self.sizes)
-        self.dtype = params[0].dtype if params else torch.float32
-
-    def read(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:
-            out = torch.empty(self.numel, dtype=self.dtype)
-        if self.params:
-            parts = [p.detach().reshape(-1) for p in self.params]
-            if parts[0].device == out.device:
-                torch.cat(parts, out=out)
-            else:  # a model on the GPU, mixed on the CPU: one copy across
-                out.copy_(torch.cat(parts))
-        return out
-
-    @torch.no_grad()
-    def write(self, flat: torch.Tensor) -> None:
-        for p, chunk in zip(self.params, flat.split(self.sizes), strict=True):
-            p.copy_(chunk.view_as(p))
 
 
 class DPSGD(Algorithm):
@@ -299,4 +273,4 @@ def consensus_distance(models: list[torch.Tensor]) -> float:
     return float((stacked - stacked.mean(0)).pow(2).sum(1).mean())
 
 
-__all__ = ["DPSGD", "FlatParams", "consensus_distance"]
+__all__ = ["DPSGD", "consensus_distance"]

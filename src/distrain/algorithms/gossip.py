@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrain.algorithms.base import Algorithm, StepContext, copy_module
+from distrain.algorithms.base import Algorithm, FlatParams, StepContext, copy_module
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.health import Liveness
@@ -484,10 +484,11 @@ class AsyncGossip(Algorithm):
         g = self.config.gossip
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.sizes = [p.numel() for p in self.params]
+        self.flat = FlatParams(self.params)  # the module's parameters in and out of the flat CPU vector
+        self.sizes = self.flat.sizes
         pin = self.device.type == "cuda"  # averaging works on pinned CPU copies; gradients on the GPU
         flat = torch.empty(sum(self.sizes), dtype=self.params[0].dtype if self.params else torch.float32, pin_memory=pin)
-        self._gather(flat)
+        self.flat.read(flat)
         self.state = SharedModel(flat, transport.rank, transport.world_size)
         self.read_copy = torch.empty_like(flat, pin_memory=pin).copy_(flat)  # the model the next gradient is computed on
         self.new_copy = torch.empty_like(flat, pin_memory=pin)
@@ -505,28 +506,13 @@ class AsyncGossip(Algorithm):
         """The communication engine (collective: create process groups here)."""
         raise NotImplementedError
 
-    # -- moving the model between the module and the flat CPU vector --
-
-    @torch.no_grad()
-    def _gather(self, out: torch.Tensor) -> torch.Tensor:
-        if not self.params:
-            return out
-        if self.device.type == "cpu":
-            return torch.cat([p.detach().reshape(-1) for p in self.params], out=out)
-        return out.copy_(torch.cat([p.detach().reshape(-1) for p in self.params]))
-
-    @torch.no_grad()
-    def _scatter(self, flat: torch.Tensor) -> None:
-        for p, chunk in zip(self.params, flat.split(self.sizes), strict=True):
-            p.copy_(chunk.view_as(p))
-
     # -- the loop's hooks --
 
     def start(self, total_steps: int, steps_per_epoch: int) -> None:
         g = self.config.gossip
         self.steps_per_epoch = steps_per_epoch
         self.budget = Budget(g.budget, total_steps, self.state.world, g.time_budget)
-        self._gather(self.state.x)  # after any change to the module since setup
+        self.flat.read(self.state.x)  # after any change to the module since setup
         self.read_copy.copy_(self.state.x)
         self.t0 = time.perf_counter()
         if self.engine is not None:
@@ -541,7 +527,7 @@ class AsyncGossip(Algorithm):
             self.engine.check()
             self._check_members()
         self.optimizer.step()  # on the copy read before the step; outside the lock
-        delta = self._gather(self.new_copy).sub_(self.read_copy)
+        delta = self.flat.read(self.new_copy).sub_(self.read_copy)
         self.state.apply_step(delta, self.read_copy)  # x += delta, atomically with any averaging
         if self.engine is not None and self.config.gossip.max_lag > 0:
             engine = self.engine
@@ -551,7 +537,7 @@ class AsyncGossip(Algorithm):
                             self.state.rank, self.config.gossip.peer_timeout, self.config.gossip.max_lag)
             engine.check()
             self.state.read(out=self.read_copy)  # averagings that landed while waiting
-        self._scatter(self.read_copy)
+        self.flat.write(self.read_copy)
         now = time.perf_counter()
         if self._last_step_at is not None:
             self.state.step_seconds = 0.9 * self.state.step_seconds + 0.1 * (now - self._last_step_at)
@@ -590,7 +576,7 @@ class AsyncGossip(Algorithm):
                 self._snapshot_if_due()  # the model still changes while the others finish
             self.engine.check()
         self._snapshot_if_due()
-        self._scatter(self.state.x)  # the module holds this worker's final model
+        self.flat.write(self.state.x)  # the module holds this worker's final model
         self._drained = True
         self.control = self._survivors()
 
