@@ -79,7 +79,7 @@ from distrain.compare import Grid, comparison_plots, load_scenario, run_comparis
 from distrain.config import TrainConfig
 from distrain.emulation import PRESETS
 from distrain.emulation.units import parse_bandwidth
-from distrain.report import write_csv
+from distrain.report import add_speedups, format_table, write_csv
 from distrain.report.runs import load_run
 from distrain.train.metrics import write_json_atomic
 
@@ -291,6 +291,11 @@ def main() -> int:
             fresh = {row["label"]: row for row in comparison["configs"]}
             kept = [row["label"] for row in before["configs"] if row["label"] not in fresh]
             comparison["configs"] = [fresh.pop(row["label"], row) for row in before["configs"]] + list(fresh.values())
+            # every row's speed-ups over the baseline of the run before, not over the first label of --only
+            comparison["baseline"] = before.get("baseline") or comparison["baseline"]
+            add_speedups(comparison["configs"], comparison["baseline"])
+            comparison["table"] = format_table(comparison["configs"], baseline=comparison["baseline"],
+                                               target=base.run.target_accuracy, target_loss=base.run.target_loss)
             comparison["plots"] = [p.name for p in comparison_plots(comparison["configs"], out)]  # every row's runs
             write_json_atomic(out / "comparison.json", {k: v for k, v in comparison.items() if k not in ("table", "files")})
             write_csv(comparison["configs"], out / "comparison.csv")
