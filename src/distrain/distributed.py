@@ -28,6 +28,10 @@ servers are the last ``servers`` ranks (``distrain launch --workers 4 --servers 
 ``torchrun --nproc-per-node 6 train.py`` with ``servers=2``): on those ranks ``wrap()`` serves
 until every worker has called ``finish()`` and then exits the process with status 0.
 
+A group of the world (``process_group=``, made with ``torch.distributed.new_group``) trains on
+its own, e.g. one data-parallel replica group beside others: allreduce, dpsgd, d2 and diloco, with
+ranks, shards, emulated links and ``slow_worker`` counted inside the group.
+
 Elastic runs (``allreduce``, ``diloco``; ``distrain launch --max-restarts R``): a worker started
 again after its loss joins the others inside ``wrap()``, which returns once it holds their state,
 with ``opt.steps`` where they are; loop with ``while opt.steps < total:``. If the others have
@@ -36,7 +40,6 @@ finished by then, ``wrap()`` exits the process with status 0.
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import logging
@@ -117,7 +120,11 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
         model: the user's model, on its device; its parameters are the ones ``optimizer`` steps.
         optimizer: the user's optimizer; schedulers attached to it keep working.
         config: a :class:`~distrain.config.TrainConfig` to start from (not modified).
-        process_group: the default group (the only one supported); None: the default group.
+        process_group: the group to train in: None or the world for every process of the run,
+            or a group of some of its processes (``torch.distributed.new_group``, with the default
+            group initialised by the caller), which trains apart from the others (allreduce,
+            dpsgd, d2 and diloco; ranks, shards, emulated links and ``slow_worker`` then count
+            within the group, and its losses are not survived).
         total_steps: the run's length in steps per worker, for ``keep_going()`` and asynchronous
             budgets; :meth:`DistributedOptimizer.shard` derives it from ``epochs`` otherwise.
         steps_per_epoch: steps per worker in one pass over the data (density warm-up epochs,
@@ -133,6 +140,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
                             algorithm="dpsgd", topology="ring")
     """
     cfg = _configure(config, settings, model, process_group, optimizer)
+    if _subgroup(process_group):  # the caller's group of some of the processes: nothing else to set up
+        return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                                    workers_group=process_group, process_group=process_group)
     if os.environ.get(JOIN_ENV) and not dist.is_initialized():  # a worker started again after its loss
         try:
             joined = enter_run(cfg)
@@ -176,15 +186,20 @@ def _configure(config: TrainConfig | None, settings: dict[str, Any], model: torc
         warnings.warn(f"compress={cfg.compress.compress!r} with SGD momentum: momentum_correction='on' applies the "
                       "momentum before sparsifying (Deep Gradient Compression; it sets your optimizer's momentum to "
                       "0 and keeps it in distrain's state), which usually keeps accuracy", stacklevel=3)
-    if process_group is not None and (not dist.is_initialized() or process_group is not dist.group.WORLD
-                                      and dist.get_world_size(process_group) != dist.get_world_size()):
-        raise ConfigError("process_group", "only the default (world) group is supported; initialise it with "
-                          "torch.distributed.init_process_group, or let wrap() join the one the launcher describes")
+    if process_group is not None and not dist.is_initialized():
+        raise ConfigError("process_group", "needs the default group first: initialise it with "
+                          "torch.distributed.init_process_group, then make the group with torch.distributed.new_group")
+    subgroup = _subgroup(process_group)
+    if subgroup and dist.get_rank(process_group) < 0:
+        raise ConfigError("process_group", f"this process (rank {dist.get_rank()}) is not a member of the group "
+                          "it was given; give each process the group it belongs to")
     if dist.is_initialized() and "nccl" in (backend := str(dist.get_backend())) and "gloo" not in backend:
         raise ConfigError("process_group", f"the default group's backend is {backend!r}, which moves CUDA tensors "
                           "only, and distrain's control messages are CPU tensors: initialise it with "
                           "backend='cpu:gloo,cuda:nccl'")
-    world = dist.get_world_size() if dist.is_initialized() else _world_from_env()[1]
+    world = dist.get_world_size(process_group if subgroup else None) if dist.is_initialized() else _world_from_env()[1]
+    if subgroup:
+        _check_subgroup(cfg)
     servers = cfg.ps.servers if cfg.algo.algorithm == "ps" else 0
     if "servers" in given and not servers:
         raise ConfigError("servers", f"starts parameter servers, which only algorithm 'ps' uses; this script's "
@@ -201,6 +216,27 @@ def _configure(config: TrainConfig | None, settings: dict[str, Any], model: torc
     return cfg
 
 
+#: The algorithms that train in a group of some of the run's processes: those whose traffic all
+#: goes through the Transport over the given group (the others make groups over the world).
+SUBGROUP_ALGORITHMS = ("allreduce", "dpsgd", "d2", "diloco")
+
+
+def _subgroup(process_group: Any) -> bool:
+    """Whether ``process_group`` is a group of only some of the world's processes."""
+    return (process_group is not None and process_group is not dist.group.WORLD and dist.is_initialized()
+            and dist.get_world_size(process_group) != dist.get_world_size())
+
+
+def _check_subgroup(cfg: TrainConfig) -> None:
+    """Refuse what cannot train inside a group of some of the processes."""
+    if cfg.algo.algorithm not in SUBGROUP_ALGORITHMS:
+        raise ConfigError("process_group", f"a group of some of the processes trains with {', '.join(SUBGROUP_ALGORITHMS)}; "
+                          f"{cfg.algo.algorithm!r} makes process groups over the whole world: use the default group")
+    if cfg.algo.workers_per_node:
+        raise ConfigError("workers_per_node", "hierarchical aggregation makes process groups over the whole world; "
+                          "use 0 with a process_group of some of the processes")
+
+
 def _serve(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
     """This process is a parameter server (the last ``servers`` ranks): serve the workers with
     ``optimizer``'s kind and hyperparameters until every worker's training has ended, then leave
@@ -215,15 +251,12 @@ def _join(cfg: TrainConfig) -> bool:
     """Open the default process group unless one exists; True when this call opened it."""
     if dist.is_initialized():
         return False
-    from distrain.comm.group import backend_for, check_device, init_group
+    from distrain.comm.group import check_device, init_group
 
     rank, world = _world_from_env()
     check_device(cfg, processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        if cfg.cluster.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        dist.init_process_group(backend_for(cfg), init_method="env://", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
+        init_group(cfg, rank, world, "env://")
     elif world == 1:
         init_group(cfg, 0, 1)
     else:
@@ -240,8 +273,8 @@ class DistributedOptimizer:
     are registered when wrapping); ``step()`` waits for it.
 
     Attributes:
-        rank: this worker's rank.
-        workers: the number of training workers.
+        rank: this worker's rank (in ``process_group`` when :func:`wrap` was given one).
+        workers: the number of training workers (of that group).
         is_worker: True: a parameter server's process (``algorithm="ps"``, the last ``servers``
             ranks) never returns from :func:`wrap`; it serves until every worker has called
             :meth:`finish`, then exits with status 0.
@@ -255,17 +288,24 @@ class DistributedOptimizer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, *,
                  total_steps: int | None = None, steps_per_epoch: int | None = None, owns_group: bool = False,
                  workers_group: Any = None, broadcast: bool = True, heartbeat: bool = True,
-                 joined: Membership | None = None) -> None:
+                 joined: Membership | None = None, process_group: Any = None) -> None:
         self.model, self.optimizer, self.config = model, optimizer, config
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self._owns_group = owns_group
         #: the training workers' group when the world also holds parameter servers, else None
         self.workers_group = workers_group
-        # A worker keeps its emulated device and links by its id, whatever its rank.
+        #: the group of some of the processes that this optimizer trains in (``wrap(process_group=)``),
+        #: else None (the default group)
+        self.process_group = process_group
+        # A worker keeps its emulated device and links by its id, whatever its rank; in a group of
+        # some of the processes, by its rank in that group.
         me, world = (joined.me, config.cluster.workers) if joined is not None else (None, None)
+        if process_group is not None:
+            me, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.emulation = Emulation.from_config(config.network, me, world, seed=config.run.seed,
                                                workers=config.cluster.workers, workers_per_node=config.algo.workers_per_node)
-        self.transport = Transport(link_model=self.emulation.link_model, ids=joined.members if joined else None)
+        self.transport = Transport(process_group, link_model=self.emulation.link_model,
+                                   ids=joined.members if joined else None)
         self.rank, self.workers = self.transport.rank, dist.get_world_size(workers_group)
         if broadcast and joined is None:
             _broadcast_from_rank0(model, workers_group)

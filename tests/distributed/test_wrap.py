@@ -48,14 +48,14 @@ def run(launcher: str, algorithm: str, mode: str, out: Path, settings: dict | No
     return done
 
 
-def reference_sync() -> dict[str, torch.Tensor]:
+def reference_sync(workers: int = WORKERS, seed: int = 1) -> dict[str, torch.Tensor]:
     """One process on the concatenation of the workers' batches, with the same schedule."""
     model = user.make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
-    x, y = user.make_data(3 * WORKERS * user.BATCH)
+    x, y = user.make_data(3 * workers * user.BATCH, seed)
     for step in range(3):
-        rows = slice(step * WORKERS * user.BATCH, (step + 1) * WORKERS * user.BATCH)
+        rows = slice(step * workers * user.BATCH, (step + 1) * workers * user.BATCH)
         torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
         inner.step()
         scheduler.step()
@@ -98,6 +98,40 @@ def test_parameter_servers_equal_one_process_on_the_concatenated_batches(tmp_pat
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
     assert not (tmp_path / f"rank{WORKERS}.pt").exists()  # the servers left inside wrap()
     assert "Traceback" not in done.stderr
+
+
+#: Groups of half the processes (process_group=): the algorithms that train in one.
+GROUPS = {"allreduce": ("allreduce", {}), "allreduce-own": ("allreduce", {"ring": "own"}),
+          "diloco": ("diloco", {"sync_every": 1, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0})}
+
+
+@pytest.mark.parametrize("name", ["allreduce", pytest.param("allreduce-own", marks=pytest.mark.slow),
+                                  pytest.param("diloco", marks=pytest.mark.slow)])
+def test_each_process_group_equals_one_process_on_its_own_concatenated_batches(tmp_path: Path, name: str):
+    # Processes 0-1 and 2-3 train in two groups on different data: each group's model is one
+    # process on its two workers' batches, and nothing of the other group's reaches it.
+    algorithm, settings = GROUPS[name]
+    run("launch", algorithm, "groups", tmp_path, settings)
+    half = WORKERS // 2
+    expected = [reference_sync(half, seed=1 + g) for g in range(2)]
+    assert not torch.allclose(expected[0]["0.weight"], expected[1]["0.weight"])  # the groups' runs differ
+    for rank, state in enumerate(saved(tmp_path)):
+        for key, value in expected[rank // half].items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
+
+
+def test_a_group_of_some_processes_refuses_what_makes_groups_over_the_world(tmp_path: Path):
+    script = tmp_path / "groups.py"
+    script.write_text("import torch, torch.distributed as dist, distrain\n"
+                      "dist.init_process_group('gloo')\n"
+                      "groups = [dist.new_group([0]), dist.new_group([1])]\n"
+                      "model = torch.nn.Linear(2, 1)\n"
+                      "distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm='prague',\n"
+                      "              process_group=groups[dist.get_rank()])\n")
+    done = run_launch(["--workers", "2", "--timeout", "30", str(script)])
+    assert done.returncode == 1
+    assert "process_group: a group of some of the processes trains with allreduce, dpsgd, d2, diloco; " \
+           "'prague' makes process groups over the whole world" in done.stderr
 
 
 def test_parameter_servers_refuse_an_optimizer_they_cannot_step(tmp_path: Path):

@@ -5,6 +5,8 @@ python wrap_script.py ALGORITHM MODE OUT_DIR [SETTINGS_JSON]
 MODE sync: 3 steps of SGD (lr 0.1, a StepLR scheduler, zero_grad(set_to_none=True)), worker r
 taking rows (s * W + r) * B .. + B at step s; saves the model to OUT_DIR/rank<r>.pt.
 MODE lm: as sync, on a small GPT and random token windows (per-token cross-entropy).
+MODE groups: as sync, in two groups of half the processes each (``process_group=``; the script
+opens the default group itself), group g on data of seed 1 + g; saves to OUT_DIR/rank<global rank>.pt.
 MODE mean: models made different per worker after wrapping (+ rank), 3 steps at lr 0; saves them.
 MODE async: trains its shard until keep_going() says stop; saves steps and the consensus accuracy.
 MODE full / first / second: 6 steps of momentum SGD; all of them, the first 3 then a checkpoint
@@ -42,8 +44,8 @@ def make_tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
+def make_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, FEATURES, generator=g)
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
 
@@ -53,15 +55,24 @@ def main() -> None:
     settings = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     model = make_gpt() if mode == "lm" else make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.0 if mode == "mean" else 0.1)
-    opt = distrain.wrap(model, inner, algorithm=algorithm, **settings)
+    group, seed, name = None, 1, None
+    if mode == "groups":  # the user's own default group, split in halves; each half trains apart
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        half = dist.get_world_size() // 2
+        groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, 2 * half)))]
+        seed, name = 1 + dist.get_rank() // half, f"rank{dist.get_rank()}.pt"
+        group = groups[dist.get_rank() // half]
+    opt = distrain.wrap(model, inner, algorithm=algorithm, process_group=group, **settings)
     rank, workers = opt.rank, opt.workers
-    if mode in ("sync", "lm", "mean"):
-        scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5) if mode == "sync" else None
+    if mode in ("sync", "lm", "mean", "groups"):
+        scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5) if mode in ("sync", "groups") else None
         if mode == "mean":
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(float(rank))
-        x, y = (make_tokens if mode == "lm" else make_data)(3 * workers * BATCH)
+        x, y = make_tokens(3 * workers * BATCH) if mode == "lm" else make_data(3 * workers * BATCH, seed)
         for step in range(3):
             rows = slice((step * workers + rank) * BATCH, (step * workers + rank + 1) * BATCH)
             out_rows = model(x[rows])
@@ -70,8 +81,10 @@ def main() -> None:
             if scheduler is not None:
                 scheduler.step()
             opt.zero_grad()
-        torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        torch.save(model.state_dict(), out / (name or f"rank{rank}.pt"))
         opt.finish()
+        if group is not None:
+            dist.destroy_process_group()
     elif mode in ("full", "first", "second"):
         inner.param_groups[0]["momentum"] = 0.9
         x, y = make_data(6 * workers * BATCH)
