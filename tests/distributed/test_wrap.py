@@ -120,6 +120,22 @@ def test_each_process_group_equals_one_process_on_its_own_concatenated_batches(t
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
 
 
+@pytest.mark.slow  # ~8 s; all-reduce in groups above in CI, decentralized in the whole world in test_elastic
+@pytest.mark.parametrize("algorithm", ["dpsgd", "d2"])
+def test_decentralized_groups_keep_each_group_mean_and_never_mix(tmp_path: Path, algorithm: str):
+    # lr 0, models moved by + their global rank: gossip inside each group keeps that group's mean
+    # (0.5 and 2.5 above the start); a message from the other group would move it
+    run("launch", algorithm, "groups-mean", tmp_path)
+    start, states, half = user.make_model().state_dict(), saved(tmp_path), WORKERS // 2
+    for g in range(2):
+        members = range(g * half, (g + 1) * half)
+        for key, value in start.items():
+            mean = torch.stack([states[r][key] for r in members]).mean(0)
+            torch.testing.assert_close(mean, value + sum(members) / half, rtol=0, atol=1e-5, msg=f"group {g} {key}")
+            for r in members:  # they averaged: each stood 0.5 from the group's mean before
+                assert (states[r][key] - mean).abs().max() < 0.45, (g, r, key)
+
+
 def test_a_group_of_some_processes_refuses_what_makes_groups_over_the_world(tmp_path: Path):
     script = tmp_path / "groups.py"
     script.write_text("import torch, torch.distributed as dist, distrain\n"

@@ -7,6 +7,7 @@ taking rows (s * W + r) * B .. + B at step s; saves the model to OUT_DIR/rank<r>
 MODE lm: as sync, on a small GPT and random token windows (per-token cross-entropy).
 MODE groups: as sync, in two groups of half the processes each (``process_group=``; the script
 opens the default group itself), group g on data of seed 1 + g; saves to OUT_DIR/rank<global rank>.pt.
+MODE groups-mean: as groups, with the models moved by + global rank after wrapping, at lr 0.
 MODE mean: models made different per worker after wrapping (+ rank), 3 steps at lr 0; saves them.
 MODE async: trains its shard until keep_going() says stop; saves steps and the consensus accuracy.
 MODE full / first / second: 6 steps of momentum SGD; all of them, the first 3 then a checkpoint
@@ -54,9 +55,9 @@ def main() -> None:
     algorithm, mode, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     settings = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     model = make_gpt() if mode == "lm" else make_model()
-    inner = torch.optim.SGD(model.parameters(), lr=0.0 if mode == "mean" else 0.1)
-    group, seed, name = None, 1, None
-    if mode == "groups":  # the user's own default group, split in halves; each half trains apart
+    inner = torch.optim.SGD(model.parameters(), lr=0.0 if mode in ("mean", "groups-mean") else 0.1)
+    group, seed, name, offset = None, 1, None, None
+    if mode in ("groups", "groups-mean"):  # the user's own default group, split in halves; each half trains apart
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
@@ -64,14 +65,17 @@ def main() -> None:
         groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, 2 * half)))]
         seed, name = 1 + dist.get_rank() // half, f"rank{dist.get_rank()}.pt"
         group = groups[dist.get_rank() // half]
+        offset = dist.get_rank() if mode == "groups-mean" else None
     opt = distrain.wrap(model, inner, algorithm=algorithm, process_group=group, **settings)
     rank, workers = opt.rank, opt.workers
-    if mode in ("sync", "lm", "mean", "groups"):
+    if mode == "mean":
+        offset = rank
+    if mode in ("sync", "lm", "mean", "groups", "groups-mean"):
         scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5) if mode in ("sync", "groups") else None
-        if mode == "mean":
+        if offset is not None:
             with torch.no_grad():
                 for p in model.parameters():
-                    p.add_(float(rank))
+                    p.add_(float(offset))
         x, y = make_tokens(3 * workers * BATCH) if mode == "lm" else make_data(3 * workers * BATCH, seed)
         for step in range(3):
             rows = slice((step * workers + rank) * BATCH, (step * workers + rank + 1) * BATCH)
