@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distrain.baselines.wire import WireMeter
 from distrain.comm.group import check_device, close_group, init_group
 from distrain.config import TrainConfig
-from distrain.data.batches import batches_of, eval_subset
+from distrain.data.batches import batches_of
 from distrain.emulation import Emulation, NetworkSettings
 from distrain.errors import ConfigError, DataError, DistrainError
 from distrain.launch.common import (
@@ -56,6 +56,7 @@ from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
 from distrain.tasks import build_task
+from distrain.train.evaluation import Evaluations
 from distrain.train.loop import lm_figures, lm_tokens, plan_worker_data, summarize
 from distrain.train.metrics import MetricsWriter, write_json_atomic
 
@@ -198,10 +199,7 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     # --- the loop -----------------------------------------------------------------------------
     metrics = MetricsWriter(run_dir, rank)
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
-    probe_set = eval_subset(test_set, cfg.run.eval_samples)  # evaluations during the run; the last one uses all
-    time_to_target: float | None = None
-    accuracy: float | None = float("nan") if task.labels else None
-    test_loss = float("nan")
+    evals = Evaluations(task, test_set, cfg.run.eval_samples, cfg.run.target_accuracy, cfg.run.target_loss, device)
     eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
     model.train()
     dist.barrier()
@@ -240,20 +238,14 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
             t_eval = time.perf_counter()
             eval_model = peer.eval_model(model)
             if rank == 0:
-                measured = task.evaluate(eval_model, test_set if step + 1 == total_steps else probe_set, device)
-                record.update(measured)
-                accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
-                if time_to_target is None and task.reached(measured, cfg.run.target_accuracy, cfg.run.target_loss):
-                    time_to_target = record["time"]
+                evals.measure(eval_model, record, final=step + 1 == total_steps)
             if cfg.run.stop_at_target and step + 1 < total_steps:  # rank 0 tells everyone whether it reached it
-                reached = torch.tensor([0.0 if time_to_target is None else 1.0], dtype=torch.float64)
+                reached = torch.tensor([0.0 if evals.time_to_target is None else 1.0], dtype=torch.float64)
                 dist.broadcast(reached, src=0)
                 if reached.item() > 0:
                     stopped_at_target = True
-                    if rank == 0 and probe_set is not test_set:  # the final figures are on the whole test set
-                        measured = task.evaluate(eval_model, test_set, device)
-                        record.update(measured)
-                        accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
+                    if rank == 0:
+                        evals.stopped_at_target(eval_model, record)
             eval_seconds += time.perf_counter() - t_eval
         record.update(peer.metrics())
         metrics.write(record)
@@ -268,9 +260,9 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
                          *meter.sent, *meter.received, time.process_time() - cpu_start], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine)
-    summary = summarize(out_cfg, run_dir, [r.tolist() for r in rows], world, total_steps, global_batch, accuracy,
-                        test_loss, time_to_target, eval_seconds, None, stopped_at_target=stopped_at_target,
-                        extra={**lm_figures(task, train_set, test_set, test_loss),
+    summary = summarize(out_cfg, run_dir, [r.tolist() for r in rows], world, total_steps, global_batch, evals.accuracy,
+                        evals.test_loss, evals.time_to_target, eval_seconds, None, stopped_at_target=stopped_at_target,
+                        extra={**lm_figures(task, train_set, test_set, evals.test_loss),
                                "model_parameters": count_parameters(module), **peer.summary_fields()},
                         tokens_per_sample=lm_tokens(task, sample_shape)) if rank == 0 else None
     dist.barrier()  # nobody tears the group down before the summary exists

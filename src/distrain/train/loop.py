@@ -39,7 +39,6 @@ from distrain.data import (
     load_worker_shards,
     partition_indices,
 )
-from distrain.data.batches import eval_subset
 from distrain.data.sampler import ShardSampler
 from distrain.distributed import DistributedOptimizer
 from distrain.emulation import NetworkSettings
@@ -61,6 +60,7 @@ from distrain.runtime.files import atomic_write
 from distrain.runtime.membership import JOIN_ENV, Membership, RunEnded, enter_run, watch_waits
 from distrain.runtime.totals import RunTotals
 from distrain.tasks import LossFn, Task, bits_per_byte, build_task, check_task_data
+from distrain.train.evaluation import Evaluations
 from distrain.train.metrics import (
     MetricsWriter,
     write_json_atomic,
@@ -286,18 +286,15 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "algorithm": algorithm.state_dict(),
             "step": step, "model_name": cfg.model.model, "algorithm_name": cfg.algo.algorithm, "world_size": world,
             "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
-            "totals": totals.plus(counters(step, wall, cpu), eval_seconds, time_to_target).state_dict(),
+            "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target).state_dict(),
         })
 
     # --- the loop -------------------------------------------------------------------------------
     # a joiner keeps its earlier life's lines up to where it comes back
     metrics = MetricsWriter(run_dir, rank, resume_step=resume_step if joined is None else start_step)
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
-    probe_set = eval_subset(test_set, cfg.run.eval_samples)  # evaluations during the run; the last one uses all
+    evals = Evaluations(task, test_set, cfg.run.eval_samples, cfg.run.target_accuracy, cfg.run.target_loss, device)
     progress = _progress_bar(cfg, rank, total_steps, start_step)
-    time_to_target: float | None = None
-    accuracy: float | None = float("nan") if task.labels else None
-    test_loss = float("nan")
     eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
     params = [p for p in model.parameters() if p.requires_grad]
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
@@ -388,25 +385,19 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             eval_model = opt.eval_model()  # collective for decentralized algorithms
             follow_changes()  # a loss found there: the survivors' average is what is evaluated
             if leads(algorithm, transport):
-                measured = task.evaluate(eval_model, probe_set if running else test_set, device)
-                record.update(measured)
+                evals.measure(eval_model, record, final=not running)
                 if tokens_per_sample is not None and algorithm.synchronous and record["time"] > 0:
                     record["tokens_per_s"] = (step + 1) * global_batch * tokens_per_sample / record["time"]
                 if not running:  # the trained (consensus) model, for distrain.fit and the user
                     save_model(run_dir / MODEL_FILE, eval_model)
-                accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
-                if time_to_target is None and task.reached(measured, cfg.run.target_accuracy, cfg.run.target_loss):
-                    time_to_target = record["time"]
                 if progress is not None:
-                    shown = {"acc": f"{accuracy:.3f}"} if accuracy is not None else {"test_loss": f"{test_loss:.4g}"}
+                    shown = ({"acc": f"{evals.accuracy:.3f}"} if evals.accuracy is not None
+                             else {"test_loss": f"{evals.test_loss:.4g}"})
                     progress.set_postfix(loss=f"{record['loss']:.3f}", **shown)
-            if running and cfg.run.stop_at_target and reached_anywhere(opt, time_to_target is not None):
+            if running and cfg.run.stop_at_target and reached_anywhere(opt, evals.time_to_target is not None):
                 running, stopped_at_target = False, True  # every worker ends after this step
                 if leads(algorithm, transport):
-                    if probe_set is not test_set:  # the final figures are on the whole test set
-                        measured = task.evaluate(eval_model, test_set, device)
-                        record.update(measured)
-                        accuracy, test_loss = measured.get("test_accuracy"), measured["test_loss"]
+                    evals.stopped_at_target(eval_model, record)
                     save_model(run_dir / MODEL_FILE, eval_model)
             eval_seconds += time.perf_counter() - t_eval
         if not finite:
@@ -429,18 +420,17 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # took then), evaluated only now, so that nobody paused for it.
     for point, eval_model in algorithm.consensus_history():  # collective
         if leads(algorithm, transport):
-            measured = task.evaluate(eval_model, probe_set, device)
+            measured = task.evaluate(eval_model, evals.probe_set, device)
             metrics.write({**point, **measured, "snapshot": True})
-            if (task.reached(measured, cfg.run.target_accuracy, cfg.run.target_loss)
-                    and (time_to_target is None or point["time"] < time_to_target)):
-                time_to_target = point["time"]
+            if evals.reached(measured) and (evals.time_to_target is None or point["time"] < evals.time_to_target):
+                evals.time_to_target = point["time"]
     metrics.close()
     if step > start_step and not (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
         save(step, wall, cpu)
     opt.close()
 
     # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
-    run = totals.plus(counters(step, wall, cpu), eval_seconds, time_to_target)
+    run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target)
     mine = torch.tensor(run.row, dtype=torch.float64)
     elastic = opt.membership is not None
     rows = [[0.0] * len(mine) for _ in range(world if elastic else dist.get_world_size())]  # lost: zeros
@@ -453,10 +443,10 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         for i, row in enumerate(control.control_all_gather(mine)):
             rows[control.global_rank(i)] = row.tolist()
     lost = {m: c.at for c in opt.changes for m in c.lost} or algorithm.lost_workers
-    summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, accuracy, test_loss,
+    summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, evals.accuracy, evals.test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         lost, run.segment_wall_s,
-                        {**lm_figures(task, train_set, test_set, test_loss), "model_parameters": count_parameters(model),
+                        {**lm_figures(task, train_set, test_set, evals.test_loss), "model_parameters": count_parameters(model),
                          **({"lost_servers": {str(s): t for s, t in sorted(algorithm.lost_servers.items())}}
                             if algorithm.lost_servers else {})},
                         membership=[c.record() for c in opt.changes], stopped_at_target=stopped_at_target,
