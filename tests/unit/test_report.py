@@ -10,7 +10,7 @@ import pytest
 
 from distrain.errors import ConfigError, DataError
 from distrain.report import report, rows_of
-from distrain.report.plots import aggregate, make_plots
+from distrain.report.plots import LOG_SPAN, aggregate, log_floor, make_plots
 from distrain.report.runs import expand_paths, group_by_label, load_runs
 
 
@@ -72,6 +72,15 @@ def test_runs_grouped_by_configuration_label(runs_dir: Path) -> None:
 def test_aggregate_is_mean_min_max_point_by_point() -> None:
     xs, mean, lo, hi = aggregate([[(1.0, 10.0), (2.0, 20.0), (3.0, 30.0)], [(3.0, 14.0), (4.0, 16.0)]])
     assert xs == [2.0, 3.0] and mean == [12.0, 18.0] and lo == [10.0, 16.0] and hi == [14.0, 20.0]
+
+
+def test_bytes_axis_turns_logarithmic_only_over_a_wide_span() -> None:
+    # DiLoCo's 0.1 MB beside DDP's 500 MB: log, linear below the smallest positive value (a
+    # configuration that has sent nothing yet keeps its point at 0)
+    assert log_floor([0.0, 0.1, 3.0, 500.0]) == 0.1
+    assert log_floor([1.0, LOG_SPAN]) is None  # within the span: linear
+    assert log_floor([1.0, LOG_SPAN * 1.01]) == 1.0
+    assert log_floor([0.0, 0.0]) is None and log_floor([]) is None
 
 
 def test_rows_average_repeats_and_measure_speedups(runs_dir: Path) -> None:

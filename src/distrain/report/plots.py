@@ -107,18 +107,32 @@ def _event_legend(ax: Any, kinds: set[str]) -> int:
     return len(kinds)
 
 
+#: How many times the largest positive x must exceed the smallest for ``logx`` to take effect.
+LOG_SPAN = 30.0
+
+
+def log_floor(xs: list[float]) -> float | None:
+    """The smallest positive x when the positive ``xs`` span more than :data:`LOG_SPAN` (a log
+    axis, linear below it), else None (a linear axis)."""
+    positive = [x for x in xs if x > 0]
+    return min(positive) if positive and max(positive) > LOG_SPAN * min(positive) else None
+
+
 def _time_of(run: RunData, line: dict[str, Any]) -> float:
     return float(line["time"])
 
 
 def _lines(groups: Groups, curve_of: Callable[[RunData], list[tuple[float, float]]], path: str | Path, *,
-           title: str, xlabel: str, ylabel: str, logy: bool = False,
+           title: str, xlabel: str, ylabel: str, logy: bool = False, logx: bool = False,
            event_x: Callable[[RunData, dict[str, Any]], float] | None = None) -> Path | None:
     """One mean line with a min-max band per configuration; None when no run has data. With
-    ``event_x`` (the x of a metrics line), changes of members are marked (:func:`_mark_events`)."""
+    ``event_x`` (the x of a metrics line), changes of members are marked (:func:`_mark_events`).
+    ``logx``: a logarithmic x axis (linear below the smallest positive x, so zeros stay) when the
+    positive xs span more than :data:`LOG_SPAN`."""
     fig, ax = _figure()
     palette = colors(groups)
     drawn, positive, entries = False, True, 0
+    all_xs: list[float] = []
     kinds: set[str] = set()
     for label, runs in groups.items():
         curves = [c for c in (curve_of(r) for r in runs) if c]
@@ -134,8 +148,12 @@ def _lines(groups: Groups, curve_of: Callable[[RunData], list[tuple[float, float
         if len(curves) > 1:
             ax.fill_between(xs, lo, hi, color=palette[label], alpha=0.2, linewidth=0)
         drawn, positive = True, positive and min(lo) > 0
+        all_xs += xs
     if not drawn:
         return None
+    if logx and (floor := log_floor(all_xs)) is not None:
+        ax.set_xscale("symlog", linthresh=floor)
+        xlabel += " (log scale)"
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -183,7 +201,10 @@ def plot_quality_vs_bytes(groups: Groups, path: str | Path) -> Path | None:
                       if "bytes_sent" in m)
 
     title = "Test accuracy" if metric == "test_accuracy" else "Validation bits per byte" if metric == "test_bpb" else "Test loss"
-    return _lines(groups, curve, path, title=f"{title} vs bytes sent", xlabel="MB sent by worker 0", ylabel=ylabel)
+    # log x: configurations that send hundreds of times fewer bytes than others (DiLoCo beside
+    # DDP) would otherwise all stand against zero
+    return _lines(groups, curve, path, title=f"{title} vs bytes sent", xlabel="MB sent by worker 0", ylabel=ylabel,
+                  logx=True)
 
 
 def plot_metric(groups: Groups, key_of: Callable[[RunData], str | None], path: str | Path, *, title: str,
