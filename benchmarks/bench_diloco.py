@@ -56,6 +56,7 @@ file holds).
     python benchmarks/bench_diloco.py --scenario lm-edge-drop         # auto when the link falls mid-run
     python benchmarks/bench_diloco.py --scenario lm-lan --repeats 1 --epochs 0.01 --only ddp,diloco-h16   # a quick look
     python benchmarks/bench_diloco.py --scenario lm-lan --only ddp     # measure DDP again, keep the other rows
+    python benchmarks/bench_diloco.py --scenario lm-edge-drop --figures-only   # figures and plots again, from its runs
 
 With ``--only``, the configurations it names are run again and replace their rows in the
 scenario's comparison; the others keep the rows (and run directories) of the run before, and the
@@ -187,8 +188,9 @@ def column(runs: list[dict[str, Any] | None], key: str) -> list[Any]:
     return [None if r is None else r.get(key) for r in runs]
 
 
-def figures(comparison: dict[str, Any], out: Path, link_bits_per_s: float | None) -> dict[str, Any]:
-    """The scenario's figures from its comparison (see the module's docstring)."""
+def figures(scenario: str, comparison: dict[str, Any], out: Path, link_bits_per_s: float | None) -> dict[str, Any]:
+    """Scenario ``scenario``'s figures from its comparison, judged by its targets (see the module's
+    docstring; lm-edge-drop's file is lm-edge's, and its comparison is named so)."""
     runs = {row["label"]: per_run(row, out) for row in comparison["configs"] if row.get("status") != "skipped"}
     skipped = {row["label"]: row.get("reason") for row in comparison["configs"] if row.get("status") == "skipped"}
     configs = {}
@@ -236,12 +238,18 @@ def figures(comparison: dict[str, Any], out: Path, link_bits_per_s: float | None
     if fixed is not None:
         result["auto_over_best_fixed"] = ratio("diloco-auto", fixed, "time_to_target_s")
     result["targets"] = {}
-    for name, (op, bound) in TARGETS.get(comparison["scenario"]["name"], {}).items():
+    for name, (op, bound) in TARGETS.get(scenario, {}).items():
         value = result.get(name)
         median = value.get("median") if isinstance(value, dict) else None
         met = None if median is None else {">=": median >= bound, "<=": median <= bound, "<": median < bound}[op]
         result["targets"][name] = {"target": f"{op} {bound:g}", "median": median, "met": met}
     return result
+
+
+def report_targets(name: str, found: dict[str, Any]) -> None:
+    for key, target in found["targets"].items():
+        print(f"{name} {key}: median {target['median']} (target {target['target']}): "
+              f"{'met' if target['met'] else 'NOT met' if target['met'] is not None else 'no figure'}", flush=True)
 
 
 def main() -> int:
@@ -251,6 +259,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=float, default=None, help="override the scenarios' epochs (a quick look)")
     parser.add_argument("--only", default=None, help="comma-separated configuration labels (a quick look)")
+    parser.add_argument("--figures-only", action="store_true",
+                        help="compute the figures and draw the plots again from the runs already made (the "
+                             "scenario's comparison.json and run directories), running nothing")
     parser.add_argument("--out", type=Path, default=RESULTS / "diloco.json",
                         help="the figures' file; the runs go beside it, into diloco-<scenario>/")
     args = parser.parse_args()
@@ -274,6 +285,18 @@ def main() -> int:
             train["epochs"] = args.epochs
         base = TrainConfig.from_dict({"progress": False, **train})
         out = args.out.parent / f"diloco-{name}"
+        preset = PRESETS.get(grid.networks[0], {})
+        link = parse_bandwidth(preset["bandwidth"]) if "bandwidth" in preset else None
+        if args.figures_only:  # the runs' entry keeps its provenance; the figures' commit is added
+            if name not in results or not (out / "comparison.json").exists():
+                parser.error(f"--figures-only: no earlier run of {name} in {args.out} and {out}")
+            earlier_runs = json.loads((out / "comparison.json").read_text())
+            found = figures(name, earlier_runs, out, link)
+            comparison_plots(earlier_runs["configs"], out)  # drawn again, by this commit's plotting
+            results[name] = {**results[name], **found, "figures_computed_by": provenance(sys.argv)}
+            write_result(args.out, results, argv=sys.argv)
+            report_targets(name, found)
+            continue
         every = scenario_configs(name)
         these = [c for c in every if only is None or c["label"] in only]
         grid = Grid(algorithms=[], compress=["none"], networks=grid.networks, baselines=[], configs=these,
@@ -300,9 +323,7 @@ def main() -> int:
             write_json_atomic(out / "comparison.json", {k: v for k, v in comparison.items() if k not in ("table", "files")})
             write_csv(comparison["configs"], out / "comparison.csv")
             (out / "comparison-before-only.json").unlink()
-        preset = PRESETS.get(grid.networks[0], {})
-        link = parse_bandwidth(preset["bandwidth"]) if "bandwidth" in preset else None
-        found = figures(comparison, out, link)
+        found = figures(name, comparison, out, link)
         if kept:
             found["kept_from_earlier_run"] = {"configs": kept,
                                               "provenance": (results.get(name) or {}).get("provenance")}
@@ -319,9 +340,7 @@ def main() -> int:
             saved["kept_from_earlier_run"] = found["kept_from_earlier_run"]
         write_result(out / "comparison.json", saved, argv=sys.argv)  # with its provenance, paths relative
         print(comparison["table"], flush=True)
-        for key, target in found["targets"].items():
-            print(f"{name} {key}: median {target['median']} (target {target['target']}): "
-                  f"{'met' if target['met'] else 'NOT met' if target['met'] is not None else 'no figure'}", flush=True)
+        report_targets(name, found)
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
     return 0
 
