@@ -343,16 +343,19 @@ def test_auto_raises_h_on_a_slow_link_and_every_worker_follows_the_same_periods(
         # the workers agree on every period: the same H and the same outer steps at every step
         assert [(m["sync_every"], m["outer_steps"]) for m in lines[0]] == [(m["sync_every"], m["outer_steps"]) for m in lines[1]]
         assert lines[0][0]["sync_every"] == low and all(low <= m["sync_every"] <= high for m in lines[0])
-        # at each sync, each worker proposes from the exchange before and this period's compute,
-        # and the next period is the mean of the proposals
-        at_sync = [i for i, m in enumerate(lines[0]) if i and m["outer_steps"] > lines[0][i - 1]["outer_steps"]]
+        # once a sync's exchange is done, each worker proposes from that exchange's time and the
+        # compute of the period it ended (the first sync included), the next period is the mean
+        # of the proposals, and it runs from that sync
+        at_sync = [i for i, m in enumerate(lines[0]) if m["outer_steps"] > (lines[0][i - 1]["outer_steps"] if i else 0)]
         at_sync = [i for i in at_sync if i < len(lines[0]) - 1]  # the last step's flush chooses nothing
-        assert len(at_sync) >= 3
-        for before, now in itertools.pairwise(at_sync):  # the first sync had no exchange before it to measure
-            proposals = [propose_sync_every(lines[r][before]["sync_seconds"], lines[r][now]["step_seconds"], overhead, low,
-                                            high, current=lines[r][before]["sync_every"]) for r in range(2)]
+        assert len(at_sync) >= 3 and lines[0][at_sync[0]]["step"] == low
+        for now, following in itertools.pairwise(at_sync):
+            proposals = [propose_sync_every(lines[r][now]["sync_seconds"], lines[r][now]["step_seconds"], overhead, low,
+                                            high, current=lines[r][now - 1]["sync_every"] if now else low)
+                         for r in range(2)]
             assert [lines[r][now]["sync_every_proposed"] for r in range(2)] == proposals
             assert lines[0][now]["sync_every"] == min(high, max(low, round(sum(proposals) / 2)))
+            assert lines[0][following]["step"] - lines[0][now]["step"] == lines[0][now]["sync_every"]
         syncs[name] = statistics.median(m["sync_seconds"] for m in lines[0] if "sync_seconds" in m)
         finals[name] = lines[0][-1]["sync_every"]
         params = json.loads((tmp_path / name / "config.json").read_text())["model_parameters"]

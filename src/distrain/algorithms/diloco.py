@@ -237,18 +237,26 @@ class DiLoCo(Algorithm):
             due = self.inner_steps >= self.next_sync if self.auto else self.inner_steps % self.sync_every == offset
             if due or (last and self.inner_steps > self.synced_at[i]):
                 if self.auto and due:
-                    self._next_period()
+                    self._period_ends()
                 self._start_sync(i)
-        self._apply_due(flush=last)
+        if self._apply_due(flush=last) and self.auto and not last:
+            self._next_period()
 
-    def _next_period(self) -> None:
-        """``--sync-every auto``, at a sync: the workers agree on the next period's H from the last
-        completed exchange's duration and this period's compute per step, so that syncing costs
-        about ``--comm-overhead`` of the compute (bounded by ``--sync-every-min/max``). Every
-        worker proposes its H and they take the mean (one all-reduce of a number), so all agree."""
-        assert self.transport is not None
+    def _period_ends(self) -> None:
+        """``--sync-every auto``, as a sync starts: this period's compute per step, and the next
+        sync one period of the current H on until the exchange's own duration chooses it."""
         steps = max(1, self.inner_steps - max(self.synced_at))
         self._step_seconds = self._compute_since_sync / steps
+        self.next_sync = self.inner_steps + self.sync_every
+
+    def _next_period(self) -> None:
+        """``--sync-every auto``, once a sync's exchange has completed: the workers agree on the
+        next period's H from that exchange's duration and the compute per step of the period it
+        ended, so that syncing costs about ``--comm-overhead`` of the compute (bounded by
+        ``--sync-every-min/max``); the period runs from the sync's start. A change of the link
+        thus shows in the period that follows the first exchange over it. Every worker proposes
+        its H and they take the mean (one all-reduce of a number), so all agree."""
+        assert self.transport is not None
         wanted = propose_sync_every(self._sync_seconds, self._step_seconds, self.comm_overhead, self.h_min, self.h_max,
                                     current=self.sync_every)
         self._proposed = wanted
@@ -259,7 +267,7 @@ class DiLoCo(Algorithm):
             log.info("diloco: H %d -> %d (last sync %.3f s, %.4f s of compute a step)", self.sync_every, agreed,
                      self._sync_seconds or 0.0, self._step_seconds)
         self.sync_every = agreed
-        self.next_sync = self.inner_steps + agreed
+        self.next_sync = max(self.synced_at) + agreed
 
     def _start_sync(self, fragment: int) -> None:
         """Start averaging ``fragment``'s pseudo-gradient; its outer step is applied when due."""
@@ -268,7 +276,7 @@ class DiLoCo(Algorithm):
         local = self._local(fragment)
         delta = self.shared[lo:hi].to(local.device, local.dtype) - local
         handle = None
-        self._recorded_at_sync = self.transport.stats.recorded
+        self._recorded_at_sync = self.transport.stats.recorded  # auto times the exchange's messages
         if self.compressor is None:
             handle = self.transport.all_reduce(delta)
         else:
@@ -292,10 +300,14 @@ class DiLoCo(Algorithm):
         self._last_ratio = ratio
         return ratio
 
-    def _apply_due(self, flush: bool = False) -> None:
-        """Apply the exchanges due by now (all of them with ``flush``), in the order they began."""
+    def _apply_due(self, flush: bool = False) -> bool:
+        """Apply the exchanges due by now (all of them with ``flush``), in the order they began;
+        whether there were any."""
+        applied = False
         while self._pending and (flush or self._pending[0].due <= self.inner_steps):
             self._apply(self._pending.pop(0))
+            applied = True
+        return applied
 
     def _apply(self, pending: _Pending) -> None:
         """The outer step of one fragment, and its merge into this worker's parameters."""
