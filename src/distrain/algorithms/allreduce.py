@@ -37,6 +37,9 @@ class Bucket:
     handle: Handle | None = None
     views: list[torch.Tensor] | None = None  # set by bind_grads
     local: torch.Tensor | None = None  # this worker's own gradients, kept when launched (elastic runs)
+    #: instead of ``local``: the parameters' own gradient tensors of the step, when they are not
+    #: views into ``flat`` (the user's zero_grad(set_to_none=True) made new ones), so nothing is copied
+    own: list[torch.Tensor | None] | None = None
 
     def bind_grads(self) -> None:
         """Make every parameter's ``.grad`` a view into ``flat`` (DDP's gradient_as_bucket_view):
@@ -218,6 +221,10 @@ class AllReduce(Algorithm):
             return None
         out: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:
+            if bucket.own is not None:
+                for p, grad in zip(bucket.params, bucket.own, strict=True):
+                    out[id(p)] = torch.zeros_like(p) if grad is None else grad.detach().clone()
+                continue
             assert bucket.local is not None
             for p, chunk in zip(bucket.params, bucket.local.split(bucket.sizes), strict=True):
                 out[id(p)] = chunk.view_as(p).clone()
@@ -227,9 +234,15 @@ class AllReduce(Algorithm):
         """Start the bucket's all-reduce; ``flat`` must hold its gradients (gather_grads)."""
         self._launched += 1
         if self.keep_local:
-            if bucket.local is None:
-                bucket.local = torch.empty_like(bucket.flat)
-            bucket.local.copy_(bucket.flat)
+            # Views are overwritten by the all-reduce, and unbound grads by scatter_grads: copy them.
+            # Grads that replaced bound views are only dropped for the views again: keep those.
+            if bucket.views is None or bucket._grads_are_views():
+                bucket.own = None
+                if bucket.local is None:
+                    bucket.local = torch.empty_like(bucket.flat)
+                bucket.local.copy_(bucket.flat)
+            else:  # flat holds a copy of them; the tensors themselves stay as they are until scattered
+                bucket.own = [p.grad for p in bucket.params]
         bucket.handle = (self.hierarchy or self.transport).all_reduce(bucket.flat)
 
     def after_backward(self, ctx: StepContext) -> None:
