@@ -45,6 +45,15 @@ class Evaluations:
             self.time_to_target = record["time"]
         return measured
 
+    def snapshot(self, model: torch.nn.Module, when: float) -> dict[str, float]:
+        """Evaluate a consensus ``model`` of ``when`` seconds into the run, taken during it and
+        evaluated after it (asynchronous algorithms), on the probe set; the earliest crossing of
+        the target counts, whenever it was evaluated. Returns the figures."""
+        measured = self.task.evaluate(model, self.probe_set, self.device)
+        if self.reached(measured) and (self.time_to_target is None or when < self.time_to_target):
+            self.time_to_target = when
+        return measured
+
     def reached(self, measured: dict[str, float]) -> bool:
         """Whether ``measured`` meets the run's target."""
         return self.task.reached(measured, self.target_accuracy, self.target_loss)

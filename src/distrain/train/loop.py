@@ -420,10 +420,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # took then), evaluated only now, so that nobody paused for it.
     for point, eval_model in algorithm.consensus_history():  # collective
         if leads(algorithm, transport):
-            measured = task.evaluate(eval_model, evals.probe_set, device)
-            metrics.write({**point, **measured, "snapshot": True})
-            if evals.reached(measured) and (evals.time_to_target is None or point["time"] < evals.time_to_target):
-                evals.time_to_target = point["time"]
+            metrics.write({**point, **evals.snapshot(eval_model, point["time"]), "snapshot": True})
     metrics.close()
     if step > start_step and not (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
         save(step, wall, cpu)
