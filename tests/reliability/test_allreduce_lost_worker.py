@@ -84,3 +84,48 @@ def test_a_hung_worker_is_found_by_its_silence_and_left_behind(tmp_path):
     stopped_at = float(mark.read_text().split()[0])
     assert change["unix_time"] - stopped_at < 8.0  # heartbeats every second, silent after 3 s of waiting
     assert summary["workers_at_end"] == 3
+
+
+def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tmp_path):
+    """Worker 0 is lost at step 12 and the others save their checkpoints without it. Resuming the
+    finished run touches nothing; resuming it for another epoch starts worker 0 again from a
+    member's checkpoint, and every worker ends with the same parameters (it stayed in step). The
+    summary keeps the loss, adds the return and counts the whole run."""
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "--workers", "4", "--checkpoint-every", "8", "--run-dir", str(run_dir)]
+    first = run_cli([*args, "--epochs", "1"], DISTRAIN_INJECT_KILL="0:12")
+    assert first.returncode == 0, first.stderr
+    before = (run_dir / "summary.json").read_text()
+    total = json.loads(before)["steps"]
+    store = CheckpointStore(run_dir, 1, 4)
+    assert store.latest_complete() == total and store.members(total) == [1, 2, 3]
+    assert not store.rank_file(total, 0).exists()
+    assert store.steps()[0] > 12  # the survivors pruned the sets (rank 0 used to), the one before the loss too
+
+    again = run_cli([*args, "--epochs", "1", "--resume", "auto"])
+    assert again.returncode == 0, again.stderr
+    assert "has already trained" in again.stderr + again.stdout
+    assert (run_dir / "summary.json").read_text() == before  # nothing retrained, nothing rewritten
+
+    longer = run_cli([*args, "--epochs", "2", "--resume", "auto"])
+    assert longer.returncode == 0, longer.stderr
+    assert f"worker 0 was lost before the checkpoint of step {total}; it resumes from worker 1's state" in longer.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    end = summary["steps"]
+    lost, back = summary["membership"]
+    assert lost["event"] == "lost" and lost["workers"] == [0] and lost["lost_at_step"] == 12
+    assert back["event"] == "joined" and back["workers"] == [0] and back["joined_at_step"] == total
+    assert back["from_checkpoint"] and back["members"] == [0, 1, 2, 3]
+    assert list(summary["lost_workers"]) == ["0"] and summary["workers_at_end"] == 4
+    assert summary["steps_per_worker"] == [end - total, end, end, end]
+    assert summary["segments"] == 2 and summary["resumed_from_step"] == total
+    assert summary["wall_time_s"] == pytest.approx(sum(summary["segment_wall_time_s"]))
+    models = [CheckpointStore(run_dir, r, 4).load(end)["model"] for r in range(4)]
+    for r in (1, 2, 3):
+        for name, tensor in models[0].items():
+            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+    lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    assert [line["event"] for line in lines if "event" in line] == ["joined"]
+    resumed = [line for line in lines if "loss" in line and line["step"] > total]
+    assert [line["step"] for line in resumed] == list(range(total + 1, end + 1))
+    assert resumed[-1]["bytes_sent"] == summary["bytes_sent_per_worker"][0]  # its own bytes, not a member's

@@ -465,6 +465,30 @@ def test_pruning_never_removes_the_only_complete_set(tmp_path: Path) -> None:
     assert stores[0].latest_complete() is None
 
 
+def test_a_set_written_by_the_members_of_an_elastic_run(tmp_path: Path) -> None:
+    """After rank 0 was lost, ranks 1-3 write sets that name them: such a set is complete without
+    rank 0's file, rank 1 prunes, and rank 0 resumes from rank 1's file."""
+    stores = _stores(tmp_path, world_size=4, keep=1)
+    _save_set(stores, 8)
+    for step in (16, 24):
+        for rank in (3, 2, 1):
+            stores[rank].save(step, {"step": step, "rank": rank, "members": [1, 2, 3]})
+    assert stores[0].latest_complete() == 24 and stores[0].members(24) == [1, 2, 3] and stores[0].members(8) == [0, 1, 2, 3]
+    assert stores[0].steps() == [24]  # rank 1, the first member, pruned 8 and 16
+    assert [stores[r].source(24) for r in range(4)] == [1, 1, 2, 3]
+    assert stores[0].load(24, stores[0].source(24))["rank"] == 1
+
+    for rank in (2, 1):  # rank 3 lost too, before writing step 32
+        stores[rank].save(32, {"step": 32, "rank": rank, "members": [1, 2, 3]})
+    with pytest.raises(CheckpointError, match="rank-0003.pt"):
+        stores[0].resolve("32")
+    assert stores[0].latest_complete() == 24
+    stores[3].save(40, {"step": 40, "rank": 3, "members": [1, 3]})
+    stores[1].save(40, {"step": 40, "rank": 1, "members": [1, 2, 3]})
+    with pytest.raises(CheckpointError, match="names members"):
+        stores[0].resolve("40")
+
+
 def test_store_rejects_bad_settings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="keep"):
         CheckpointStore(tmp_path, 0, 2, keep=0)

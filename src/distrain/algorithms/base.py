@@ -117,6 +117,10 @@ class Algorithm:
     #: Set by the driver of an elastic run: keep this worker's own gradients of the step in
     #: flight where averaging overwrites them before ``after_backward`` (see ``local_gradients``).
     keep_local: bool = False
+    #: Keys of :meth:`state_dict` that are this worker's alone (error-feedback residuals): a
+    #: worker that resumes from another's checkpoint (it was lost before that one was saved)
+    #: starts them afresh, as one that joins a running job does.
+    own_state: tuple[str, ...] = ("compressor",)
     #: Workers lost and left behind during the run (rank -> when declared dead); asynchronous
     #: algorithms only.
     lost_workers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated

@@ -45,6 +45,7 @@ class D2(DPSGD):
     """D-PSGD with the D2 correction for non-iid shards (always adapt-then-combine)."""
 
     name = "d2"
+    own_state = ("correction",)  # m_t follows this worker's own iterates and gradients
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         self.lazy = False

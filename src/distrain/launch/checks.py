@@ -37,15 +37,15 @@ def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
 
 def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
     """The checkpoint --resume points at exists, is intact, and was written by this model,
-    algorithm and number of workers (rank 0's file stands for the set); returns its state, or
-    None when the run starts afresh."""
+    algorithm and number of workers (rank 0's file, or its first member's, stands for the set);
+    returns its state, or None when the run starts afresh."""
     from distrain.runtime.checkpoint import CheckpointStore, check_compatible
 
     store = CheckpointStore(run_dir, 0, nprocs)
     step = store.resolve(cfg.run.resume)
     if step is None:
         return None
-    state = store.load(step)
+    state = store.load(step, store.source(step))
     check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=cfg.cluster.workers)
     return state
 

@@ -20,6 +20,10 @@ In a multi-worker run every rank writes its own file of a step's *set*::
 There is no barrier between ranks here, so a set counts as complete once all ``world_size`` rank
 files exist and pass their checksum. Ranks are expected to save the same steps in increasing
 order; that is what lets rank 0 prune old sets without coordination.
+
+An elastic run that lost workers goes on with fewer: its files then name the workers that write
+the set (``"members"``), and the set is complete once each of those has written its file. A worker
+missing from such a set when the run resumes starts from a member's file (:meth:`CheckpointStore.source`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ OLD_MAGIC = b"DSTRNCK1"
 MODEL_KEY = "model_name"
 ALGORITHM_KEY = "algorithm_name"
 WORLD_SIZE_KEY = "world_size"
+#: The entry naming the ranks whose files make up a step's set, where not every rank writes one
+#: (an elastic run after losing workers); absent: every rank of ``world_size``.
+MEMBERS_KEY = "members"
 
 # Exactly the types torch.load(weights_only=True) rebuilds without extra allow-listing; exact type
 # checks, because subclasses (numpy.float64 is a float, namedtuples are tuples) pickle as their
@@ -280,6 +287,9 @@ class CheckpointStore:
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
+        #: the rank that prunes: 0, or the first member of the last set saved without rank 0
+        self.pruner = 0
+        self._members: dict[int, list[int]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -313,7 +323,8 @@ class CheckpointStore:
 
         Args:
             step: the training step the state belongs to (>= 0).
-            state: the state dict, as for :func:`save_checkpoint`.
+            state: the state dict, as for :func:`save_checkpoint`; with a ``"members"`` entry
+                when only those ranks write this step's set.
 
         Returns:
             The path written.
@@ -333,13 +344,33 @@ class CheckpointStore:
             path.stat().st_size,
             time.perf_counter() - started,
         )
-        if self.rank == 0:
+        members = state.get(MEMBERS_KEY)
+        self.pruner = min(members) if members else 0  # rank 0 prunes unless it is not a member
+        if self.rank == self.pruner:
             self.prune()
         return path
 
-    def load(self, step: int) -> dict[str, Any]:
-        """Load this rank's file of ``step``'s set; see :func:`load_checkpoint`."""
-        return load_checkpoint(self.rank_file(step))
+    def load(self, step: int, rank: int | None = None) -> dict[str, Any]:
+        """Load one rank's file of ``step``'s set (this rank's when None); see :func:`load_checkpoint`."""
+        return load_checkpoint(self.rank_file(step, rank))
+
+    def members(self, step: int) -> list[int]:
+        """The ranks whose files make up ``step``'s set: those its files name (an elastic run that
+        had lost workers when it saved), else every rank."""
+        if step not in self._members:  # a set's files, written once, keep naming the same members
+            self._members[step] = self._inspect(step)[0]
+        return self._members[step]
+
+    def source(self, step: int) -> int:
+        """The rank whose file of ``step``'s set this rank resumes from: its own, or, for a worker
+        the set lacks (lost before that step), the first member's.
+
+        Example::
+
+            state = store.load(step, store.source(step))
+        """
+        members = self.members(step)
+        return self.rank if self.rank in members else min(members)
 
     def latest_complete(self) -> int | None:
         """Return the newest step whose set is complete and passes its checksums, or None."""
@@ -379,7 +410,8 @@ class CheckpointStore:
     def prune(self) -> list[int]:
         """Delete step directories older than the oldest of the newest ``keep`` complete sets.
 
-        Only rank 0 deletes; on other ranks this does nothing. Nothing newer than the oldest kept
+        Only rank 0 deletes (or the first member, in an elastic run that lost rank 0); on other
+        ranks this does nothing. Nothing newer than the oldest kept
         set is touched (another rank may still be writing it), and with no complete set nothing
         is deleted, so the only complete set is never lost.
         The kept sets are re-read and checksummed each time, so a file damaged after it was
@@ -392,7 +424,7 @@ class CheckpointStore:
 
             store.prune()  # called by save() on rank 0
         """
-        if self.rank != 0:
+        if self.rank != self.pruner:
             return []
         steps = self.steps()
         kept: list[int] = []
@@ -435,12 +467,34 @@ class CheckpointStore:
 
     def _problem(self, step: int) -> CheckpointError | None:
         """Return what is wrong with ``step``'s set, naming the file, or None if it is complete."""
-        for rank in range(self.world_size):
+        return self._inspect(step)[1]
+
+    def _inspect(self, step: int) -> tuple[list[int], CheckpointError | None]:
+        """The ranks ``step``'s set must hold (see :meth:`members`) and what is wrong with it,
+        naming the file (None: complete). Every file there is checked; those that name the
+        members must agree on them."""
+        members: list[int] | None = None
+        present = [r for r in range(self.world_size) if self.rank_file(step, r).exists()]
+        for rank in present:
+            path = self.rank_file(step, rank)
             try:
-                verify_checkpoint(self.rank_file(step, rank))
+                named = load_checkpoint(path).get(MEMBERS_KEY)
             except CheckpointError as exc:
-                return exc
-        return None
+                return members or list(range(self.world_size)), exc
+            if named is None:
+                continue
+            named = [int(m) for m in named]
+            if members is not None and named != members:
+                return members, CheckpointError(f"checkpoint {path} names members {named}, the set's other files {members}")
+            members = named
+        expected = list(range(self.world_size)) if members is None else members
+        for rank in expected:
+            if rank not in present:
+                try:
+                    verify_checkpoint(self.rank_file(step, rank))  # names the missing file
+                except CheckpointError as exc:
+                    return expected, exc
+        return expected, None
 
     def _step_from_path(self, path: Path) -> int:
         if path.is_file():

@@ -46,7 +46,12 @@ from distrain.errors import ConfigError, DataError
 from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
-from distrain.runtime.checkpoint import CheckpointStore, check_compatible, planned_steps
+from distrain.runtime.checkpoint import (
+    MEMBERS_KEY,
+    CheckpointStore,
+    check_compatible,
+    planned_steps,
+)
 from distrain.runtime.faults import (
     FaultWatch,
     Interrupted,
@@ -207,7 +212,10 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # --- resume: the checkpoint this worker continues from, if any ------------------------------
     store = CheckpointStore(run_dir, rank, world if joining else dist.get_world_size())  # servers save their shards too
     resume_step = store.resolve(cfg.run.resume) if not joining else None  # a joiner takes live state
-    state = store.load(resume_step) if resume_step is not None else None
+    # A worker lost before that checkpoint has no file in it: it starts from a member's, as one
+    # that joins a running job takes a member's state.
+    source = store.source(resume_step) if resume_step is not None else None
+    state = store.load(resume_step, source) if resume_step is not None else None
     if state is not None:
         check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=world)
         check_epoch_length(state, steps_per_epoch)
@@ -247,18 +255,30 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # --- resume: the state of every part, and what the earlier segments did ---------------------
     start_step = 0
     totals = RunTotals.from_state(state.get("totals") if state is not None else None)
-    earlier = totals.offsets(transport.world_size)  # for the metrics lines
+    resumed: list[dict[str, Any]] = []  # workers back in the run that had been lost before its checkpoint
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        algorithm.load_state_dict(state["algorithm"])
-        if "rng" in state:
-            set_rng_state(state["rng"])
         start_step = opt.steps = int(state["step"])
-        log.info("worker %d resumed from step %d", rank, start_step)
+        if source == rank:
+            algorithm.load_state_dict(state["algorithm"])
+            if "rng" in state:
+                set_rng_state(state["rng"])
+            log.info("worker %d resumed from step %d", rank, start_step)
+        else:  # its own error-feedback residuals (and random streams) start afresh
+            algorithm.load_state_dict({k: v for k, v in state["algorithm"].items() if k not in algorithm.own_state})
+            totals = totals.for_another_worker()
+            log.warning("worker %d was lost before the checkpoint of step %d; it resumes from worker %d's state",
+                        rank, start_step, source)
+        back = [w for w in range(world) if w not in store.members(start_step)]
+        if back:
+            resumed.append({"event": "joined", "workers": back, "members": list(range(world)),
+                            "joined_at_step": start_step, "unix_time": time.time(), "recovery_s": 0.0,
+                            "from_checkpoint": True})
         if rank == 0 and int(state.get("total_steps", total_steps)) != total_steps:
             log.warning(describe_extension(state, schedule))
 
+    earlier = totals.offsets(transport.world_size)  # for the metrics lines
     if joined is not None:  # where the others are: their step, data split and learning rate
         start_step = opt.steps
         sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule)
@@ -286,8 +306,14 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "algorithm": algorithm.state_dict(),
             "step": step, "model_name": cfg.model.model, "algorithm_name": cfg.algo.algorithm, "world_size": world,
             "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
-            "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target).state_dict(),
+            "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records()).state_dict(),
+            # an elastic run's set is written by its members at this step, not by every worker
+            **({MEMBERS_KEY: list(opt.ids)} if opt.membership is not None else {}),
         })
+
+    def records() -> list[dict[str, Any]]:
+        """This segment's membership changes, for summary.json (the earlier segments' are in totals)."""
+        return [*resumed, *(c.record() for c in opt.changes)]
 
     # --- the loop -------------------------------------------------------------------------------
     # a joiner keeps its earlier life's lines up to where it comes back
@@ -302,8 +328,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
     stopped_at_target = False  # --stop-at-target: the run ended at the evaluation that reached it
     changes: list[Any] = list(opt.changes)  # membership changes handled so far (elastic runs)
-    for change in changes:  # a joiner's own entry
-        metrics.write({"step": start_step, **change.record()})
+    for record in [*resumed, *(change.record() for change in changes)]:  # a joiner's own entry
+        metrics.write({"step": start_step, **record})
 
     def follow_changes() -> None:
         """After workers were lost or joined (elastic runs): the new group's objects, the data split
@@ -322,6 +348,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     model.train()
     opt.start()  # together: emulated bandwidth traces and asynchronous algorithms' clocks start now
     start, cpu_start = time.perf_counter(), time.process_time()
+    if joined is not None and cfg.run.checkpoint_every and start_step % cfg.run.checkpoint_every == 0:
+        save(start_step, 0.0, 0.0)  # the members saved this step with this worker among them
     # Asynchronous algorithms (AD-PSGD, Prague) decide when a worker stops (its own budget; faster
     # workers take more steps), evaluate only at the end, and give the consensus over time after it.
     step = start_step
@@ -427,7 +455,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     opt.close()
 
     # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
-    run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target)
+    run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records())
     mine = torch.tensor(run.row, dtype=torch.float64)
     elastic = opt.membership is not None
     rows = [[0.0] * len(mine) for _ in range(world if elastic else dist.get_world_size())]  # lost: zeros
@@ -439,14 +467,14 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     else:
         for i, row in enumerate(control.control_all_gather(mine)):
             rows[control.global_rank(i)] = row.tolist()
-    lost = {m: c.at for c in opt.changes for m in c.lost} or algorithm.lost_workers
+    lost = {**run.lost_workers, **algorithm.lost_workers}  # every segment's
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, evals.accuracy, evals.test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         lost, run.segment_wall_s,
                         {**lm_figures(task, train_set, test_set, evals.test_loss), "model_parameters": count_parameters(model),
                          **({"lost_servers": {str(s): t for s, t in sorted(algorithm.lost_servers.items())}}
                             if algorithm.lost_servers else {})},
-                        membership=[c.record() for c in opt.changes], stopped_at_target=stopped_at_target,
+                        membership=run.changes, stopped_at_target=stopped_at_target,
                         workers_at_end=opt.workers if elastic else world - len(lost),
                         leader=opt.id if opt.changes else None,
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
