@@ -697,9 +697,7 @@ class DistributedOptimizer:
             self.algorithm.request_stop()
             while self.algorithm.keep_going(self.steps, self.total_steps or UNBOUNDED_STEPS):
                 pass
-        self.algorithm.end()  # parameter servers stop serving once every worker has ended
-        if self.membership is None and (lost := self.algorithm.newly_lost(force=True)):
-            self._note_lost(lost)
+        self.end()
         if self.membership is not None:  # a survivor still in its last step may take our state
             self.membership.close()
             self.control_barrier()
@@ -711,6 +709,13 @@ class DistributedOptimizer:
         if self._owns_group:
             dist.destroy_process_group()
         return self._final
+
+    def end(self) -> None:
+        """This worker's training is over (:meth:`finish` begins with it): parameter servers stop
+        serving once every worker has ended, and workers they lost on the way are recorded."""
+        self.algorithm.end()
+        if self.membership is None and (lost := self.algorithm.newly_lost(force=True)):
+            self._note_lost(lost)
 
     def close(self) -> None:
         """Release what the algorithm holds (hooks, threads, its process groups); no more steps."""

@@ -86,19 +86,24 @@ def test_a_hung_worker_is_found_by_its_silence_and_left_behind(tmp_path):
     assert summary["workers_at_end"] == 3
 
 
-def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tmp_path):
-    """Worker 0 is lost at step 12 and the others save their checkpoints without it. Resuming the
-    finished run touches nothing; resuming it for another epoch starts worker 0 again from a
-    member's checkpoint, and every worker ends with the same parameters (it stayed in step). The
-    summary keeps the loss, adds the return and counts the whole run."""
+@pytest.mark.parametrize("algorithm", [
+    ["--algorithm", "allreduce"],
+    pytest.param(["--algorithm", "ps", "--servers", "2"], marks=pytest.mark.slow),
+], ids=["allreduce", "ps"])
+def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tmp_path, algorithm):
+    """Worker 0 is lost at step 12 and the others (and the servers) save their checkpoints
+    without it. Resuming the finished run touches nothing; resuming it for another epoch starts
+    worker 0 again from a member's checkpoint, and every worker ends with the same parameters (it
+    stayed in step). The summary keeps the loss, adds the return and counts the whole run."""
     run_dir = tmp_path / "run"
-    args = [*QUICK, "--workers", "4", "--checkpoint-every", "8", "--run-dir", str(run_dir)]
+    args = [*QUICK, *algorithm, "--workers", "4", "--checkpoint-every", "8", "--run-dir", str(run_dir)]
+    processes = 4 if "ps" not in algorithm else 6
     first = run_cli([*args, "--epochs", "1"], DISTRAIN_INJECT_KILL="0:12")
     assert first.returncode == 0, first.stderr
     before = (run_dir / "summary.json").read_text()
     total = json.loads(before)["steps"]
-    store = CheckpointStore(run_dir, 1, 4)
-    assert store.latest_complete() == total and store.members(total) == [1, 2, 3]
+    store = CheckpointStore(run_dir, 1, processes)
+    assert store.latest_complete() == total and store.members(total) == list(range(1, processes))
     assert not store.rank_file(total, 0).exists()
     assert store.steps()[0] > 12  # the survivors pruned the sets (rank 0 used to), the one before the loss too
 
@@ -113,14 +118,16 @@ def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tm
     summary = json.loads((run_dir / "summary.json").read_text())
     end = summary["steps"]
     lost, back = summary["membership"]
-    assert lost["event"] == "lost" and lost["workers"] == [0] and lost["lost_at_step"] == 12
+    assert lost["event"] == "lost" and lost["workers"] == [0]
+    # parameter-server workers learn of it from the store, up to a second later
+    assert lost["lost_at_step"] == 12 or ("ps" in algorithm and lost["lost_at_step"] > 12)
     assert back["event"] == "joined" and back["workers"] == [0] and back["joined_at_step"] == total
     assert back["from_checkpoint"] and back["members"] == [0, 1, 2, 3]
     assert list(summary["lost_workers"]) == ["0"] and summary["workers_at_end"] == 4
     assert summary["steps_per_worker"] == [end - total, end, end, end]
     assert summary["segments"] == 2 and summary["resumed_from_step"] == total
     assert summary["wall_time_s"] == pytest.approx(sum(summary["segment_wall_time_s"]))
-    models = [CheckpointStore(run_dir, r, 4).load(end)["model"] for r in range(4)]
+    models = [CheckpointStore(run_dir, r, processes).load(end)["model"] for r in range(4)]
     for r in (1, 2, 3):
         for name, tensor in models[0].items():
             torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
@@ -128,4 +135,5 @@ def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tm
     assert [line["event"] for line in lines if "event" in line] == ["joined"]
     resumed = [line for line in lines if "loss" in line and line["step"] > total]
     assert [line["step"] for line in resumed] == list(range(total + 1, end + 1))
-    assert resumed[-1]["bytes_sent"] == summary["bytes_sent_per_worker"][0]  # its own bytes, not a member's
+    sent = summary["bytes_sent_per_worker"]  # its own bytes, not a member's (ps: its STOP comes after)
+    assert 0 < resumed[-1]["bytes_sent"] <= sent[0] < sent[1]

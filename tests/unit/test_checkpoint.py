@@ -483,10 +483,14 @@ def test_a_set_written_by_the_members_of_an_elastic_run(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="rank-0003.pt"):
         stores[0].resolve("32")
     assert stores[0].latest_complete() == 24
+    # A process that had not yet heard of rank 2's loss names it too: the fewest members win.
     stores[3].save(40, {"step": 40, "rank": 3, "members": [1, 3]})
-    stores[1].save(40, {"step": 40, "rank": 1, "members": [1, 2, 3]})
+    stores[1].save(40, {"step": 40, "rank": 1, "members": [3, 2, 1]})
+    assert stores[0].resolve("40") == 40 and stores[0].members(40) == [1, 3]
+    stores[3].save(48, {"step": 48, "rank": 3, "members": [1, 3]})
+    stores[1].save(48, {"step": 48, "rank": 1, "members": [1, 2]})
     with pytest.raises(CheckpointError, match="names members"):
-        stores[0].resolve("40")
+        stores[0].resolve("48")
 
 
 def test_store_rejects_bad_settings(tmp_path: Path) -> None:

@@ -34,7 +34,8 @@ def test_totals_add_up_over_segments_and_survive_a_checkpoint(tmp_path) -> None:
 
 def test_membership_changes_carry_over_and_another_workers_totals_keep_only_the_runs(tmp_path) -> None:
     lost = {"event": "lost", "workers": [2], "members": [0, 1, 3], "unix_time": 100.5}
-    first = RunTotals().plus(_row(10, 2.0, [0, 100], [0, 90]), eval_s=0.5, time_to_target_s=1.5, changes=[lost])
+    first = RunTotals().plus(_row(10, 2.0, [0, 100], [0, 90]), eval_s=0.5, time_to_target_s=1.5, changes=[lost],
+                             lost_workers={2: 100.5})
     path = tmp_path / "ckpt.pt"
     save_checkpoint(path, {"totals": first.state_dict()})
     earlier = RunTotals.from_state(load_checkpoint(path)["totals"])
@@ -43,8 +44,8 @@ def test_membership_changes_carry_over_and_another_workers_totals_keep_only_the_
     assert standin.row == [0, 0, 2.0, 0, 0, 0, 0, 0, 0, 0] and standin.offsets(2) == (2.0, 0, 0)
     assert (standin.eval_s, standin.time_to_target_s, standin.segment_wall_s) == (0.5, 1.5, [2.0])
     back = {"event": "joined", "workers": [2], "unix_time": 200.0}
-    both = standin.plus(_row(5, 1.0, [0, 50], [0, 45]), 0.0, None, changes=[back])
-    assert both.changes == [lost, back] and both.row[:3] == [5, 80, 3.0] and both.lost_workers == {2: 100.5}
+    both = standin.plus(_row(5, 1.0, [0, 50], [0, 45]), 0.0, None, changes=[back], lost_workers={3: 300.0})
+    assert both.changes == [lost, back] and both.row[:3] == [5, 80, 3.0] and both.lost_workers == {2: 100.5, 3: 300.0}
 
 
 def test_summary_of_a_resumed_run_never_replaces_a_fuller_one(tmp_path) -> None:

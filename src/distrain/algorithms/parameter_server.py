@@ -849,6 +849,7 @@ class ShardServer:
         self.index = transport.rank - self.num_workers
         k = cfg.algo.workers_per_node  # hierarchical: only node leaders push, each its node's sum
         self.pushers = NodeMap(self.num_workers, k).leaders if k else list(range(self.num_workers))
+        self.lost_pushers: list[int] = []  # workers lost during the run (elastic runs)
         header = torch.zeros(HEADER, dtype=torch.int64)
         transport.recv(header, 0).wait()
         try:
@@ -1044,6 +1045,7 @@ class ShardServer:
                 raise
             worker = self.pushers[i]
             live.remove(i)
+            self.lost_pushers.append(worker)
             grads[i].zero_()
             declare_dead(self._store_client(), worker)
             log.warning("server %d: lost worker %d at step %d; serving the other %d", self.index, worker, step + 1,
@@ -1112,13 +1114,17 @@ class ShardServer:
     def save(self, step: int) -> None:
         if self.run_dir is None:
             return
-        from distrain.runtime.checkpoint import CheckpointStore
+        from distrain.runtime.checkpoint import MEMBERS_KEY, CheckpointStore
 
-        store = CheckpointStore(self.run_dir, self.transport.rank, self.transport.world_size)
+        world = self.transport.world_size
+        store = CheckpointStore(self.run_dir, self.transport.rank, world)
+        # after a loss the set is written by the processes still serving and training
+        members = [r for r in range(world) if r not in self.lost_pushers]
         store.save(step, {"shard": self.shard.data, "optimizer": self.optimizer.state_dict(), "step": step,
                           "model_name": self.cfg.model.model, "algorithm_name": "ps",
-                          "world_size": self.transport.world_size, "steps_per_epoch": self.steps_per_epoch,
-                          "total_steps": self.total_steps, "totals": self.totals().state_dict()})
+                          "world_size": world, "steps_per_epoch": self.steps_per_epoch,
+                          "total_steps": self.total_steps, "totals": self.totals().state_dict(),
+                          **({MEMBERS_KEY: members} if self.lost_pushers else {})})
 
     def load(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (see :meth:`save`)."""

@@ -471,23 +471,24 @@ class CheckpointStore:
 
     def _inspect(self, step: int) -> tuple[list[int], CheckpointError | None]:
         """The ranks ``step``'s set must hold (see :meth:`members`) and what is wrong with it,
-        naming the file (None: complete). Every file there is checked; those that name the
-        members must agree on them."""
-        members: list[int] | None = None
+        naming the file (None: complete). Every file there is checked. Of the files that name
+        members, the one that names fewest wins: a process that had not yet heard of a loss when
+        it saved names the lost one too (the others must include every member it names)."""
+        named: dict[Path, list[int]] = {}
         present = [r for r in range(self.world_size) if self.rank_file(step, r).exists()]
         for rank in present:
             path = self.rank_file(step, rank)
             try:
-                named = load_checkpoint(path).get(MEMBERS_KEY)
+                members = load_checkpoint(path).get(MEMBERS_KEY)
             except CheckpointError as exc:
-                return members or list(range(self.world_size)), exc
-            if named is None:
-                continue
-            named = [int(m) for m in named]
-            if members is not None and named != members:
-                return members, CheckpointError(f"checkpoint {path} names members {named}, the set's other files {members}")
-            members = named
-        expected = list(range(self.world_size)) if members is None else members
+                return list(range(self.world_size)), exc
+            if members is not None:
+                named[path] = sorted(int(m) for m in members)
+        expected = min(named.values(), key=len) if named else list(range(self.world_size))
+        for path, members in named.items():
+            if not set(expected) <= set(members):
+                return expected, CheckpointError(f"checkpoint {path} names members {members}, another file of "
+                                                 f"its set {expected}")
         for rank in expected:
             if rank not in present:
                 try:

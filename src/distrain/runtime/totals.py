@@ -38,6 +38,9 @@ class RunTotals:
     segment_wall_s: list[float] = field(default_factory=list)
     #: membership changes of the earlier segments (``summary.json``'s ``membership`` records)
     changes: list[dict[str, Any]] = field(default_factory=list)
+    #: workers the earlier segments lost (id -> Unix time declared dead), with or without a
+    #: change of membership (parameter servers serve the others on)
+    lost_workers: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> RunTotals:
@@ -47,7 +50,8 @@ class RunTotals:
         return cls(row=[float(v) for v in state.get("row", [])], eval_s=float(state.get("eval_s", 0.0)),
                    time_to_target_s=None if target is None else float(target),
                    segment_wall_s=[float(v) for v in state.get("segment_wall_s", [])],
-                   changes=[dict(c) for c in state.get("changes", [])])
+                   changes=[dict(c) for c in state.get("changes", [])],
+                   lost_workers={int(w): float(t) for w, t in state.get("lost_workers", {}).items()})
 
     def for_another_worker(self) -> RunTotals:
         """The totals a worker takes from another's checkpoint (it was lost before that one was
@@ -55,12 +59,8 @@ class RunTotals:
         row = [0.0] * len(self.row)
         if row:
             row[2] = self.row[2]  # training time is the run's
-        return RunTotals(row, self.eval_s, self.time_to_target_s, list(self.segment_wall_s), list(self.changes))
-
-    @property
-    def lost_workers(self) -> dict[int, float]:
-        """Workers the earlier segments lost (id -> Unix time the loss was agreed)."""
-        return {int(w): float(c["unix_time"]) for c in self.changes if c.get("event") == "lost" for w in c["workers"]}
+        return RunTotals(row, self.eval_s, self.time_to_target_s, list(self.segment_wall_s), list(self.changes),
+                         dict(self.lost_workers))
 
     @property
     def wall_s(self) -> float:
@@ -82,13 +82,14 @@ class RunTotals:
         return [a + b for a, b in zip(self.row, row, strict=True)]
 
     def plus(self, row: list[float], eval_s: float, time_to_target_s: float | None,
-             changes: list[dict[str, Any]] | None = None) -> RunTotals:
-        """The totals after this segment, whose counters are ``row`` (``row[2]``: its wall time)
-        and membership changes ``changes``."""
+             changes: list[dict[str, Any]] | None = None, lost_workers: dict[int, float] | None = None) -> RunTotals:
+        """The totals after this segment, whose counters are ``row`` (``row[2]``: its wall time),
+        membership changes ``changes`` and lost workers ``lost_workers``."""
         target = self.time_to_target_s if self.time_to_target_s is not None else time_to_target_s
         return RunTotals(self.total_row(row), self.eval_s + eval_s, target, [*self.segment_wall_s, row[2]],
-                         [*self.changes, *(changes or [])])
+                         [*self.changes, *(changes or [])], {**self.lost_workers, **(lost_workers or {})})
 
     def state_dict(self) -> dict[str, Any]:
         return {"row": list(self.row), "eval_s": self.eval_s, "time_to_target_s": self.time_to_target_s,
-                "segment_wall_s": list(self.segment_wall_s), "changes": [dict(c) for c in self.changes]}
+                "segment_wall_s": list(self.segment_wall_s), "changes": [dict(c) for c in self.changes],
+                "lost_workers": {str(w): t for w, t in self.lost_workers.items()}}

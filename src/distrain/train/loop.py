@@ -306,14 +306,20 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "algorithm": algorithm.state_dict(),
             "step": step, "model_name": cfg.model.model, "algorithm_name": cfg.algo.algorithm, "world_size": world,
             "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
-            "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records()).state_dict(),
-            # an elastic run's set is written by its members at this step, not by every worker
-            **({MEMBERS_KEY: list(opt.ids)} if opt.membership is not None else {}),
+            "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(),
+                                  lost()).state_dict(),
+            # after a loss the set is written by the members at this step (and any servers)
+            **({MEMBERS_KEY: [*sorted(opt.ids), *range(world, store.world_size)]}
+               if sorted(opt.ids) != list(range(world)) else {}),
         })
 
     def records() -> list[dict[str, Any]]:
         """This segment's membership changes, for summary.json (the earlier segments' are in totals)."""
         return [*resumed, *(c.record() for c in opt.changes)]
+
+    def lost() -> dict[int, float]:
+        """Workers this segment lost (id -> when declared dead)."""
+        return {**algorithm.lost_workers, **{m: c.at for c in opt.changes for m in c.lost}}
 
     # --- the loop -------------------------------------------------------------------------------
     # a joiner keeps its earlier life's lines up to where it comes back
@@ -437,7 +443,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
             save(step + 1)
         step += 1
-    algorithm.end()  # parameter servers: this worker's training is over
+    opt.end()  # parameter servers: this worker's training is over
     if opt.membership is not None:
         opt.membership.close()  # a worker started again from now on finds the run over
     wall = time.perf_counter() - start - eval_seconds
@@ -455,7 +461,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     opt.close()
 
     # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
-    run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records())
+    run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(), lost())
     mine = torch.tensor(run.row, dtype=torch.float64)
     elastic = opt.membership is not None
     rows = [[0.0] * len(mine) for _ in range(world if elastic else dist.get_world_size())]  # lost: zeros
@@ -467,15 +473,14 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     else:
         for i, row in enumerate(control.control_all_gather(mine)):
             rows[control.global_rank(i)] = row.tolist()
-    lost = {**run.lost_workers, **algorithm.lost_workers}  # every segment's
     summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, evals.accuracy, evals.test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
-                        lost, run.segment_wall_s,
+                        run.lost_workers, run.segment_wall_s,
                         {**lm_figures(task, train_set, test_set, evals.test_loss), "model_parameters": count_parameters(model),
                          **({"lost_servers": {str(s): t for s, t in sorted(algorithm.lost_servers.items())}}
                             if algorithm.lost_servers else {})},
                         membership=run.changes, stopped_at_target=stopped_at_target,
-                        workers_at_end=opt.workers if elastic else world - len(lost),
+                        workers_at_end=opt.workers if elastic else world - len(lost()),
                         leader=opt.id if opt.changes else None,
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
     if elastic:
