@@ -47,9 +47,7 @@ def _snapshot(run_dir: Path) -> dict[str, tuple[bytes, int]]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("algorithm,servers", [
     ("allreduce", 0),
-    # make test-all: a parameter server's resume (servers checkpoint their shards and counters);
-    # in CI the 4-worker bitwise test and this one's all-reduce case cover resume and accounting
-    pytest.param("ps", 1, marks=pytest.mark.slow),
+    ("ps", 1),  # servers checkpoint their shards and counters (wrap()'s state path: test_ps_state.py)
 ])
 def test_resume_matches_uninterrupted_run(tmp_path, algorithm, servers):
     """Sync all-reduce, and sync parameter server (whose server restores its optimizer state):
@@ -73,9 +71,11 @@ def test_resume_matches_uninterrupted_run(tmp_path, algorithm, servers):
     _assert_same_parameters(full, cut, total, 2, nprocs)
 
     # Every byte and sample of the run is counted once, over both segments; a parameter server
-    # run's worker 0 sends the server the run's length and the start values again when it resumes.
+    # run's worker 0 sends the server its start header again (shard size, run length, steps per
+    # epoch, and whether an optimizer state follows: none, the server has its own checkpoint) and
+    # the start values when it resumes.
     numel = sum(t.numel() for t in CheckpointStore(full, 0, nprocs).load(total)["model"].values())
-    again = 0 if algorithm == "allreduce" else 3 * 8 + numel * 4
+    again = 0 if algorithm == "allreduce" else 4 * 8 + numel * 4
     for key in ("steps_per_worker", "bytes_received_per_worker", "bytes_sent_per_server"):
         assert resumed[key] == summary[key], key
     sent, received = summary["bytes_sent_per_worker"], summary["bytes_received_per_server"]

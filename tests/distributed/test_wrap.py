@@ -203,7 +203,8 @@ RESUMABLE = {"allreduce-topk": ("allreduce", {"compress": "group_topk:0.1", "mom
 
 
 @pytest.mark.parametrize("name", [pytest.param("allreduce-topk", marks=pytest.mark.slow),  # CI: test_resume.py
-                                  pytest.param("dpsgd", marks=pytest.mark.slow), "ps",
+                                  pytest.param("dpsgd", marks=pytest.mark.slow),
+                                  pytest.param("ps", marks=pytest.mark.slow),  # CI: test_resume.py, test_ps_state.py
                                   pytest.param("ps-async", marks=pytest.mark.slow)])
 def test_a_script_resumed_from_its_checkpoint_matches_the_uninterrupted_run(tmp_path: Path, name: str):
     algorithm, settings, servers = RESUMABLE[name]
