@@ -10,7 +10,6 @@ from distrain.algorithms.diloco import DiLoCo
 from distrain.algorithms.dpsgd import DPSGD
 from distrain.algorithms.parameter_server import ParameterServer
 from distrain.algorithms.prague import Prague
-from distrain.errors import ConfigError
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     AllReduce.name: AllReduce,
@@ -23,13 +22,4 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 }
 
 
-def build_algorithm(name: str, config: object) -> Algorithm:
-    """Instantiate an algorithm by name; the error lists the valid names."""
-    try:
-        klass = ALGORITHMS[name]
-    except KeyError:
-        raise ConfigError("--algorithm", f"unknown algorithm {name!r}; choose one of: {', '.join(sorted(ALGORITHMS))}") from None
-    return klass(config)
-
-
-__all__ = ["ADPSGD", "ALGORITHMS", "Algorithm", "AllReduce", "D2", "DPSGD", "DiLoCo", "ParameterServer", "Prague", "StepContext", "build_algorithm"]
+__all__ = ["ADPSGD", "ALGORITHMS", "Algorithm", "AllReduce", "D2", "DPSGD", "DiLoCo", "ParameterServer", "Prague", "StepContext"]

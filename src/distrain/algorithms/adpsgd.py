@@ -393,11 +393,6 @@ class ADPSGD(AsyncGossip):
 
     name = "adpsgd"
 
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        super().check_config(config)
-        bipartite_graph(config.algo.topology, config.cluster.workers)
-
     def build_engine(self, transport: Transport) -> PairwiseGossip:
         g = self.config.gossip
         self.graph = bipartite_graph(self.config.algo.topology, transport.world_size)  # under torchrun: WORLD_SIZE

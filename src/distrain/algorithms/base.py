@@ -13,7 +13,6 @@ from distrain.comm.transport import Transport
 from distrain.compress.adaptive import AdaptivePolicy
 from distrain.compress.registry import policy_from_spec
 from distrain.compress.warmup import DensityWarmup
-from distrain.errors import ConfigError
 
 
 @dataclass
@@ -129,25 +128,6 @@ class Algorithm:
         """Whether a run with ``config`` goes on when a worker is lost (launchers then keep the
         others running)."""
         return cls.survives_lost_workers
-
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        """Refuse settings this algorithm cannot honour (ConfigError), before any worker starts.
-
-        Subclasses call ``super().check_config(config)`` first: this refuses ``--compress`` for
-        algorithms that would ignore it.
-        """
-        spec = config.compress.compress.strip()
-        if not cls.compresses and spec != "none":
-            raise ConfigError("--compress", f"{cls.name} does not compress its traffic; use --compress none, "
-                                            f"or --algorithm allreduce or ps to train with {spec}")
-
-    @classmethod
-    def require_peers(cls, config: Any) -> None:
-        """Decentralized algorithms have nobody to average with on one worker."""
-        if config.cluster.workers < 2:
-            raise ConfigError("--workers", f"{cls.name} is decentralized and needs at least 2 workers, got "
-                              f"{config.cluster.workers}; use --algorithm allreduce for one worker")
 
     def __init__(self, config: Any) -> None:
         self.config = config

@@ -71,7 +71,6 @@ from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo
 from distrain.compress.collective import allreduce_compressed
 from distrain.compress.registry import build_compressor
-from distrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -139,23 +138,6 @@ class DiLoCo(Algorithm):
     @property
     def elastic(self) -> bool:
         return self.compressor is None and len(self.bounds) == 1 and self.overlap == 0 and not self.auto
-
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        super().check_config(config)
-        o = config.outer
-        if o.sync_every == AUTO:
-            if o.overlap_steps >= o.sync_every_min:
-                raise ConfigError("--overlap-steps", f"must be less than --sync-every-min ({o.sync_every_min}) with "
-                                                     f"--sync-every auto, got {o.overlap_steps}")
-            return
-        if o.fragments > o.sync_every:
-            raise ConfigError("--fragments", f"must be at most --sync-every ({o.sync_every}): each fragment syncs at "
-                                             f"its own step of the period, got {o.fragments}")
-        if o.overlap_steps >= o.sync_every // o.fragments:
-            raise ConfigError("--overlap-steps", f"must be less than --sync-every / --fragments "
-                                                 f"({o.sync_every // o.fragments}), the steps between two syncs, "
-                                                 f"got {o.overlap_steps}")
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

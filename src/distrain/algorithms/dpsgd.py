@@ -84,13 +84,6 @@ class DPSGD(Algorithm):
         c = config.cluster
         return c.device == "cpu" and 1 < c.workers and c.min_workers < c.workers
 
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        """The topology must exist and be connected for ``--workers``, the weights fit it."""
-        super().check_config(config)
-        cls.require_peers(config)
-        mixing_matrix(build_topology(config.algo.topology, config.cluster.workers), config.algo.mixing)
-
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
         a = self.config.algo

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from distrain.algorithms.base import Algorithm, FlatParams, StepContext, copy_module
 from distrain.comm.transport import Transport, blocked
-from distrain.errors import ConfigError, WorkerFailure
+from distrain.errors import WorkerFailure
 from distrain.runtime.health import Liveness
 from distrain.runtime.membership import LeftOut
 
@@ -470,14 +470,6 @@ class AsyncGossip(Algorithm):
         if lost and self.state.world - len(lost) < floor:
             raise WorkerFailure(f"worker {self.state.rank}: lost workers {sorted(lost)}; {self.state.world - len(lost)} "
                                 f"left, fewer than --min-workers {floor}")
-
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        super().check_config(config)
-        cls.require_peers(config)
-        if config.run.resume not in ("none", ""):
-            raise ConfigError("--resume", f"{cls.name} is asynchronous (exchanges are in flight at any moment); "
-                                          "it cannot resume from a checkpoint: use --resume none")
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)

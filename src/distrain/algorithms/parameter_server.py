@@ -479,19 +479,6 @@ class ParameterServer(Algorithm):
     def survives(cls, config: Any) -> bool:
         return elastic_servers(config)
 
-    @classmethod
-    def check_config(cls, cfg: TrainConfig) -> None:
-        super().check_config(cfg)
-        if cfg.cluster.max_restarts:
-            raise ConfigError("--max-restarts", "ps does not start a lost worker again (with --ps-mode sync the servers "
-                                                "go on without it); use 0")
-        if cfg.optim.optimizer == "lars":
-            raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
-        if cfg.ps.ps_mode == "async" and cfg.run.resume not in ("none", ""):
-            raise ConfigError("--resume", "resuming is supported for --ps-mode sync only")
-        if cfg.algo.workers_per_node and cfg.compress.compress.strip() != "none":
-            raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
-
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
         self.num_workers = self.config.cluster.workers

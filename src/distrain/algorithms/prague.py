@@ -74,7 +74,6 @@ import random
 import statistics
 import threading
 import time
-import warnings
 from collections import deque
 from typing import Any
 
@@ -669,13 +668,6 @@ class Prague(AsyncGossip):
     """Partial all-reduce in groups of ready workers (see the module docstring)."""
 
     name = "prague"
-
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        super().check_config(config)
-        g, n = config.gossip.group_size, config.cluster.workers
-        if n > 1 and g > n:
-            warnings.warn(f"--group-size {g} is larger than --workers {n}: groups will have {n} workers", stacklevel=2)
 
     def build_engine(self, transport: Transport) -> GroupGossip:
         g = self.config.gossip

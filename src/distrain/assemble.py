@@ -1,0 +1,141 @@
+"""From a run's configuration to the algorithm that trains with it: the one place that reads the
+flags an algorithm runs with.
+
+:func:`check_algorithm` refuses, before any worker starts, the flag combinations the chosen
+algorithm cannot honour (``TrainConfig.validate`` calls it); :func:`survives` tells the launchers
+whether a run goes on when a worker is lost; :func:`build_algorithm` makes one worker's algorithm.
+
+Example::
+
+    from distrain.assemble import build_algorithm
+    from distrain.config import TrainConfig
+
+    algorithm = build_algorithm("diloco", TrainConfig(sync_every=32).validate())
+    algorithm.setup(model, optimizer, transport)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from distrain.algorithms import ALGORITHMS, D2, DPSGD, Algorithm, DiLoCo, ParameterServer, Prague
+from distrain.algorithms.adpsgd import ADPSGD, bipartite_graph
+from distrain.algorithms.diloco import AUTO
+from distrain.errors import ConfigError
+from distrain.topology import build_topology, mixing_matrix
+
+if TYPE_CHECKING:  # the type only: the config imports this module to check an algorithm's flags
+    from distrain.config import TrainConfig
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The algorithm called ``name``; the error lists the valid names."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ConfigError("--algorithm", f"unknown algorithm {name!r}; choose one of: {', '.join(sorted(ALGORITHMS))}") from None
+
+
+def build_algorithm(name: str, config: TrainConfig) -> Algorithm:
+    """One worker's algorithm ``name``, with the settings ``config`` gives it."""
+    return algorithm_class(name)(config)
+
+
+def survives(config: TrainConfig) -> bool:
+    """Whether a run with ``config`` goes on when a worker is lost (launchers then keep the
+    others running)."""
+    return algorithm_class(config.algo.algorithm).survives(config)
+
+
+# -- what each algorithm refuses before any worker starts ------------------------------------
+
+
+def check_algorithm(config: TrainConfig) -> None:
+    """Refuse settings the chosen algorithm cannot honour (ConfigError), before any worker starts.
+
+    First ``--compress`` for algorithms that would ignore it, then the algorithm's own checks.
+    """
+    klass = algorithm_class(config.algo.algorithm)
+    spec = config.compress.compress.strip()
+    if not klass.compresses and spec != "none":
+        raise ConfigError("--compress", f"{klass.name} does not compress its traffic; use --compress none, "
+                                        f"or --algorithm allreduce or ps to train with {spec}")
+    CHECKS.get(klass.name, _no_check)(config, klass.name)
+
+
+def _no_check(config: TrainConfig, name: str) -> None:
+    """Nothing more to refuse."""
+
+
+def _require_peers(config: TrainConfig, name: str) -> None:
+    """Decentralized algorithms have nobody to average with on one worker."""
+    if config.cluster.workers < 2:
+        raise ConfigError("--workers", f"{name} is decentralized and needs at least 2 workers, got "
+                          f"{config.cluster.workers}; use --algorithm allreduce for one worker")
+
+
+def _check_dpsgd(config: TrainConfig, name: str) -> None:
+    """The topology must exist and be connected for ``--workers``, the weights fit it."""
+    _require_peers(config, name)
+    mixing_matrix(build_topology(config.algo.topology, config.cluster.workers), config.algo.mixing)
+
+
+def _check_async_gossip(config: TrainConfig, name: str) -> None:
+    _require_peers(config, name)
+    if config.run.resume not in ("none", ""):
+        raise ConfigError("--resume", f"{name} is asynchronous (exchanges are in flight at any moment); "
+                                      "it cannot resume from a checkpoint: use --resume none")
+
+
+def _check_adpsgd(config: TrainConfig, name: str) -> None:
+    _check_async_gossip(config, name)
+    bipartite_graph(config.algo.topology, config.cluster.workers)
+
+
+def _check_prague(config: TrainConfig, name: str) -> None:
+    _check_async_gossip(config, name)
+    g, n = config.gossip.group_size, config.cluster.workers
+    if n > 1 and g > n:
+        # stacklevel 3: the warning points at the TrainConfig.validate() line that checked the config
+        warnings.warn(f"--group-size {g} is larger than --workers {n}: groups will have {n} workers", stacklevel=3)
+
+
+def _check_diloco(config: TrainConfig, name: str) -> None:
+    o = config.outer
+    if o.sync_every == AUTO:
+        if o.overlap_steps >= o.sync_every_min:
+            raise ConfigError("--overlap-steps", f"must be less than --sync-every-min ({o.sync_every_min}) with "
+                                                 f"--sync-every auto, got {o.overlap_steps}")
+        return
+    if o.fragments > o.sync_every:
+        raise ConfigError("--fragments", f"must be at most --sync-every ({o.sync_every}): each fragment syncs at "
+                                         f"its own step of the period, got {o.fragments}")
+    if o.overlap_steps >= o.sync_every // o.fragments:
+        raise ConfigError("--overlap-steps", f"must be less than --sync-every / --fragments "
+                                             f"({o.sync_every // o.fragments}), the steps between two syncs, "
+                                             f"got {o.overlap_steps}")
+
+
+def _check_ps(config: TrainConfig, name: str) -> None:
+    if config.cluster.max_restarts:
+        raise ConfigError("--max-restarts", "ps does not start a lost worker again (with --ps-mode sync the servers "
+                                            "go on without it); use 0")
+    if config.optim.optimizer == "lars":
+        raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
+    if config.ps.ps_mode == "async" and config.run.resume not in ("none", ""):
+        raise ConfigError("--resume", "resuming is supported for --ps-mode sync only")
+    if config.algo.workers_per_node and config.compress.compress.strip() != "none":
+        raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
+
+
+#: Each algorithm's checks besides ``--compress`` (by name; none for allreduce).
+CHECKS: dict[str, Callable[[TrainConfig, str], None]] = {
+    DPSGD.name: _check_dpsgd,
+    D2.name: _check_dpsgd,
+    ADPSGD.name: _check_adpsgd,
+    Prague.name: _check_prague,
+    DiLoCo.name: _check_diloco,
+    ParameterServer.name: _check_ps,
+}
