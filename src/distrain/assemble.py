@@ -1,9 +1,14 @@
 """From a run's configuration to the algorithm that trains with it: the one place that reads the
 flags an algorithm runs with.
 
-:func:`check_algorithm` refuses, before any worker starts, the flag combinations the chosen
-algorithm cannot honour (``TrainConfig.validate`` calls it); :func:`survives` tells the launchers
-whether a run goes on when a worker is lost; :func:`build_algorithm` makes one worker's algorithm.
+Each algorithm takes a small frozen settings dataclass defined beside it, holding exactly what it
+uses: its hyperparameters, the compression settings of one that compresses
+(:class:`~distrain.compress.settings.CompressionSettings`) and the run's facts
+(:class:`~distrain.algorithms.base.RunFacts`). This module makes them from a ``TrainConfig``
+(:data:`SETTINGS`); the algorithms never see the config. :func:`check_algorithm` refuses, before
+any worker starts, the flag combinations the chosen algorithm cannot honour
+(``TrainConfig.validate`` calls it); :func:`survives` tells the launchers whether a run goes on
+when a worker is lost; :func:`build_algorithm` makes one worker's algorithm.
 
 Example::
 
@@ -18,11 +23,23 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from distrain.algorithms import ALGORITHMS, D2, DPSGD, Algorithm, DiLoCo, ParameterServer, Prague
+from distrain.algorithms import (
+    ALGORITHMS,
+    D2,
+    DPSGD,
+    Algorithm,
+    AllReduce,
+    DiLoCo,
+    ParameterServer,
+    Prague,
+)
 from distrain.algorithms.adpsgd import ADPSGD, bipartite_graph
+from distrain.algorithms.allreduce import AllReduceSettings
+from distrain.algorithms.base import RunFacts
 from distrain.algorithms.diloco import AUTO
+from distrain.compress.settings import CompressionSettings
 from distrain.errors import ConfigError
 from distrain.topology import build_topology, mixing_matrix
 
@@ -40,13 +57,49 @@ def algorithm_class(name: str) -> type[Algorithm]:
 
 def build_algorithm(name: str, config: TrainConfig) -> Algorithm:
     """One worker's algorithm ``name``, with the settings ``config`` gives it."""
-    return algorithm_class(name)(config)
+    klass = algorithm_class(name)
+    if name in SETTINGS:
+        return klass(SETTINGS[name](config))
+    # until they take settings of their own: the whole config, and the compression settings
+    return klass(config, compression_settings(config)) if klass.compresses else klass(config)
 
 
 def survives(config: TrainConfig) -> bool:
     """Whether a run with ``config`` goes on when a worker is lost (launchers then keep the
     others running)."""
-    return algorithm_class(config.algo.algorithm).survives(config)
+    name = config.algo.algorithm
+    return algorithm_class(name).survives(SETTINGS[name](config) if name in SETTINGS else config)
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+def run_facts(config: TrainConfig) -> RunFacts:
+    c = config.cluster
+    return RunFacts(workers=c.workers, min_workers=c.min_workers, timeout=c.timeout, device=c.device,
+                    seed=config.run.seed)
+
+
+def compression_settings(config: TrainConfig) -> CompressionSettings:
+    """``--compress`` and its companion flags, the density warm-up's defaults resolved."""
+    c = config.compress
+    warmup, decay = c.density_schedule()
+    return CompressionSettings(spec=c.compress, error_feedback=c.error_feedback == "on",
+                               sparse_collective=c.sparse_collective, momentum_correction=c.momentum_correction == "on",
+                               density_warmup_epochs=warmup, density_decay_epochs=decay)
+
+
+def allreduce_settings(config: TrainConfig) -> AllReduceSettings:
+    a = config.algo
+    return AllReduceSettings(bucket_mb=a.bucket_mb, first_bucket_mb=a.first_bucket_mb, ring=a.ring,
+                             workers_per_node=a.workers_per_node, on_nonfinite=config.run.on_nonfinite,
+                             compression=compression_settings(config), run=run_facts(config))
+
+
+#: The settings each algorithm takes, made from the config (by name).
+SETTINGS: dict[str, Callable[[TrainConfig], Any]] = {
+    AllReduce.name: allreduce_settings,
+}
 
 
 # -- what each algorithm refuses before any worker starts ------------------------------------

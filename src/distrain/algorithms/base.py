@@ -1,4 +1,5 @@
-"""The Algorithm interface: the hooks the worker loop calls around each step."""
+"""The Algorithm interface: the hooks the worker loop calls around each step, and the run's
+facts every algorithm's settings hold (:class:`RunFacts`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,25 @@ import torch
 from distrain.comm.transport import Transport
 from distrain.compress.adaptive import AdaptivePolicy
 from distrain.compress.registry import policy_from_spec
+from distrain.compress.settings import CompressionSettings
 from distrain.compress.warmup import DensityWarmup
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What an algorithm knows of the run it works in, apart from its own hyperparameters (made
+    by :mod:`distrain.assemble`, like the settings that hold it)."""
+
+    #: training workers (parameter servers not counted)
+    workers: int
+    #: elastic runs: the survivors of a lost worker go on while at least this many remain
+    min_workers: int
+    #: seconds any collective or wait for a peer may take
+    timeout: float
+    #: where the model is: ``cpu`` or ``cuda``
+    device: str
+    #: the run's seed, the same on every worker (compressors that draw, gossip partners)
+    seed: int
 
 
 @dataclass
@@ -124,21 +143,31 @@ class Algorithm:
     lost_servers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
 
     @classmethod
-    def survives(cls, config: Any) -> bool:
-        """Whether a run with ``config`` goes on when a worker is lost (launchers then keep the
-        others running)."""
+    def survives(cls, settings: Any) -> bool:
+        """Whether a run whose algorithm has ``settings`` goes on when a worker is lost (launchers
+        then keep the others running)."""
         return cls.survives_lost_workers
 
-    def __init__(self, config: Any) -> None:
-        self.config = config
-        compress = getattr(config, "compress", None)
+    def __init__(self, settings: Any, compression: CompressionSettings | None = None) -> None:
+        """``settings``: the algorithm's own settings dataclass (see :mod:`distrain.assemble`);
+        ``compression``: its compression settings, for an algorithm that compresses."""
+        self.settings = settings
         #: the adaptive compression policy (``--compress adaptive:...``), else None
-        self.adaptive: AdaptivePolicy | None = (policy_from_spec(compress.compress)
-                                                if self.compresses and compress is not None else None)
+        self.adaptive: AdaptivePolicy | None = None
         self._density: DensityWarmup | None = None  # the adaptive policy's warm-up schedule
+        if self.compresses and compression is not None:
+            self.adaptive = policy_from_spec(compression.spec)
+            if self.adaptive is not None:
+                self._density = compression.warmup(self.adaptive.settings.base)
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.transport: Transport | None = None
+
+    @property
+    def config(self) -> Any:
+        """The whole run configuration, which the algorithms without settings of their own yet take
+        as their settings."""
+        return self.settings
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         self.model, self.optimizer, self.transport = model, optimizer, transport
@@ -154,10 +183,8 @@ class Algorithm:
         all-reduce, whose workers must agree. Ignored during the dense warm-up and by compressors
         without a ratio.
         """
-        if self.adaptive is None:
+        if self.adaptive is None or self._density is None:  # both or neither
             return None
-        if self._density is None:
-            self._density = DensityWarmup(self.adaptive.settings.base, *self.config.compress.density_schedule())
         epochs_done = ctx.epoch * ctx.step / (ctx.step + 1)  # ctx.epoch counts the step being finished
         base = self._density.ratio(epochs_done)
         return self.adaptive.choose(ctx.per_sample_losses, self.transport, base=base, compute_seconds=ctx.compute_seconds)

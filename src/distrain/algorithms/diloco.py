@@ -71,6 +71,7 @@ from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo
 from distrain.compress.collective import allreduce_compressed
 from distrain.compress.registry import build_compressor
+from distrain.compress.settings import CompressionSettings
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,8 @@ class DiLoCo(Algorithm):
     def elastic(self) -> bool:
         return self.compressor is None and len(self.bounds) == 1 and self.overlap == 0 and not self.auto
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, compression: CompressionSettings | None = None) -> None:
+        super().__init__(config, compression)
         outer = config.outer
         #: ``--sync-every auto``: H follows the measured step and sync times (see :meth:`_next_period`)
         self.auto = outer.sync_every == AUTO
