@@ -39,6 +39,7 @@ from distrain.algorithms.adpsgd import ADPSGD, bipartite_graph
 from distrain.algorithms.allreduce import AllReduceSettings
 from distrain.algorithms.base import RunFacts
 from distrain.algorithms.diloco import AUTO
+from distrain.algorithms.dpsgd import DPSGDSettings
 from distrain.compress.settings import CompressionSettings
 from distrain.errors import ConfigError
 from distrain.topology import build_topology, mixing_matrix
@@ -96,9 +97,16 @@ def allreduce_settings(config: TrainConfig) -> AllReduceSettings:
                              compression=compression_settings(config), run=run_facts(config))
 
 
+def dpsgd_settings(config: TrainConfig) -> DPSGDSettings:
+    a = config.algo
+    return DPSGDSettings(topology=a.topology, mixing=a.mixing, gossip_order=a.gossip_order, run=run_facts(config))
+
+
 #: The settings each algorithm takes, made from the config (by name).
 SETTINGS: dict[str, Callable[[TrainConfig], Any]] = {
     AllReduce.name: allreduce_settings,
+    DPSGD.name: dpsgd_settings,
+    D2.name: dpsgd_settings,
 }
 
 
