@@ -35,11 +35,13 @@ from distrain.algorithms import (
     ParameterServer,
     Prague,
 )
-from distrain.algorithms.adpsgd import ADPSGD, bipartite_graph
+from distrain.algorithms.adpsgd import ADPSGD, ADPSGDSettings, bipartite_graph
 from distrain.algorithms.allreduce import AllReduceSettings
 from distrain.algorithms.base import RunFacts
 from distrain.algorithms.diloco import AUTO
 from distrain.algorithms.dpsgd import DPSGDSettings
+from distrain.algorithms.gossip import GossipSettings
+from distrain.algorithms.prague import PragueSettings
 from distrain.compress.settings import CompressionSettings
 from distrain.errors import ConfigError
 from distrain.topology import build_topology, mixing_matrix
@@ -102,11 +104,28 @@ def dpsgd_settings(config: TrainConfig) -> DPSGDSettings:
     return DPSGDSettings(topology=a.topology, mixing=a.mixing, gossip_order=a.gossip_order, run=run_facts(config))
 
 
+def _gossip_settings(config: TrainConfig, kind: type[GossipSettings], **own: Any) -> Any:
+    """The asynchronous gossip settings of ``kind``, with its ``own``."""
+    g = config.gossip
+    return kind(budget=g.budget, time_budget=g.time_budget, max_lag=g.max_lag, peer_timeout=g.peer_timeout,
+                snapshot_every=g.snapshot_every, run=run_facts(config), **own)
+
+
+def adpsgd_settings(config: TrainConfig) -> ADPSGDSettings:
+    return _gossip_settings(config, ADPSGDSettings, topology=config.algo.topology)
+
+
+def prague_settings(config: TrainConfig) -> PragueSettings:
+    return _gossip_settings(config, PragueSettings, group_size=config.gossip.group_size)
+
+
 #: The settings each algorithm takes, made from the config (by name).
 SETTINGS: dict[str, Callable[[TrainConfig], Any]] = {
     AllReduce.name: allreduce_settings,
     DPSGD.name: dpsgd_settings,
     D2.name: dpsgd_settings,
+    ADPSGD.name: adpsgd_settings,
+    Prague.name: prague_settings,
 }
 
 
