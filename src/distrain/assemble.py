@@ -38,7 +38,7 @@ from distrain.algorithms import (
 from distrain.algorithms.adpsgd import ADPSGD, ADPSGDSettings, bipartite_graph
 from distrain.algorithms.allreduce import AllReduceSettings
 from distrain.algorithms.base import RunFacts
-from distrain.algorithms.diloco import AUTO
+from distrain.algorithms.diloco import AUTO, DiLoCoSettings
 from distrain.algorithms.dpsgd import DPSGDSettings
 from distrain.algorithms.gossip import GossipSettings
 from distrain.algorithms.prague import PragueSettings
@@ -119,6 +119,14 @@ def prague_settings(config: TrainConfig) -> PragueSettings:
     return _gossip_settings(config, PragueSettings, group_size=config.gossip.group_size)
 
 
+def diloco_settings(config: TrainConfig) -> DiLoCoSettings:
+    o = config.outer
+    return DiLoCoSettings(sync_every=o.sync_every, comm_overhead=o.comm_overhead, sync_every_min=o.sync_every_min,
+                          sync_every_max=o.sync_every_max, outer_optimizer=o.outer_optimizer, outer_lr=o.outer_lr,
+                          outer_momentum=o.outer_momentum, fragments=o.fragments, overlap_steps=o.overlap_steps,
+                          merge_weight=o.merge_weight, compression=compression_settings(config), run=run_facts(config))
+
+
 #: The settings each algorithm takes, made from the config (by name).
 SETTINGS: dict[str, Callable[[TrainConfig], Any]] = {
     AllReduce.name: allreduce_settings,
@@ -126,6 +134,7 @@ SETTINGS: dict[str, Callable[[TrainConfig], Any]] = {
     D2.name: dpsgd_settings,
     ADPSGD.name: adpsgd_settings,
     Prague.name: prague_settings,
+    DiLoCo.name: diloco_settings,
 }
 
 
