@@ -8,7 +8,8 @@ uses: its hyperparameters, the compression settings of one that compresses
 (:data:`SETTINGS`); the algorithms never see the config. :func:`check_algorithm` refuses, before
 any worker starts, the flag combinations the chosen algorithm cannot honour
 (``TrainConfig.validate`` calls it); :func:`survives` tells the launchers whether a run goes on
-when a worker is lost; :func:`build_algorithm` makes one worker's algorithm.
+when a worker is lost; :func:`build_algorithm` makes one worker's algorithm, and :func:`serve`
+runs a parameter server.
 
 Example::
 
@@ -23,7 +24,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from distrain.algorithms import (
     ALGORITHMS,
@@ -34,6 +38,7 @@ from distrain.algorithms import (
     DiLoCo,
     ParameterServer,
     Prague,
+    parameter_server,
 )
 from distrain.algorithms.adpsgd import ADPSGD, ADPSGDSettings, bipartite_graph
 from distrain.algorithms.allreduce import AllReduceSettings
@@ -41,9 +46,12 @@ from distrain.algorithms.base import RunFacts
 from distrain.algorithms.diloco import AUTO, DiLoCoSettings
 from distrain.algorithms.dpsgd import DPSGDSettings
 from distrain.algorithms.gossip import GossipSettings
+from distrain.algorithms.parameter_server import PSSettings, ServerSettings
 from distrain.algorithms.prague import PragueSettings
 from distrain.compress.settings import CompressionSettings
+from distrain.emulation import Emulation
 from distrain.errors import ConfigError
+from distrain.optim.optimizers import build_optimizer
 from distrain.topology import build_topology, mixing_matrix
 
 if TYPE_CHECKING:  # the type only: the config imports this module to check an algorithm's flags
@@ -127,6 +135,22 @@ def diloco_settings(config: TrainConfig) -> DiLoCoSettings:
                           merge_weight=o.merge_weight, compression=compression_settings(config), run=run_facts(config))
 
 
+def _ps_settings(config: TrainConfig, kind: type[PSSettings], **own: Any) -> Any:
+    """The parameter-server settings of ``kind``, with its ``own``."""
+    return kind(servers=config.ps.servers, ps_mode=config.ps.ps_mode, workers_per_node=config.algo.workers_per_node,
+                compression=compression_settings(config), run=run_facts(config), **own)
+
+
+def ps_settings(config: TrainConfig) -> PSSettings:
+    return _ps_settings(config, PSSettings)
+
+
+def server_settings(config: TrainConfig) -> ServerSettings:
+    r = config.run
+    return _ps_settings(config, ServerSettings, max_staleness=config.ps.max_staleness,
+                        checkpoint_every=r.checkpoint_every, model=config.model.model, resume=r.resume, epochs=r.epochs)
+
+
 #: The settings each algorithm takes, made from the config (by name).
 SETTINGS: dict[str, Callable[[TrainConfig], Any]] = {
     AllReduce.name: allreduce_settings,
@@ -135,7 +159,26 @@ SETTINGS: dict[str, Callable[[TrainConfig], Any]] = {
     ADPSGD.name: adpsgd_settings,
     Prague.name: prague_settings,
     DiLoCo.name: diloco_settings,
+    ParameterServer.name: ps_settings,
 }
+
+
+def serve(config: TrainConfig, run_dir: str | Path | None, like: torch.optim.Optimizer | None = None, *,
+          gather_totals: bool = True) -> None:
+    """Run one parameter server of a run with ``config`` (this process is one of the last
+    ``--servers`` ranks) until every worker's training has ended (see
+    :func:`~distrain.algorithms.parameter_server.serve`).
+
+    ``like``: the workers' optimizer (default: the one ``config`` describes); ``run_dir`` None
+    saves no checkpoint and resumes from none.
+    """
+    if like is None:
+        o = config.optim
+        like = build_optimizer(o.optimizer, [torch.zeros(1, requires_grad=True)], lr=o.lr, momentum=o.momentum,
+                               weight_decay=o.weight_decay)
+    emulation = Emulation.from_config(config.network, seed=config.run.seed, workers=config.cluster.workers,
+                                      workers_per_node=config.algo.workers_per_node)
+    parameter_server.serve(server_settings(config), run_dir, like, emulation, gather_totals=gather_totals)
 
 
 # -- what each algorithm refuses before any worker starts ------------------------------------

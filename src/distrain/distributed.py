@@ -55,8 +55,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Subset
 
 from distrain.algorithms import StepContext
-from distrain.algorithms.parameter_server import serve, server_optimizer
-from distrain.assemble import build_algorithm, survives
+from distrain.algorithms.parameter_server import server_optimizer
+from distrain.assemble import build_algorithm, serve, survives
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
