@@ -29,25 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distrain.algorithms import (
-    ALGORITHMS,
-    D2,
-    DPSGD,
-    Algorithm,
-    AllReduce,
-    DiLoCo,
-    ParameterServer,
-    Prague,
-    parameter_server,
-)
+from distrain.algorithms import ALGORITHMS, Algorithm, parameter_server
 from distrain.algorithms.adpsgd import ADPSGD, ADPSGDSettings, bipartite_graph
-from distrain.algorithms.allreduce import AllReduceSettings
+from distrain.algorithms.allreduce import AllReduce, AllReduceSettings
 from distrain.algorithms.base import RunFacts
-from distrain.algorithms.diloco import AUTO, DiLoCoSettings
-from distrain.algorithms.dpsgd import DPSGDSettings
+from distrain.algorithms.d2 import D2
+from distrain.algorithms.diloco import AUTO, DiLoCo, DiLoCoSettings
+from distrain.algorithms.dpsgd import DPSGD, DPSGDSettings
 from distrain.algorithms.gossip import GossipSettings
-from distrain.algorithms.parameter_server import PSSettings, ServerSettings
-from distrain.algorithms.prague import PragueSettings
+from distrain.algorithms.parameter_server import ParameterServer, PSSettings, ServerSettings
+from distrain.algorithms.prague import Prague, PragueSettings
 from distrain.compress.settings import CompressionSettings
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError
@@ -68,18 +59,14 @@ def algorithm_class(name: str) -> type[Algorithm]:
 
 def build_algorithm(name: str, config: TrainConfig) -> Algorithm:
     """One worker's algorithm ``name``, with the settings ``config`` gives it."""
-    klass = algorithm_class(name)
-    if name in SETTINGS:
-        return klass(SETTINGS[name](config))
-    # until they take settings of their own: the whole config, and the compression settings
-    return klass(config, compression_settings(config)) if klass.compresses else klass(config)
+    return algorithm_class(name)(SETTINGS[name](config))
 
 
 def survives(config: TrainConfig) -> bool:
     """Whether a run with ``config`` goes on when a worker is lost (launchers then keep the
     others running)."""
     name = config.algo.algorithm
-    return algorithm_class(name).survives(SETTINGS[name](config) if name in SETTINGS else config)
+    return algorithm_class(name).survives(SETTINGS[name](config))
 
 
 # -- settings ---------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Training algorithms (one per file) and the name registry the CLI selects them from."""
+"""Training algorithms (one per file, each beside the settings dataclass it takes) and the name
+registry the CLI selects them from; :mod:`distrain.assemble` makes them from a run's flags."""
 
 from __future__ import annotations
 

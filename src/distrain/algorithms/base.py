@@ -91,7 +91,9 @@ class FlatParams:
 
 
 class Algorithm:
-    """One instance per worker; composes the Transport (and later a Compressor).
+    """One instance per worker; composes the Transport (and later a Compressor). It takes its own
+    settings dataclass (``settings``), never the run's whole configuration: :mod:`distrain.assemble`
+    makes the settings from the flags.
 
     The loop calls, per step: backward, ``after_backward`` (gradient aggregation),
     ``apply_update`` (the optimizer step, unless a server owns it), ``after_update`` (model
@@ -162,12 +164,6 @@ class Algorithm:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.transport: Transport | None = None
-
-    @property
-    def config(self) -> Any:
-        """The whole run configuration, which the algorithms without settings of their own yet take
-        as their settings."""
-        return self.settings
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         self.model, self.optimizer, self.transport = model, optimizer, transport
