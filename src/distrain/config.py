@@ -589,6 +589,7 @@ class TrainConfig:
         """Apply the task's defaults to the settings not given, then check every section; raise
         ConfigError naming the first bad flag."""
         from distrain.algorithms import ALGORITHMS
+        from distrain.assemble import check_algorithm
 
         self.data.validate()  # the task comes from the data settings
         self.apply_task_defaults()
@@ -599,7 +600,7 @@ class TrainConfig:
             raise ConfigError("--model", f"gpt is a language model: train it with --dataset text (the task here is {task})")
         if task == "lm" and self.model.model in ("mlp", "cnn1d", "cnn2d"):
             raise ConfigError("--model", f"{self.model.model} is not a language model: use --model gpt with --dataset text")
-        ALGORITHMS[self.algo.algorithm].check_config(self)
+        check_algorithm(self)
         if self.run.stop_at_target and (not ALGORITHMS[self.algo.algorithm].synchronous or self.algo.algorithm == "ps"):
             stoppable = sorted(n for n, a in ALGORITHMS.items() if a.synchronous and n != "ps")
             raise ConfigError("--stop-at-target", f"needs an algorithm whose workers all evaluate at the same steps "

@@ -54,8 +54,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, Subset
 
-from distrain.algorithms import ALGORITHMS, StepContext, build_algorithm
-from distrain.algorithms.parameter_server import serve, server_optimizer
+from distrain.algorithms import StepContext
+from distrain.algorithms.parameter_server import server_optimizer
+from distrain.assemble import build_algorithm, serve, survives
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
@@ -156,7 +157,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
         workers = cfg.cluster.workers
         servers = dist.get_world_size() - workers
         group = dist.new_group(list(range(workers))) if servers else None  # collective: servers too
-        if ALGORITHMS[cfg.algo.algorithm].survives(cfg):  # ps, asynchronous gossip: distrain launch keeps the others going
+        if survives(cfg):  # ps, asynchronous gossip: distrain launch keeps the others going
             mark_elastic(store_client(cfg.cluster.timeout))
         if dist.get_rank() >= workers:
             _serve(cfg, optimizer)  # a parameter server: serve until the workers are done, then exit

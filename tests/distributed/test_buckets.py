@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distrain.algorithms import StepContext, build_algorithm
+from distrain.algorithms import StepContext
+from distrain.assemble import build_algorithm
 from distrain.baselines.common import ddp_buckets
 from distrain.comm.transport import Transport
 from distrain.config import TrainConfig

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from distrain.algorithms import StepContext, build_algorithm
+from distrain.algorithms import StepContext
+from distrain.assemble import build_algorithm
 from distrain.comm.transport import Transport
 from distrain.config import TrainConfig
 from tests.harness import run_group

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distrain.algorithms import StepContext, build_algorithm
+from distrain.algorithms import StepContext
 from distrain.algorithms.dpsgd import consensus_distance
+from distrain.assemble import build_algorithm
 from distrain.comm.transport import Transport
 from distrain.config import TrainConfig
 from distrain.data import load_dataset, partition_indices

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from distrain.algorithms.base import StepContext
 from distrain.algorithms.parameter_server import ParameterServer, ShardServer, shard_bounds
+from distrain.assemble import ps_settings, server_settings
 from distrain.comm import Transport
 from distrain.compress import CompressInfo, MomentumCorrection, build_compressor
 from distrain.compress.pushes import PushDecoder, ShardPush
@@ -72,10 +73,10 @@ def _body(rank: int, world: int, run_dir: str) -> dict:
     cfg = config(run_dir)
     transport = Transport()
     if rank >= WORKERS:
-        ShardServer(cfg, transport, run_dir, optimizer(cfg, [torch.zeros(1, requires_grad=True)])).run()
+        ShardServer(server_settings(cfg), transport, run_dir, optimizer(cfg, [torch.zeros(1, requires_grad=True)])).run()
         return {}
     net = model()
-    algorithm = VaryingRatio(cfg)
+    algorithm = VaryingRatio(ps_settings(cfg))
     algorithm.setup(net, optimizer(cfg, net.parameters()), transport)
     algorithm.start(STEPS, STEPS_PER_EPOCH)
     for step in range(STEPS):

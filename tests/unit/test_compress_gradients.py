@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distrain.assemble import compression_settings
 from distrain.comm.transport import TransportStats
 from distrain.compress import CompressInfo, GroupTopK, MomentumCorrection, build_compressor
 from distrain.compress.gradients import GradientCompression, take_momentum
@@ -31,6 +32,11 @@ class OneWorker:
         return _Done()
 
 
+def from_config(cfg, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> GradientCompression | None:
+    """What all-reduce builds from a run's config."""
+    return GradientCompression.from_settings(compression_settings(cfg), params, opt, seed=cfg.run.seed)
+
+
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.ReLU(), torch.nn.Linear(40, 5))
@@ -42,7 +48,7 @@ def train(compression_spec: str | None, steps: int = 6, weight_decay: float = 0.
     compression = None
     if compression_spec is not None:
         cfg = small_config("unused", compress=compression_spec, **settings)
-        compression = GradientCompression.from_config(cfg, list(m.parameters()), opt)
+        compression = from_config(cfg, list(m.parameters()), opt)
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         x, y = torch.randn(16, 30, generator=g), torch.randint(0, 5, (16,), generator=g)
@@ -69,10 +75,10 @@ def test_momentum_correction_changes_training_below_ratio_one_and_can_be_turned_
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     cfg = small_config("unused", compress="group_topk:0.1", momentum_correction="off")
-    compression = GradientCompression.from_config(cfg, list(m.parameters()), opt)
+    compression = from_config(cfg, list(m.parameters()), opt)
     assert not isinstance(compression.compressor, MomentumCorrection) and opt.param_groups[0]["momentum"] == 0.9
     cfg = small_config("unused", compress="qsgd:8bit")  # not a sparsifier: no momentum correction
-    assert not isinstance(GradientCompression.from_config(cfg, list(m.parameters()), opt).compressor, MomentumCorrection)
+    assert not isinstance(from_config(cfg, list(m.parameters()), opt).compressor, MomentumCorrection)
 
 
 def test_one_dimensional_tensors_travel_dense_and_the_rest_sparse():

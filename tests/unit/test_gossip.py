@@ -257,12 +257,13 @@ def test_a_waiter_gives_up_on_a_blocked_call_and_goes_on_with_a_new_thread():
 
 def test_asynchronous_gossip_honours_min_workers():
     from distrain.algorithms.adpsgd import ADPSGD
+    from distrain.assemble import adpsgd_settings, survives
 
     config = TrainConfig.from_dict({"algorithm": "adpsgd", "workers": 4, "min_workers": 3})
-    assert ADPSGD.survives(config)
-    assert not ADPSGD.survives(TrainConfig.from_dict({"algorithm": "adpsgd", "workers": 4, "min_workers": 4}))
+    assert survives(config)
+    assert not survives(TrainConfig.from_dict({"algorithm": "adpsgd", "workers": 4, "min_workers": 4}))
     algo = ADPSGD.__new__(ADPSGD)
-    algo.config, algo.state = config, SharedModel(torch.zeros(2), rank=0, world=4)
+    algo.settings, algo.state = adpsgd_settings(config), SharedModel(torch.zeros(2), rank=0, world=4)
     algo.state.mark_lost(3)
     algo._check_members()  # three left: go on
     algo.state.mark_lost(1)

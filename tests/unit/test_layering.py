@@ -82,6 +82,18 @@ def test_lower_layers_import_no_loop_launcher_or_front_end():
     assert wrong == []
 
 
+def test_algorithms_import_no_config_not_even_for_its_type():
+    # An algorithm takes a settings dataclass; distrain.assemble alone turns flags into settings.
+    wrong = []
+    for name, path in MODULES.items():
+        if name.startswith("distrain.algorithms"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                           else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                wrong += [(name, m) for m in modules if m == "distrain.config"]
+    assert wrong == []
+
+
 def test_import_distrain_loads_no_optional_extra_and_no_algorithm():
     code = ("import sys, distrain\n"
             "heavy = [m for m in ('matplotlib', 'sklearn', 'mnist1d', 'yaml', 'torchft', 'distrain.algorithms') if m in sys.modules]\n"

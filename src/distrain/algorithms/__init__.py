@@ -1,4 +1,5 @@
-"""Training algorithms (one per file) and the name registry the CLI selects them from."""
+"""Training algorithms (one per file, each beside the settings dataclass it takes) and the name
+registry the CLI selects them from; :mod:`distrain.assemble` makes them from a run's flags."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from distrain.algorithms.diloco import DiLoCo
 from distrain.algorithms.dpsgd import DPSGD
 from distrain.algorithms.parameter_server import ParameterServer
 from distrain.algorithms.prague import Prague
-from distrain.errors import ConfigError
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     AllReduce.name: AllReduce,
@@ -23,13 +23,4 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 }
 
 
-def build_algorithm(name: str, config: object) -> Algorithm:
-    """Instantiate an algorithm by name; the error lists the valid names."""
-    try:
-        klass = ALGORITHMS[name]
-    except KeyError:
-        raise ConfigError("--algorithm", f"unknown algorithm {name!r}; choose one of: {', '.join(sorted(ALGORITHMS))}") from None
-    return klass(config)
-
-
-__all__ = ["ADPSGD", "ALGORITHMS", "Algorithm", "AllReduce", "D2", "DPSGD", "DiLoCo", "ParameterServer", "Prague", "StepContext", "build_algorithm"]
+__all__ = ["ADPSGD", "ALGORITHMS", "Algorithm", "AllReduce", "D2", "DPSGD", "DiLoCo", "ParameterServer", "Prague", "StepContext"]

@@ -49,6 +49,7 @@ import queue
 import random
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ from distrain.algorithms.gossip import (
     GOSSIP_BACKSTOP_S,
     AsyncGossip,
     GossipEngine,
+    GossipSettings,
     LeftBehind,
     PeerTimeout,
     SharedModel,
@@ -388,23 +390,27 @@ class PairwiseGossip(GossipEngine):
         return bool(self.state.lost)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ADPSGDSettings(GossipSettings):
+    """What AD-PSGD runs with: the gossip settings and its topology."""
+
+    #: who averages with whom: a bipartite topology (see :func:`bipartite_graph`)
+    topology: str
+
+
 class ADPSGD(AsyncGossip):
     """Asynchronous decentralized SGD (see the module docstring)."""
 
     name = "adpsgd"
-
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        super().check_config(config)
-        bipartite_graph(config.algo.topology, config.cluster.workers)
+    settings: ADPSGDSettings
 
     def build_engine(self, transport: Transport) -> PairwiseGossip:
-        g = self.config.gossip
-        self.graph = bipartite_graph(self.config.algo.topology, transport.world_size)  # under torchrun: WORLD_SIZE
+        g = self.settings
+        self.graph = bipartite_graph(g.topology, transport.world_size)  # under torchrun: WORLD_SIZE
         liveness = self.liveness(transport.world_size)
         group = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)  # see Waiter
         return PairwiseGossip(self.state, Transport(group, link_model=transport.link_model), self.graph,
-                              seed=self.config.run.seed, liveness=liveness, peer_timeout=g.peer_timeout)
+                              seed=g.run.seed, liveness=liveness, peer_timeout=g.peer_timeout)
 
     def close(self) -> None:
         if isinstance(self.engine, PairwiseGossip) and self.engine.waiter is not None:
@@ -413,9 +419,9 @@ class ADPSGD(AsyncGossip):
 
     def info(self) -> dict[str, Any]:
         if self.engine is None:
-            return {"budget": self.config.gossip.budget}
+            return {"budget": self.settings.budget}
         active, passive = bipartite_sets(self.graph)
-        return {"topology": self.graph.name, "active": active, "passive": passive, "budget": self.config.gossip.budget}
+        return {"topology": self.graph.name, "active": active, "passive": passive, "budget": self.settings.budget}
 
     def metrics(self) -> dict[str, float]:
         out = super().metrics()
@@ -424,4 +430,4 @@ class ADPSGD(AsyncGossip):
         return out
 
 
-__all__ = ["ADPSGD", "PairwiseGossip"]
+__all__ = ["ADPSGD", "ADPSGDSettings", "PairwiseGossip"]

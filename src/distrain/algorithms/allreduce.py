@@ -9,6 +9,8 @@ With ``--compress`` (other than ``none``) the gradients are averaged after backw
 :class:`~distrain.compress.gradients.GradientCompression`: flattened, compressed with error
 feedback, summed through the collective the compressor calls for (``--sparse-collective``), and
 dense during a density warm-up.
+
+It runs with :class:`AllReduceSettings`, which :mod:`distrain.assemble` makes from the flags.
 """
 
 from __future__ import annotations
@@ -18,12 +20,30 @@ from typing import Any
 
 import torch
 
-from distrain.algorithms.base import Algorithm, StepContext
+from distrain.algorithms.base import Algorithm, RunFacts, StepContext
 from distrain.algorithms.hierarchical import build_hierarchy
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.gradients import GradientCompression
+from distrain.compress.settings import CompressionSettings
 from distrain.runtime.faults import NonFinite, all_finite
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduceSettings:
+    """What all-reduce SGD runs with."""
+
+    #: gradient bucket size in MB, and the first bucket's (0: the same)
+    bucket_mb: float
+    first_bucket_mb: float
+    #: ``gloo`` (the backend's collective, started during backward) or ``own`` (our ring, after it)
+    ring: str
+    #: ranks per node for hierarchical aggregation (0: flat)
+    workers_per_node: int
+    #: a NaN or infinite gradient: ``stop`` the run, or ``skip`` this worker's share of the step
+    on_nonfinite: str
+    compression: CompressionSettings
+    run: RunFacts
 
 
 @dataclass
@@ -121,15 +141,23 @@ class AllReduce(Algorithm):
     #: When set (elastic runs), each bucket keeps a copy of this worker's own gradients as its
     #: all-reduce starts, so that a step interrupted by a lost peer can be redone without it.
     keep_local = False
+    settings: AllReduceSettings
+
+    def __init__(self, settings: AllReduceSettings) -> None:
+        super().__init__(settings, settings.compression)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
+        s = self.settings
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = self._make_buckets(self.params)
-        self.own_ring = self.config.algo.ring == "own"
+        self.own_ring = s.ring == "own"
         # --workers-per-node: sum inside nodes, then across node leaders (None: flat all-reduce)
-        self.hierarchy = build_hierarchy(self.config, transport) if transport.world_size > 1 else None
-        self.compression = (GradientCompression.from_config(self.config, self.params, optimizer, own_ring=self.own_ring)
+        self.hierarchy = (build_hierarchy(transport, s.workers_per_node, own_ring=self.own_ring,
+                                          compressed=s.compression.enabled, timeout=s.run.timeout)
+                          if transport.world_size > 1 else None)
+        self.compression = (GradientCompression.from_settings(s.compression, self.params, optimizer, seed=s.run.seed,
+                                                              own_ring=self.own_ring)
                             if transport.world_size > 1 else None)  # one worker has nothing to send
         if self.compression is not None:  # adaptive: the workers' delays travel in the dense all-reduce
             self.compression.policy = self.adaptive
@@ -146,8 +174,8 @@ class AllReduce(Algorithm):
         self._launched = 0  # buckets launched in the step in flight
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
-        algo = self.config.algo
-        return make_buckets(params, algo.bucket_mb * 2**20, algo.first_bucket_mb * 2**20 or None)
+        s = self.settings
+        return make_buckets(params, s.bucket_mb * 2**20, s.first_bucket_mb * 2**20 or None)
 
     def _register_hooks(self) -> None:
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -195,16 +223,17 @@ class AllReduce(Algorithm):
         if bucket.ready == len(bucket.params):
             bucket.gather_grads()
             if not all_finite(bucket.flat):  # a NaN is never averaged into a peer
-                if self.config.run.on_nonfinite != "skip":
+                if self.settings.on_nonfinite != "skip":
                     raise NonFinite("gradient")
                 bucket.flat.zero_()  # this worker's share of the bucket is dropped for this step
             self._launch(bucket)
 
     @classmethod
-    def survives(cls, config: Any) -> bool:
-        c = config.cluster
-        return (config.compress.compress == "none" and not config.algo.workers_per_node and c.device == "cpu"
-                and 1 < c.workers and c.min_workers < c.workers)
+    def survives(cls, settings: AllReduceSettings) -> bool:
+        """Flat, uncompressed all-reduce on the CPU, whose survivors redo the step (see :attr:`elastic`)."""
+        r = settings.run
+        return (settings.compression.spec == "none" and not settings.workers_per_node and r.device == "cpu"
+                and 1 < r.workers and r.min_workers < r.workers)
 
     @property
     def elastic(self) -> bool:

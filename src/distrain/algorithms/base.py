@@ -1,4 +1,5 @@
-"""The Algorithm interface: the hooks the worker loop calls around each step."""
+"""The Algorithm interface: the hooks the worker loop calls around each step, and the run's
+facts every algorithm's settings hold (:class:`RunFacts`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,25 @@ import torch
 from distrain.comm.transport import Transport
 from distrain.compress.adaptive import AdaptivePolicy
 from distrain.compress.registry import policy_from_spec
+from distrain.compress.settings import CompressionSettings
 from distrain.compress.warmup import DensityWarmup
-from distrain.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What an algorithm knows of the run it works in, apart from its own hyperparameters (made
+    by :mod:`distrain.assemble`, like the settings that hold it)."""
+
+    #: training workers (parameter servers not counted)
+    workers: int
+    #: elastic runs: the survivors of a lost worker go on while at least this many remain
+    min_workers: int
+    #: seconds any collective or wait for a peer may take
+    timeout: float
+    #: where the model is: ``cpu`` or ``cuda``
+    device: str
+    #: the run's seed, the same on every worker (compressors that draw, gossip partners)
+    seed: int
 
 
 @dataclass
@@ -73,7 +91,9 @@ class FlatParams:
 
 
 class Algorithm:
-    """One instance per worker; composes the Transport (and later a Compressor).
+    """One instance per worker; composes the Transport (and later a Compressor). It takes its own
+    settings dataclass (``settings``), never the run's whole configuration: :mod:`distrain.assemble`
+    makes the settings from the flags.
 
     The loop calls, per step: backward, ``after_backward`` (gradient aggregation),
     ``apply_update`` (the optimizer step, unless a server owns it), ``after_update`` (model
@@ -129,37 +149,22 @@ class Algorithm:
     lost_servers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
 
     @classmethod
-    def survives(cls, config: Any) -> bool:
-        """Whether a run with ``config`` goes on when a worker is lost (launchers then keep the
-        others running)."""
+    def survives(cls, settings: Any) -> bool:
+        """Whether a run whose algorithm has ``settings`` goes on when a worker is lost (launchers
+        then keep the others running)."""
         return cls.survives_lost_workers
 
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        """Refuse settings this algorithm cannot honour (ConfigError), before any worker starts.
-
-        Subclasses call ``super().check_config(config)`` first: this refuses ``--compress`` for
-        algorithms that would ignore it.
-        """
-        spec = config.compress.compress.strip()
-        if not cls.compresses and spec != "none":
-            raise ConfigError("--compress", f"{cls.name} does not compress its traffic; use --compress none, "
-                                            f"or --algorithm allreduce or ps to train with {spec}")
-
-    @classmethod
-    def require_peers(cls, config: Any) -> None:
-        """Decentralized algorithms have nobody to average with on one worker."""
-        if config.cluster.workers < 2:
-            raise ConfigError("--workers", f"{cls.name} is decentralized and needs at least 2 workers, got "
-                              f"{config.cluster.workers}; use --algorithm allreduce for one worker")
-
-    def __init__(self, config: Any) -> None:
-        self.config = config
-        compress = getattr(config, "compress", None)
+    def __init__(self, settings: Any, compression: CompressionSettings | None = None) -> None:
+        """``settings``: the algorithm's own settings dataclass (see :mod:`distrain.assemble`);
+        ``compression``: its compression settings, for an algorithm that compresses."""
+        self.settings = settings
         #: the adaptive compression policy (``--compress adaptive:...``), else None
-        self.adaptive: AdaptivePolicy | None = (policy_from_spec(compress.compress)
-                                                if self.compresses and compress is not None else None)
+        self.adaptive: AdaptivePolicy | None = None
         self._density: DensityWarmup | None = None  # the adaptive policy's warm-up schedule
+        if self.compresses and compression is not None:
+            self.adaptive = policy_from_spec(compression.spec)
+            if self.adaptive is not None:
+                self._density = compression.warmup(self.adaptive.settings.base)
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.transport: Transport | None = None
@@ -178,10 +183,8 @@ class Algorithm:
         all-reduce, whose workers must agree. Ignored during the dense warm-up and by compressors
         without a ratio.
         """
-        if self.adaptive is None:
+        if self.adaptive is None or self._density is None:  # both or neither
             return None
-        if self._density is None:
-            self._density = DensityWarmup(self.adaptive.settings.base, *self.config.compress.density_schedule())
         epochs_done = ctx.epoch * ctx.step / (ctx.step + 1)  # ctx.epoch counts the step being finished
         base = self._density.ratio(epochs_done)
         return self.adaptive.choose(ctx.per_sample_losses, self.transport, base=base, compute_seconds=ctx.compute_seconds)

@@ -48,6 +48,8 @@ model's device. The evaluated model (:meth:`DiLoCo.eval_model`) holds the shared
 last step of a run, and :meth:`DiLoCo.end` after a stop between syncs, sync whatever has moved
 since its last sync and apply every pending exchange, so the final model includes every step.
 
+It runs with :class:`DiLoCoSettings`, which :mod:`distrain.assemble` makes from the flags.
+
 Example::
 
     distrain train --algorithm diloco --sync-every 32 --outer-lr 0.7 --outer-momentum 0.9
@@ -66,12 +68,11 @@ from typing import Any
 
 import torch
 
-from distrain.algorithms.base import Algorithm, StepContext, copy_module
+from distrain.algorithms.base import Algorithm, RunFacts, StepContext, copy_module
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo
 from distrain.compress.collective import allreduce_compressed
-from distrain.compress.registry import build_compressor
-from distrain.errors import ConfigError
+from distrain.compress.settings import CompressionSettings
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,31 @@ def fragment_bounds(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoSettings:
+    """What DiLoCo runs with."""
+
+    #: inner steps between syncs (H), or :data:`AUTO`: H follows the measured step and sync times
+    sync_every: int | str
+    #: with :data:`AUTO`: the share of compute time syncing may cost, and the bounds of H (the
+    #: first period's H is the smallest)
+    comm_overhead: float
+    sync_every_min: int
+    sync_every_max: int
+    #: the optimizer of the shared parameters: ``nesterov`` or ``sgd``; its learning rate and momentum
+    outer_optimizer: str
+    outer_lr: float
+    outer_momentum: float
+    #: streaming: fragments synced each at its own step of the period, inner steps their exchange
+    #: overlaps, and the synced fragment's weight when merged after an overlap
+    fragments: int
+    overlap_steps: int
+    merge_weight: float
+    #: how the pseudo-gradient is compressed (``none``: sent dense)
+    compression: CompressionSettings
+    run: RunFacts
+
+
 @dataclass
 class _Pending:
     """A fragment's exchange in flight: applied at inner step ``due``."""
@@ -129,51 +155,35 @@ class DiLoCo(Algorithm):
     # are local), and a worker that joins enters at a round's end.
     redo_needs_gradients = False
     redo_when_behind = True
+    settings: DiLoCoSettings
 
     @classmethod
-    def survives(cls, config: Any) -> bool:
-        o, c = config.outer, config.cluster
-        return (o.fragments == 1 and o.overlap_steps == 0 and o.sync_every != AUTO and config.compress.compress == "none"
-                and c.device == "cpu" and 1 < c.workers and c.min_workers < c.workers)
+    def survives(cls, settings: DiLoCoSettings) -> bool:
+        s, r = settings, settings.run
+        return (s.fragments == 1 and s.overlap_steps == 0 and s.sync_every != AUTO and s.compression.spec == "none"
+                and r.device == "cpu" and 1 < r.workers and r.min_workers < r.workers)
 
     @property
     def elastic(self) -> bool:
         return self.compressor is None and len(self.bounds) == 1 and self.overlap == 0 and not self.auto
 
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        super().check_config(config)
-        o = config.outer
-        if o.sync_every == AUTO:
-            if o.overlap_steps >= o.sync_every_min:
-                raise ConfigError("--overlap-steps", f"must be less than --sync-every-min ({o.sync_every_min}) with "
-                                                     f"--sync-every auto, got {o.overlap_steps}")
-            return
-        if o.fragments > o.sync_every:
-            raise ConfigError("--fragments", f"must be at most --sync-every ({o.sync_every}): each fragment syncs at "
-                                             f"its own step of the period, got {o.fragments}")
-        if o.overlap_steps >= o.sync_every // o.fragments:
-            raise ConfigError("--overlap-steps", f"must be less than --sync-every / --fragments "
-                                                 f"({o.sync_every // o.fragments}), the steps between two syncs, "
-                                                 f"got {o.overlap_steps}")
-
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        outer = config.outer
+    def __init__(self, settings: DiLoCoSettings) -> None:
+        super().__init__(settings, settings.compression)
+        s = settings
         #: ``--sync-every auto``: H follows the measured step and sync times (see :meth:`_next_period`)
-        self.auto = outer.sync_every == AUTO
-        self.sync_every = int(outer.sync_every_min) if self.auto else int(outer.sync_every)
-        self.comm_overhead = float(outer.comm_overhead)
-        self.h_min, self.h_max = int(outer.sync_every_min), int(outer.sync_every_max)
+        self.auto = s.sync_every == AUTO
+        self.sync_every = int(s.sync_every_min) if self.auto else int(s.sync_every)
+        self.comm_overhead = float(s.comm_overhead)
+        self.h_min, self.h_max = int(s.sync_every_min), int(s.sync_every_max)
         self.next_sync = self.sync_every  # auto: the inner step of the next sync
         self._sync_seconds: float | None = None  # how long the last completed exchange took
         self._step_seconds: float | None = None  # compute seconds per inner step of the last period
         self._recorded_at_sync = 0  # transport.stats.recorded when the pending exchange started
         self._proposed: int | None = None  # this worker's proposal for H at the last sync
-        self.nesterov = outer.outer_optimizer == "nesterov"
-        self.outer_lr, self.outer_momentum = float(outer.outer_lr), float(outer.outer_momentum)
-        self.fragments_wanted, self.overlap = int(outer.fragments), int(outer.overlap_steps)
-        self.merge_weight = float(outer.merge_weight) if self.overlap else 1.0
+        self.nesterov = s.outer_optimizer == "nesterov"
+        self.outer_lr, self.outer_momentum = float(s.outer_lr), float(s.outer_momentum)
+        self.fragments_wanted, self.overlap = int(s.fragments), int(s.overlap_steps)
+        self.merge_weight = float(s.merge_weight) if self.overlap else 1.0
         self.inner_steps = 0  # inner steps taken since the run started
         self.outer_steps = 0  # fragment syncs applied
         self.total_steps: int | None = None
@@ -199,12 +209,9 @@ class DiLoCo(Algorithm):
         #: the outer optimizer's momentum (CPU); a fragment's part is set at its first outer step
         self.buffer = torch.zeros_like(self.shared)
         self.has_buffer = [False] * count
-        c = self.config.compress
-        spec = c.compress.strip()
+        c = self.settings.compression
         #: the pseudo-gradient's compressor (with error feedback when lossy and asked for), or None
-        self.compressor = (None if spec == "none" else
-                           build_compressor(spec, error_feedback=c.error_feedback == "on", seed=self.config.run.seed,
-                                            residual_device="cpu"))
+        self.compressor = c.compressor(self.settings.run.seed, residual_device="cpu") if c.enabled else None
 
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
@@ -283,7 +290,7 @@ class DiLoCo(Algorithm):
             info = CompressInfo(step=self.inner_steps, key=fragment, ratio=self._round_ratio(fragment),
                                 worker=self.transport.rank)
             delta = allreduce_compressed(self.transport, self.compressor, delta, info,
-                                         sparse_collective=self.config.compress.sparse_collective)
+                                         sparse_collective=self.settings.compression.sparse_collective)
         self._pending.append(_Pending(fragment, self.inner_steps + self.overlap, delta, handle))
         self.synced_at[fragment] = self.inner_steps
         self._compute_since_sync = 0.0

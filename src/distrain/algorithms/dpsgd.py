@@ -41,6 +41,8 @@ evaluation points) is what gets evaluated; ``consensus_distance`` in metrics.jso
 over workers of ``||x_i - x_avg||^2`` at those points. The spectral gap of ``W`` is written to
 config.json (``algorithm_info``).
 
+D-PSGD and D2 run with :class:`DPSGDSettings`, which :mod:`distrain.assemble` makes from the flags.
+
 Example::
 
     distrain train --algorithm dpsgd --topology ring
@@ -50,11 +52,12 @@ Example::
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from distrain.algorithms.base import Algorithm, FlatParams, StepContext, copy_module
+from distrain.algorithms.base import Algorithm, FlatParams, RunFacts, StepContext, copy_module
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import ConfigError
 from distrain.topology import (
@@ -69,6 +72,19 @@ from distrain.topology import (
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True)
+class DPSGDSettings:
+    """What D-PSGD and D2 run with."""
+
+    #: who exchanges models with whom (a name of :data:`~distrain.topology.TOPOLOGIES`)
+    topology: str
+    #: the gossip weights (a name of :data:`~distrain.topology.MIXINGS`)
+    mixing: str
+    #: D-PSGD: ``cta`` (exchange overlapping forward and backward) or ``atc`` (after the update); D2 is atc
+    gossip_order: str
+    run: RunFacts
+
+
 class DPSGD(Algorithm):
     """Decentralized parallel SGD over a fixed topology (see the module docstring)."""
 
@@ -78,22 +94,16 @@ class DPSGD(Algorithm):
     elastic = True
     realigns = True
     redo_needs_gradients = False
+    settings: DPSGDSettings
 
     @classmethod
-    def survives(cls, config: Any) -> bool:
-        c = config.cluster
-        return c.device == "cpu" and 1 < c.workers and c.min_workers < c.workers
-
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        """The topology must exist and be connected for ``--workers``, the weights fit it."""
-        super().check_config(config)
-        cls.require_peers(config)
-        mixing_matrix(build_topology(config.algo.topology, config.cluster.workers), config.algo.mixing)
+    def survives(cls, settings: DPSGDSettings) -> bool:
+        r = settings.run
+        return r.device == "cpu" and 1 < r.workers and r.min_workers < r.workers
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
-        a = self.config.algo
+        a = self.settings
         rank = transport.rank
         self.graph: Graph = self._topology(a.topology, transport.world_size)
         self.W = self.mixing_weights(mixing_matrix(self.graph, a.mixing))
@@ -120,7 +130,7 @@ class DPSGD(Algorithm):
         try:
             return build_topology(name, n)
         except ConfigError:
-            if n == self.config.cluster.workers:
+            if n == self.settings.run.workers:
                 raise
             log.warning("%s: the %s topology cannot be built for %d workers; gossiping over a ring", self.name, name, n)
             return build_topology("ring", n)
@@ -131,7 +141,7 @@ class DPSGD(Algorithm):
         return W
 
     def gossip_order(self) -> str:
-        return self.config.algo.gossip_order
+        return self.settings.gossip_order
 
     # -- exchange with neighbours ---------------------------------------------------------------
 
@@ -256,7 +266,7 @@ class DPSGD(Algorithm):
 
     def info(self) -> dict[str, Any]:
         lam = eigenvalues(self.W)
-        return {"topology": self.graph.name, "mixing": self.config.algo.mixing, "gossip_order": self.order,
+        return {"topology": self.graph.name, "mixing": self.settings.mixing, "gossip_order": self.order,
                 "spectral_gap": spectral_gap(self.W), "lambda_min": float(lam[-1]) if len(lam) > 1 else 1.0,
                 "degrees": self.graph.degrees}
 
@@ -273,4 +283,4 @@ def consensus_distance(models: list[torch.Tensor]) -> float:
     return float((stacked - stacked.mean(0)).pow(2).sum(1).mean())
 
 
-__all__ = ["DPSGD", "consensus_distance"]
+__all__ = ["DPSGD", "DPSGDSettings", "consensus_distance"]

@@ -23,7 +23,9 @@ consensus model as it was at that time) and rank 0 evaluates them, which gives a
 time without pausing anyone during the run (:meth:`AsyncGossip.consensus_history`).
 
 :class:`AsyncGossip` is the Algorithm the loop sees; AD-PSGD (``adpsgd.py``) and Prague
-(``prague.py``) supply its communication engine.
+(``prague.py``) supply its communication engine. It runs with :class:`GossipSettings`, to which
+each adds its own (``ADPSGDSettings``, ``PragueSettings``); :mod:`distrain.assemble` makes them
+from the flags.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrain.algorithms.base import Algorithm, FlatParams, StepContext, copy_module
+from distrain.algorithms.base import Algorithm, FlatParams, RunFacts, StepContext, copy_module
 from distrain.comm.transport import Transport, blocked
-from distrain.errors import ConfigError, WorkerFailure
+from distrain.errors import WorkerFailure
 from distrain.runtime.health import Liveness
 from distrain.runtime.membership import LeftOut
 
@@ -60,6 +62,23 @@ class LeftBehind(LeftOut):
 
     def __init__(self, rank: int) -> None:
         super().__init__(f"worker {rank} was silent past --peer-timeout and its peers went on without it; leaving")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GossipSettings:
+    """What an asynchronous gossip algorithm runs with."""
+
+    #: when a worker stops: ``global``, ``local`` or ``time`` (see :class:`Budget`)
+    budget: str
+    #: seconds each worker trains with the ``time`` budget
+    time_budget: float
+    #: steps a worker may take since its last averaging before it waits for the next (0: no bound)
+    max_lag: int
+    #: seconds a gossip exchange or a wait for a group may take
+    peer_timeout: float
+    #: seconds between copies of every worker's model (the consensus over time)
+    snapshot_every: float
+    run: RunFacts
 
 
 # -- the shared model ------------------------------------------------------------------------
@@ -453,35 +472,28 @@ class AsyncGossip(Algorithm):
     replicated = False
     synchronous = False
     survives_lost_workers = True  # the others drop a lost worker and finish (see the engines)
+    settings: GossipSettings
 
     @classmethod
-    def survives(cls, config: Any) -> bool:
+    def survives(cls, settings: GossipSettings) -> bool:
         """The others go on without a lost worker unless ``--min-workers`` equals ``--workers``."""
-        return config.cluster.min_workers < config.cluster.workers
+        return settings.run.min_workers < settings.run.workers
 
     def liveness(self, world: int) -> Liveness | None:
         """Where the engine declares and looks up lost workers; None (a lost worker stops the run,
         as in a synchronous algorithm) with ``--min-workers`` equal to ``--workers``."""
-        return Liveness.from_env(world) if self.survives(self.config) else None
+        return Liveness.from_env(world) if self.survives(self.settings) else None
 
     def _check_members(self) -> None:
         """Stop with one line once fewer than ``--min-workers`` workers are left."""
-        lost, floor = self.state.lost, self.config.cluster.min_workers
+        lost, floor = self.state.lost, self.settings.run.min_workers
         if lost and self.state.world - len(lost) < floor:
             raise WorkerFailure(f"worker {self.state.rank}: lost workers {sorted(lost)}; {self.state.world - len(lost)} "
                                 f"left, fewer than --min-workers {floor}")
 
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        super().check_config(config)
-        cls.require_peers(config)
-        if config.run.resume not in ("none", ""):
-            raise ConfigError("--resume", f"{cls.name} is asynchronous (exchanges are in flight at any moment); "
-                                          "it cannot resume from a checkpoint: use --resume none")
-
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
-        g = self.config.gossip
+        g = self.settings
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.flat = FlatParams(self.params)  # the module's parameters in and out of the flat CPU vector
@@ -509,7 +521,7 @@ class AsyncGossip(Algorithm):
     # -- the loop's hooks --
 
     def start(self, total_steps: int, steps_per_epoch: int) -> None:
-        g = self.config.gossip
+        g = self.settings
         self.steps_per_epoch = steps_per_epoch
         self.budget = Budget(g.budget, total_steps, self.state.world, g.time_budget)
         self.flat.read(self.state.x)  # after any change to the module since setup
@@ -529,12 +541,12 @@ class AsyncGossip(Algorithm):
         self.optimizer.step()  # on the copy read before the step; outside the lock
         delta = self.flat.read(self.new_copy).sub_(self.read_copy)
         self.state.apply_step(delta, self.read_copy)  # x += delta, atomically with any averaging
-        if self.engine is not None and self.config.gossip.max_lag > 0:
+        g = self.settings
+        if self.engine is not None and g.max_lag > 0:
             engine = self.engine
-            if not self.state.wait_for_averaging(self.config.gossip.max_lag, self.config.gossip.peer_timeout,
-                                                 lambda: engine.error is not None):
+            if not self.state.wait_for_averaging(g.max_lag, g.peer_timeout, lambda: engine.error is not None):
                 log.warning("worker %d: no averaging for %.0f s (--max-lag %d); going on alone",
-                            self.state.rank, self.config.gossip.peer_timeout, self.config.gossip.max_lag)
+                            self.state.rank, g.peer_timeout, g.max_lag)
             engine.check()
             self.state.read(out=self.read_copy)  # averagings that landed while waiting
         self.flat.write(self.read_copy)
@@ -598,7 +610,7 @@ class AsyncGossip(Algorithm):
         survivors = [r for r in range(self.state.world) if r not in self.lost_workers]
         log.warning("worker %d: the consensus is over workers %s (lost: %s)", self.transport.rank, survivors,
                     sorted(self.lost_workers))
-        group = dist.new_group(survivors, backend="gloo", timeout=timedelta(seconds=self.config.gossip.peer_timeout),
+        group = dist.new_group(survivors, backend="gloo", timeout=timedelta(seconds=self.settings.peer_timeout),
                                use_local_synchronization=True)
         return Transport(group)
 
@@ -683,5 +695,5 @@ class AsyncGossip(Algorithm):
             self.engine.close()
 
 
-__all__ = ["BUDGETS", "GOSSIP_BACKSTOP_S", "AsyncGossip", "Budget", "GossipEngine", "Job", "LeftBehind", "PeerTimeout", "SharedModel",
+__all__ = ["BUDGETS", "GOSSIP_BACKSTOP_S", "AsyncGossip", "Budget", "GossipEngine", "GossipSettings", "Job", "LeftBehind", "PeerTimeout", "SharedModel",
            "Snapshots", "Waiter", "gossip_group"]

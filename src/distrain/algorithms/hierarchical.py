@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -150,16 +149,18 @@ class HierarchicalAllReduce:
         self.nodes.close()
 
 
-def build_hierarchy(config: Any, transport: Transport) -> HierarchicalAllReduce | None:
-    """The hierarchical sum for ``--workers-per-node K`` (K >= 1), or None for a flat all-reduce."""
-    k = config.algo.workers_per_node
+def build_hierarchy(transport: Transport, workers_per_node: int, *, own_ring: bool, compressed: bool,
+                    timeout: float) -> HierarchicalAllReduce | None:
+    """The hierarchical sum for ``--workers-per-node K`` (K >= 1), or None for a flat all-reduce
+    (K = 0); ConfigError with our own ring (``own_ring``) or compressed gradients (``compressed``)."""
+    k = workers_per_node
     if not k:
         return None
-    if config.algo.ring == "own":
+    if own_ring:
         raise ConfigError("--workers-per-node", "hierarchical aggregation uses the backend's collectives; "
                                                 "drop --ring own")
-    if config.compress.compress.strip() != "none":
+    if compressed:
         raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
     if k >= transport.world_size:
         log.info("--workers-per-node %d >= %d workers: one node, no inter-node traffic", k, transport.world_size)
-    return HierarchicalAllReduce(NodeGroups(transport, k, timeout=config.cluster.timeout))
+    return HierarchicalAllReduce(NodeGroups(transport, k, timeout=timeout))

@@ -85,6 +85,10 @@ The servers step the workers' optimizer on their shards: the same class and hype
 parameters), at the learning rate each push carries, so a scheduler attached to the workers'
 optimizer drives the servers too.
 
+Workers run with :class:`PSSettings`, servers with :class:`ServerSettings` (the same and what
+only a server uses); :mod:`distrain.assemble` makes them from the flags and starts a server
+(``distrain.assemble.serve``).
+
 Example::
 
     distrain train --algorithm ps --servers 2 --ps-mode async --max-staleness 2
@@ -100,13 +104,14 @@ import logging
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from distrain.algorithms.base import Algorithm, StepContext
+from distrain.algorithms.base import Algorithm, RunFacts, StepContext
 from distrain.algorithms.hierarchical import NodeGroups, node_process_groups
 from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Handle, Transport
@@ -115,16 +120,16 @@ from distrain.compress.gradients import sgd_momentum, take_momentum
 from distrain.compress.momentum_correction import MomentumCorrection
 from distrain.compress.pushes import PushDecoder, ShardPush, send_message
 from distrain.compress.registry import build_compressor
-from distrain.compress.warmup import DensityWarmup
+from distrain.compress.settings import CompressionSettings
 from distrain.errors import ConfigError, WorkerFailure
-from distrain.optim.optimizers import LARS, build_optimizer
+from distrain.optim.optimizers import LARS
 from distrain.runtime.faults import FaultWatch, is_comm_error, maybe_injected_kill, store_client
 from distrain.runtime.health import DEAD_KEY, declare_dead, declared_dead, finishers
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
 
-if TYPE_CHECKING:  # the settings' type only: config imports the algorithms to check them
-    from distrain.config import TrainConfig
+if TYPE_CHECKING:
+    from distrain.emulation import Emulation
 
 log = logging.getLogger(__name__)
 
@@ -238,19 +243,19 @@ def check_start_header(values: list[int], pushers: int, memory: int | None) -> t
     return numel, total_steps, steps_per_epoch
 
 
-def momentum_corrected(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> bool:
+def momentum_corrected(compression: CompressionSettings, optimizer: torch.optim.Optimizer) -> bool:
     """Whether workers apply momentum and weight decay before compressing their pushes
     (momentum correction), so that the servers step plain SGD.
 
     True for a sparsifying ``--compress`` with error feedback, ``--momentum-correction on`` and
     an SGD optimizer with momentum (see :func:`~distrain.compress.gradients.sgd_momentum`).
     """
-    c = cfg.compress
-    if c.compress.strip() == "none" or c.momentum_correction != "on" or c.error_feedback != "on":
+    c = compression
+    if not c.enabled or not c.momentum_correction or not c.error_feedback:
         return False
     if sgd_momentum(optimizer) is None:
         return False
-    return build_compressor(c.compress, error_feedback=False).ratio is not None
+    return build_compressor(c.spec, error_feedback=False).ratio is not None
 
 
 def server_optimizer(like: torch.optim.Optimizer, shard: torch.nn.Parameter, *, asynchronous: bool, pushers: int,
@@ -442,11 +447,42 @@ def merged_optimizer(old: torch.optim.Optimizer, old_param: torch.nn.Parameter, 
     return param, merged
 
 
-def elastic_servers(cfg: TrainConfig) -> bool:
+@dataclass(frozen=True, kw_only=True)
+class PSSettings:
+    """What a parameter-server worker runs with (and a server: see :class:`ServerSettings`)."""
+
+    #: server processes besides the workers, each owning one shard
+    servers: int
+    #: ``sync`` (each step waits for all workers) or ``async`` (pushes applied as they arrive)
+    ps_mode: str
+    #: ranks per node: only each node's first worker talks to the servers (0: every worker)
+    workers_per_node: int
+    #: how the pushes are compressed (``none``: sent dense)
+    compression: CompressionSettings
+    run: RunFacts
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings(PSSettings):
+    """What a server runs with: the workers' settings, and what only a server uses."""
+
+    #: async: how many pushes a worker may run ahead of the slowest (0: lockstep)
+    max_staleness: int
+    #: save a checkpoint every this many steps (0: only at the end)
+    checkpoint_every: int
+    #: the model's name, recorded in the checkpoints
+    model: str
+    #: the checkpoint to continue from (``auto``, ``none`` or a step directory), and the run's
+    #: length in epochs (a run already finished leaves at once)
+    resume: str
+    epochs: float
+
+
+def elastic_servers(settings: PSSettings) -> bool:
     """Whether the servers go on without a lost worker (see the module docstring)."""
-    c = cfg.cluster
-    return (cfg.ps.ps_mode == "sync" and not cfg.algo.workers_per_node and c.device == "cpu" and 1 < c.workers
-            and c.min_workers < c.workers and "TORCHELASTIC_RUN_ID" not in os.environ)
+    r = settings.run
+    return (settings.ps_mode == "sync" and not settings.workers_per_node and r.device == "cpu" and 1 < r.workers
+            and r.min_workers < r.workers and "TORCHELASTIC_RUN_ID" not in os.environ)
 
 
 def survivors_transport(store: dist.Store | None, rank: int, world: int,
@@ -474,28 +510,20 @@ class ParameterServer(Algorithm):
     name = "ps"
     compresses = True
     rescales_lr = False  # the servers divide the survivors' gradients by --workers: already scaled
+    settings: PSSettings
+
+    def __init__(self, settings: PSSettings) -> None:
+        super().__init__(settings, settings.compression)
 
     @classmethod
-    def survives(cls, config: Any) -> bool:
-        return elastic_servers(config)
-
-    @classmethod
-    def check_config(cls, cfg: TrainConfig) -> None:
-        super().check_config(cfg)
-        if cfg.cluster.max_restarts:
-            raise ConfigError("--max-restarts", "ps does not start a lost worker again (with --ps-mode sync the servers "
-                                                "go on without it); use 0")
-        if cfg.optim.optimizer == "lars":
-            raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
-        if cfg.ps.ps_mode == "async" and cfg.run.resume not in ("none", ""):
-            raise ConfigError("--resume", "resuming is supported for --ps-mode sync only")
-        if cfg.algo.workers_per_node and cfg.compress.compress.strip() != "none":
-            raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
+    def survives(cls, settings: PSSettings) -> bool:
+        return elastic_servers(settings)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
-        self.num_workers = self.config.cluster.workers
-        self.servers = [self.num_workers + s for s in range(self.config.ps.servers)]
+        settings = self.settings
+        self.num_workers = settings.run.workers
+        self.servers = [self.num_workers + s for s in range(settings.servers)]
         self.params = [p for p in model.parameters() if p.requires_grad]
         # The wire and the servers' shards are float32 on the CPU, whatever the model's type and
         # device (a model on the GPU: pinned copies, one transfer each way a step).
@@ -518,26 +546,25 @@ class ParameterServer(Algorithm):
         self._store: Any = None  # the rendezvous store, to read which workers the servers lost
         self._known_lost: set[int] = set()
         self._lost_checked = time.monotonic()
-        c = self.config.compress
+        c = settings.compression
         self.push: ShardPush | None = None
         self.ratio, self.momentum, self.weight_decay = 1.0, 0.0, 0.0
-        if c.compress.strip() != "none":
-            compressor = build_compressor(c.compress, error_feedback=c.error_feedback == "on", seed=self.config.run.seed)
-            if momentum_corrected(self.config, optimizer):  # the servers step plain SGD
+        if c.enabled:
+            compressor = c.compressor(settings.run.seed)
+            if momentum_corrected(c, optimizer):  # the servers step plain SGD
                 self.momentum, self.weight_decay = take_momentum(optimizer)
                 compressor = MomentumCorrection(compressor.inner, self.momentum)
             self.push = ShardPush(compressor)
-            self.density = DensityWarmup(compressor.ratio, *c.density_schedule())
+            self.density = c.warmup(compressor.ratio)
         #: the others take over a lost server's ranges (elastic, uncompressed, two servers or more);
         #: pulls then land in a second buffer, so a failed one leaves the last parameters whole
-        self.takes_over = elastic_servers(self.config) and self.push is None and len(self.servers) > 1
+        self.takes_over = elastic_servers(settings) and self.push is None and len(self.servers) > 1
         self._spare = self.flat.clone() if self.takes_over else None
         self._started = False  # worker 0 started the servers (start())
         self._loaded_servers: list[dict[str, Any]] | None = None  # load_server_state(): sent at the start
         # --workers-per-node: sum inside the node; only its leader talks to the servers
-        k = self.config.algo.workers_per_node
-        self.nodes = (NodeGroups(transport, k, timeout=self.config.cluster.timeout, workers=self.num_workers)
-                      if k else None)
+        k = settings.workers_per_node
+        self.nodes = NodeGroups(transport, k, timeout=settings.run.timeout, workers=self.num_workers) if k else None
         self.pushes = self.nodes is None or self.nodes.is_leader
 
     def _push_info(self, ctx: StepContext) -> tuple[CompressInfo, bool]:
@@ -698,7 +725,7 @@ class ParameterServer(Algorithm):
         parameters. No step is lost or applied twice."""
         store = self._store_client()
         rank = self.servers[s]
-        deadline = time.monotonic() + self.config.cluster.timeout
+        deadline = time.monotonic() + self.settings.run.timeout
         while store is None or not declared_dead(store, rank):  # the launcher declares an exited process dead
             if store is None or time.monotonic() > deadline:
                 raise exc
@@ -735,7 +762,7 @@ class ParameterServer(Algorithm):
         (the first live one)."""
         me = self.transport.rank
         store.set(TAKEOVER_KEY.format(s, me), str(self.clock))
-        deadline = time.monotonic() + self.config.cluster.timeout
+        deadline = time.monotonic() + self.settings.run.timeout
         while True:
             live = [w for w in range(self.num_workers) if not declared_dead(store, w)]
             seen = {w: int(store.get(TAKEOVER_KEY.format(s, w)).decode()) for w in live
@@ -766,13 +793,13 @@ class ParameterServer(Algorithm):
     def control_transport(self) -> StoreGroup | None:  # type: ignore[override]
         """Once this worker's training has ended, in an elastic run: the processes that finished,
         when some workers were lost (they register as finished; see :func:`survivors_transport`)."""
-        if not self._ended or not elastic_servers(self.config):
+        if not self._ended or not elastic_servers(self.settings):
             return None
         if not self._settled:
             assert self.transport is not None
             self._settled = True
             self._control, lost = survivors_transport(self._store_client(), dist.get_rank(), dist.get_world_size(),
-                                                      self.config.cluster.timeout)
+                                                      self.settings.run.timeout)
             self.lost_workers = {r: t for r, t in lost.items() if r < self.num_workers}
             self.lost_servers = {r - self.num_workers: t for r, t in lost.items() if r >= self.num_workers}
         return self._control
@@ -781,7 +808,7 @@ class ParameterServer(Algorithm):
         """Workers the servers declared dead since the last call (elastic runs), so that the loop
         spreads their data over the survivors."""
         now = time.monotonic()
-        if not elastic_servers(self.config) or (not force and now - self._lost_checked < LOST_CHECK_S):
+        if not elastic_servers(self.settings) or (not force and now - self._lost_checked < LOST_CHECK_S):
             return {}
         self._lost_checked = now
         store = self._store_client()
@@ -794,7 +821,7 @@ class ParameterServer(Algorithm):
 
     def leads(self, transport: Transport) -> bool:
         """In an elastic run, while training: the first worker the servers have not lost."""
-        if self._ended or not elastic_servers(self.config):
+        if self._ended or not elastic_servers(self.settings):
             return super().leads(transport)
         store = self._store_client()
         live = [r for r in range(self.num_workers) if not declared_dead(store, r)]
@@ -803,7 +830,7 @@ class ParameterServer(Algorithm):
     def _store_client(self) -> Any:
         """The rendezvous store (a client made on first use; None without one)."""
         if self._store is None:
-            self._store = store_client(self.config.cluster.timeout)
+            self._store = store_client(self.settings.run.timeout)
         return self._store
 
     def metrics(self) -> dict[str, float]:
@@ -832,7 +859,7 @@ class ShardServer:
     """One server process: owns a shard of the parameters and its optimizer state.
 
     Args:
-        cfg: the run's settings (workers, servers, mode, compression).
+        settings: what the server runs with (workers, servers, mode, compression, checkpoints).
         transport: this server's transport over the world.
         run_dir: where it saves its checkpoints; None: it saves none (``wrap()``, whose user
             saves the workers' state).
@@ -840,14 +867,14 @@ class ShardServer:
             with (:func:`server_optimizer`).
     """
 
-    def __init__(self, cfg: TrainConfig, transport: Transport, run_dir: str | Path | None,
+    def __init__(self, settings: ServerSettings, transport: Transport, run_dir: str | Path | None,
                  like: torch.optim.Optimizer) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.transport = transport
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.num_workers = cfg.cluster.workers
+        self.num_workers = settings.run.workers
         self.index = transport.rank - self.num_workers
-        k = cfg.algo.workers_per_node  # hierarchical: only node leaders push, each its node's sum
+        k = settings.workers_per_node  # hierarchical: only node leaders push, each its node's sum
         self.pushers = NodeMap(self.num_workers, k).leaders if k else list(range(self.num_workers))
         self.lost_pushers: list[int] = []  # workers lost during the run (elastic runs)
         header = torch.zeros(HEADER, dtype=torch.int64)
@@ -862,13 +889,13 @@ class ShardServer:
         follows = torch.zeros(1, dtype=torch.int64)
         transport.recv(follows, 0).wait()  # 1: worker 0 sends the optimizer state to resume from
         loaded = recv_state(transport, 0) if int(follows) == 1 else None
-        pushes, asynchronous = len(self.pushers), cfg.ps.ps_mode == "async"
+        pushes, asynchronous = len(self.pushers), settings.ps_mode == "async"
         self.optimizer, self.lr_factor = server_optimizer(
-            like, self.shard, asynchronous=asynchronous, pushers=pushes, max_staleness=cfg.ps.max_staleness,
-            corrected=momentum_corrected(cfg, like))
+            like, self.shard, asynchronous=asynchronous, pushers=pushes, max_staleness=settings.max_staleness,
+            corrected=momentum_corrected(settings.compression, like))
         if isinstance(self.optimizer, RoundMomentumSGD) and self.optimizer.momentum != like.param_groups[0]["momentum"]:
             log.info("server %d: momentum %g lowered to %.3g for %d pushers out of step (--max-staleness %d)",
-                     self.index, like.param_groups[0]["momentum"], self.optimizer.momentum, pushes, cfg.ps.max_staleness)
+                     self.index, like.param_groups[0]["momentum"], self.optimizer.momentum, pushes, settings.max_staleness)
         self.shard.grad = torch.zeros(numel)
         self.updates = 0
         self.steps = 0  # the workers' steps served (sync: rounds; async: the most any worker pushed)
@@ -879,16 +906,16 @@ class ShardServer:
         self._store: Any = None  # the rendezvous store, where lost workers are declared (elastic runs)
         self.layout: ShardLayout | None = None  # every server's ranges, from the first takeover on
         self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
-        c = cfg.compress
-        self.decoder = (None if c.compress.strip() == "none"
-                        else PushDecoder(build_compressor(c.compress, error_feedback=False, seed=cfg.run.seed), numel))
+        c = settings.compression
+        self.decoder = (PushDecoder(build_compressor(c.spec, error_feedback=False, seed=settings.run.seed), numel)
+                        if c.enabled else None)
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
         self.earlier = RunTotals()  # what the earlier segments of a resumed run did
 
     def optimizer_state(self) -> dict[str, Any]:
         """This server's optimizer state, update count, the steps it served and each pusher's
         last clock (what ``wrap()``'s ``state_dict()`` holds)."""
-        clocks = list(self.clocks) if self.cfg.ps.ps_mode == "async" else [self.steps] * len(self.pushers)
+        clocks = list(self.clocks) if self.settings.ps_mode == "async" else [self.steps] * len(self.pushers)
         return {"optimizer": self.optimizer.state_dict(), "updates": self.updates, "steps": self.steps,
                 "clocks": clocks}
 
@@ -935,7 +962,7 @@ class ShardServer:
         """Serve until every pushing worker has sent :data:`STOP`."""
         self.watch = watch
         self.steps = start_step
-        if self.cfg.ps.ps_mode == "sync":
+        if self.settings.ps_mode == "sync":
             self._run_sync(start_step)
         else:
             self._run_async()
@@ -950,7 +977,7 @@ class ShardServer:
         pushers = self.pushers
         headers = torch.zeros(len(pushers), 2, dtype=torch.int64)
         grads = torch.zeros(len(pushers), self.shard.numel())  # a lost worker's row stays zero
-        every = self.cfg.run.checkpoint_every
+        every = self.settings.checkpoint_every
         step = start_step
         live = list(range(len(pushers)))  # rows of the workers still pushing
         while True:
@@ -1005,7 +1032,7 @@ class ShardServer:
         if redone != step:  # the step the live servers just served, the lost one never did
             raise WorkerFailure(f"server {self.index}: a takeover of step {redone} after serving step {step}")
         if self.layout is None:
-            self.layout = ShardLayout(shard_bounds(numel, self.cfg.ps.servers))
+            self.layout = ShardLayout(shard_bounds(numel, self.settings.servers))
         pieces = self.layout.take_over(lost)[self.index]
         if not pieces:
             log.warning("server %d: server %d is lost; the others take over its parameters", self.index, lost)
@@ -1041,7 +1068,7 @@ class ShardServer:
         try:
             return fn()
         except Exception as exc:
-            if not (elastic_servers(self.cfg) and is_comm_error(exc)):
+            if not (elastic_servers(self.settings) and is_comm_error(exc)):
                 raise
             worker = self.pushers[i]
             live.remove(i)
@@ -1050,29 +1077,29 @@ class ShardServer:
             declare_dead(self._store_client(), worker)
             log.warning("server %d: lost worker %d at step %d; serving the other %d", self.index, worker, step + 1,
                         len(live))
-            if len(live) < max(1, self.cfg.cluster.min_workers):
+            if len(live) < max(1, self.settings.run.min_workers):
                 raise WorkerFailure(f"server {self.index}: lost worker {worker} at step {step + 1}; {len(live)} "
-                                    f"left, fewer than --min-workers {self.cfg.cluster.min_workers}") from exc
+                                    f"left, fewer than --min-workers {self.settings.run.min_workers}") from exc
             return None
 
     def _store_client(self) -> Any:
         """The rendezvous store (a client made on first use; None without one)."""
         if self._store is None:
-            self._store = store_client(self.cfg.cluster.timeout)
+            self._store = store_client(self.settings.run.timeout)
         return self._store
 
     def control_transport(self) -> Transport | StoreGroup:
         """After serving: the transport for the closing collectives, over the processes that
         finished when workers were lost in an elastic run."""
-        if not elastic_servers(self.cfg):
+        if not elastic_servers(self.settings):
             return self.transport
         control, _ = survivors_transport(self._store_client(), self.transport.rank, self.transport.world_size,
-                                         self.cfg.cluster.timeout)
+                                         self.settings.run.timeout)
         return control or self.transport
 
     def _run_async(self) -> None:
         """Apply pushes in arrival order; hold back answers to workers too far ahead."""
-        n, limit = len(self.pushers), self.cfg.ps.max_staleness
+        n, limit = len(self.pushers), self.settings.max_staleness
         index = {w: i for i, w in enumerate(self.pushers)}
         clocks = self.clocks  # from a state sent at the start, else zeros
         ended = [False] * n
@@ -1121,7 +1148,7 @@ class ShardServer:
         # after a loss the set is written by the processes still serving and training
         members = [r for r in range(world) if r not in self.lost_pushers]
         store.save(step, {"shard": self.shard.data, "optimizer": self.optimizer.state_dict(), "step": step,
-                          "model_name": self.cfg.model.model, "algorithm_name": "ps",
+                          "model_name": self.settings.model, "algorithm_name": "ps",
                           "world_size": world, "steps_per_epoch": self.steps_per_epoch,
                           "total_steps": self.total_steps, "totals": self.totals().state_dict(),
                           **({MEMBERS_KEY: members} if self.lost_pushers else {})})
@@ -1142,43 +1169,37 @@ class ShardServer:
         return self.earlier.plus(row, 0.0, None)
 
 
-def serve(cfg: TrainConfig, run_dir: str | Path | None, like: torch.optim.Optimizer | None = None, *,
-          gather_totals: bool = True) -> None:
+def serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.optim.Optimizer, emulation: Emulation,
+          *, gather_totals: bool = True) -> None:
     """Run one parameter server until every worker's training has ended; then join the final
     gather of counters (``gather_totals``: distrain's own loop) and the closing barrier.
 
-    ``like``: the workers' optimizer (default: the one ``cfg`` describes); ``run_dir`` None saves
-    no checkpoint and resumes from none.
+    ``like``: the workers' optimizer; ``emulation``: this server's emulated links (not started);
+    ``run_dir`` None saves no checkpoint and resumes from none. ``distrain.assemble.serve`` makes
+    these from a run's config.
     """
 
     watch = FaultWatch(dist.get_rank(), role="server")
-    watch.run(_serve, cfg, run_dir, like, gather_totals, watch)
+    watch.run(_serve, settings, run_dir, like, emulation, gather_totals, watch)
 
 
-def _serve(cfg: TrainConfig, run_dir: str | Path | None, like: torch.optim.Optimizer | None, gather_totals: bool,
-           watch: FaultWatch) -> None:
-    from distrain.emulation import Emulation
+def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.optim.Optimizer, emulation: Emulation,
+           gather_totals: bool, watch: FaultWatch) -> None:
     from distrain.runtime.checkpoint import CheckpointStore, finished_for
 
-    if like is None:
-        o = cfg.optim
-        like = build_optimizer(o.optimizer, [torch.zeros(1, requires_grad=True)], lr=o.lr, momentum=o.momentum,
-                               weight_decay=o.weight_decay)
-    emulation = Emulation.from_config(cfg.network, seed=cfg.run.seed, workers=cfg.cluster.workers,
-                                      workers_per_node=cfg.algo.workers_per_node)
     transport = Transport(link_model=emulation.link_model)  # servers' links are emulated too
     state = None
     if run_dir is not None:
         store = CheckpointStore(run_dir, transport.rank, transport.world_size)
-        resume = store.resolve(cfg.run.resume)
+        resume = store.resolve(settings.resume)
         state = store.load(resume) if resume is not None else None
-    if state is not None and finished_for(state, cfg.run.epochs):
+    if state is not None and finished_for(state, settings.epochs):
         return  # the workers found the run finished too, and leave before anything collective
-    if cfg.algo.workers_per_node:  # the workers create their node groups: collective over the world
-        node_process_groups(cfg.cluster.workers, cfg.algo.workers_per_node, cfg.cluster.timeout)
+    if settings.workers_per_node:  # the workers create their node groups: collective over the world
+        node_process_groups(settings.run.workers, settings.workers_per_node, settings.run.timeout)
     emulation.start()
     start, cpu_start = time.perf_counter(), time.process_time()
-    server = ShardServer(cfg, transport, run_dir, like)
+    server = ShardServer(settings, transport, run_dir, like)
     server.started, server.cpu_started = start, cpu_start  # waiting for the workers' start counts too
     start_step = server.resume_step or 0  # wrap(): worker 0 sent the state to continue from
     if state is not None:

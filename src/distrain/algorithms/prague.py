@@ -74,8 +74,8 @@ import random
 import statistics
 import threading
 import time
-import warnings
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,6 +84,7 @@ from distrain.algorithms.gossip import (
     GOSSIP_BACKSTOP_S,
     AsyncGossip,
     GossipEngine,
+    GossipSettings,
     LeftBehind,
     PeerTimeout,
     SharedModel,
@@ -665,20 +666,22 @@ class GroupGossip(GossipEngine):
         self.groups += 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class PragueSettings(GossipSettings):
+    """What Prague runs with: the gossip settings and its group size."""
+
+    #: workers per partial all-reduce group (0: see :func:`group_size_for`)
+    group_size: int
+
+
 class Prague(AsyncGossip):
     """Partial all-reduce in groups of ready workers (see the module docstring)."""
 
     name = "prague"
-
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        super().check_config(config)
-        g, n = config.gossip.group_size, config.cluster.workers
-        if n > 1 and g > n:
-            warnings.warn(f"--group-size {g} is larger than --workers {n}: groups will have {n} workers", stacklevel=2)
+    settings: PragueSettings
 
     def build_engine(self, transport: Transport) -> GroupGossip:
-        g = self.config.gossip
+        g = self.settings
         liveness = self.liveness(transport.world_size)
         # With liveness the control group's waits are bounded by us (see Waiter), gloo's is a backstop.
         data = gossip_group(g.peer_timeout)
@@ -686,11 +689,11 @@ class Prague(AsyncGossip):
         link = transport.link_model
         size = group_size_for(g.group_size, transport.world_size)
         return GroupGossip(self.state, Transport(data, link_model=link), Transport(control, link_model=link),
-                           size, seed=self.config.run.seed, timeout=g.peer_timeout, liveness=liveness)
+                           size, seed=g.run.seed, timeout=g.peer_timeout, liveness=liveness)
 
     def info(self) -> dict[str, Any]:
-        return {"group_size": group_size_for(self.config.gossip.group_size, self.state.world),
-                "budget": self.config.gossip.budget}
+        return {"group_size": group_size_for(self.settings.group_size, self.state.world),
+                "budget": self.settings.budget}
 
     def metrics(self) -> dict[str, float]:
         out = super().metrics()
@@ -699,4 +702,4 @@ class Prague(AsyncGossip):
         return out
 
 
-__all__ = ["GroupGenerator", "GroupGossip", "GroupView", "Prague", "group_size_for"]
+__all__ = ["GroupGenerator", "GroupGossip", "GroupView", "Prague", "PragueSettings", "group_size_for"]

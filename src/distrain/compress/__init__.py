@@ -32,12 +32,13 @@ from distrain.compress.pushes import PushDecoder, ShardPush
 from distrain.compress.qsgd import QSGD
 from distrain.compress.randomk import RandomK
 from distrain.compress.registry import COMPRESSORS, build_compressor, parse_spec, validate_spec
+from distrain.compress.settings import CompressionSettings
 from distrain.compress.sparseloco import SparseLoCo
 from distrain.compress.topk import TopK
 from distrain.compress.warmup import DensityWarmup
 
 __all__ = [
-    "COMPRESSORS", "QSGD", "CompressInfo", "Compressor", "DensityWarmup", "ErrorFeedback",
+    "COMPRESSORS", "QSGD", "CompressInfo", "CompressionSettings", "Compressor", "DensityWarmup", "ErrorFeedback",
     "FP16Compressor", "GradientCompression", "GroupTopK", "MomentumCorrection", "NoneCompressor",
     "Payload", "PushDecoder", "RandomK", "ShardPush", "SparseCompressor", "SparseLoCo", "TensorMeta", "TopK", "allreduce_compressed",
     "build_compressor", "desparsify", "group_topk_indices", "parse_spec", "payload_nbytes",

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
 
 import torch
 
@@ -37,7 +36,7 @@ from distrain.compress.base import CompressInfo, Compressor
 from distrain.compress.collective import allreduce_compressed
 from distrain.compress.error_feedback import ErrorFeedback
 from distrain.compress.momentum_correction import MomentumCorrection
-from distrain.compress.registry import build_compressor
+from distrain.compress.settings import CompressionSettings
 from distrain.compress.warmup import DensityWarmup
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class GradientCompression:
 
     Example::
 
-        compression = GradientCompression.from_config(cfg, params, optimizer)
+        compression = GradientCompression.from_settings(settings, params, optimizer, seed=0)
         loss.backward()
         compression.average(transport, step=step, epochs_done=step / steps_per_epoch)
         optimizer.step()
@@ -114,27 +113,28 @@ class GradientCompression:
         self.step_bytes_sent = 0
 
     @classmethod
-    def from_config(cls, cfg: Any, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                    *, own_ring: bool = False) -> GradientCompression | None:
-        """Build from a TrainConfig's ``compress`` section; None for ``--compress none``."""
-        c = cfg.compress
-        if c.compress.strip() == "none":
+    def from_settings(cls, settings: CompressionSettings, params: list[torch.nn.Parameter],
+                      optimizer: torch.optim.Optimizer, *, seed: int, own_ring: bool = False) -> GradientCompression | None:
+        """Build from an algorithm's compression settings; None for ``--compress none``.
+
+        ``seed`` is the run's. With momentum correction a sparsifier takes the momentum and weight
+        decay out of a plain SGD ``optimizer``."""
+        if not settings.enabled:
             return None
-        compressor = build_compressor(c.compress, error_feedback=c.error_feedback == "on", seed=cfg.run.seed)
+        compressor = settings.compressor(seed)
         weight_decay = 0.0
-        if c.momentum_correction == "on" and isinstance(compressor, ErrorFeedback) and compressor.ratio is not None:
+        if settings.momentum_correction and isinstance(compressor, ErrorFeedback) and compressor.ratio is not None:
             momentum, weight_decay = take_momentum(optimizer)
             if momentum > 0:
                 compressor = MomentumCorrection(compressor.inner, momentum)
             else:
                 log.info("momentum correction needs SGD with momentum; %s keeps its optimizer as is", compressor.name)
-        if compressor.name == "adaptive" and c.sparse_collective == "allgather":
+        if compressor.name == "adaptive" and settings.sparse_collective == "allgather":
             warnings.warn("--compress adaptive with --sparse-collective allgather: messages are padded to the "
                           "largest worker's k and timed at the slowest link's pace; --sparse-collective ring "
                           "lets each worker's ratio and link count", stacklevel=2)
-        density = DensityWarmup(compressor.ratio, *c.density_schedule())
-        return cls(compressor, params, density, sparse_collective=c.sparse_collective, own_ring=own_ring,
-                   weight_decay=weight_decay)
+        return cls(compressor, params, settings.warmup(compressor.ratio), sparse_collective=settings.sparse_collective,
+                   own_ring=own_ring, weight_decay=weight_decay)
 
     def _gather(self) -> None:
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=self.flat.dtype,

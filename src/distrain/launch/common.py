@@ -196,7 +196,7 @@ def run_role(cfg: TrainConfig, rank: int, world: int, run_dir: str | Path, **use
     Every process must call this after the default group exists: creating the workers' group is
     collective.
     """
-    from distrain.algorithms.parameter_server import serve
+    from distrain.assemble import serve
     from distrain.train.loop import train
 
     servers = server_count(cfg)

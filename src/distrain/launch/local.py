@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distrain.algorithms import ALGORITHMS
+from distrain.assemble import survives as algorithm_survives
 from distrain.comm.group import check_device, close_group, init_group, store_of
 from distrain.config import TrainConfig
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
@@ -275,7 +275,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
                          args=(rank, nprocs, cfg, addr, port, str(run_dir), user, os.getpid()))
              for rank in range(nprocs)]
     signals = _Signals(procs).install()
-    survives = ALGORITHMS[cfg.algo.algorithm].survives(cfg)
+    survives = algorithm_survives(cfg)
     if survives and cfg.cluster.max_restarts:
         store.set(RESTARTS_KEY, str(cfg.cluster.max_restarts))  # the members look for joiners at every step
 

@@ -1,0 +1,260 @@
+"""From a run's configuration to the algorithm that trains with it: the one place that reads the
+flags an algorithm runs with.
+
+Each algorithm takes a small frozen settings dataclass defined beside it, holding exactly what it
+uses: its hyperparameters, the compression settings of one that compresses
+(:class:`~distrain.compress.settings.CompressionSettings`) and the run's facts
+(:class:`~distrain.algorithms.base.RunFacts`). This module makes them from a ``TrainConfig``
+(:data:`SETTINGS`); the algorithms never see the config. :func:`check_algorithm` refuses, before
+any worker starts, the flag combinations the chosen algorithm cannot honour
+(``TrainConfig.validate`` calls it); :func:`survives` tells the launchers whether a run goes on
+when a worker is lost; :func:`build_algorithm` makes one worker's algorithm, and :func:`serve`
+runs a parameter server.
+
+Example::
+
+    from distrain.assemble import build_algorithm
+    from distrain.config import TrainConfig
+
+    algorithm = build_algorithm("diloco", TrainConfig(sync_every=32).validate())
+    algorithm.setup(model, optimizer, transport)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distrain.algorithms import ALGORITHMS, Algorithm, parameter_server
+from distrain.algorithms.adpsgd import ADPSGD, ADPSGDSettings, bipartite_graph
+from distrain.algorithms.allreduce import AllReduce, AllReduceSettings
+from distrain.algorithms.base import RunFacts
+from distrain.algorithms.d2 import D2
+from distrain.algorithms.diloco import AUTO, DiLoCo, DiLoCoSettings
+from distrain.algorithms.dpsgd import DPSGD, DPSGDSettings
+from distrain.algorithms.gossip import GossipSettings
+from distrain.algorithms.parameter_server import ParameterServer, PSSettings, ServerSettings
+from distrain.algorithms.prague import Prague, PragueSettings
+from distrain.compress.settings import CompressionSettings
+from distrain.emulation import Emulation
+from distrain.errors import ConfigError
+from distrain.optim.optimizers import build_optimizer
+from distrain.topology import build_topology, mixing_matrix
+
+if TYPE_CHECKING:  # the type only: the config imports this module to check an algorithm's flags
+    from distrain.config import TrainConfig
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The algorithm called ``name``; the error lists the valid names."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ConfigError("--algorithm", f"unknown algorithm {name!r}; choose one of: {', '.join(sorted(ALGORITHMS))}") from None
+
+
+def build_algorithm(name: str, config: TrainConfig) -> Algorithm:
+    """One worker's algorithm ``name``, with the settings ``config`` gives it."""
+    return algorithm_class(name)(SETTINGS[name](config))
+
+
+def survives(config: TrainConfig) -> bool:
+    """Whether a run with ``config`` goes on when a worker is lost (launchers then keep the
+    others running)."""
+    name = config.algo.algorithm
+    return algorithm_class(name).survives(SETTINGS[name](config))
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+def run_facts(config: TrainConfig) -> RunFacts:
+    c = config.cluster
+    return RunFacts(workers=c.workers, min_workers=c.min_workers, timeout=c.timeout, device=c.device,
+                    seed=config.run.seed)
+
+
+def compression_settings(config: TrainConfig) -> CompressionSettings:
+    """``--compress`` and its companion flags, the density warm-up's defaults resolved."""
+    c = config.compress
+    warmup, decay = c.density_schedule()
+    return CompressionSettings(spec=c.compress, error_feedback=c.error_feedback == "on",
+                               sparse_collective=c.sparse_collective, momentum_correction=c.momentum_correction == "on",
+                               density_warmup_epochs=warmup, density_decay_epochs=decay)
+
+
+def allreduce_settings(config: TrainConfig) -> AllReduceSettings:
+    a = config.algo
+    return AllReduceSettings(bucket_mb=a.bucket_mb, first_bucket_mb=a.first_bucket_mb, ring=a.ring,
+                             workers_per_node=a.workers_per_node, on_nonfinite=config.run.on_nonfinite,
+                             compression=compression_settings(config), run=run_facts(config))
+
+
+def dpsgd_settings(config: TrainConfig) -> DPSGDSettings:
+    a = config.algo
+    return DPSGDSettings(topology=a.topology, mixing=a.mixing, gossip_order=a.gossip_order, run=run_facts(config))
+
+
+def _gossip_settings(config: TrainConfig, kind: type[GossipSettings], **own: Any) -> Any:
+    """The asynchronous gossip settings of ``kind``, with its ``own``."""
+    g = config.gossip
+    return kind(budget=g.budget, time_budget=g.time_budget, max_lag=g.max_lag, peer_timeout=g.peer_timeout,
+                snapshot_every=g.snapshot_every, run=run_facts(config), **own)
+
+
+def adpsgd_settings(config: TrainConfig) -> ADPSGDSettings:
+    return _gossip_settings(config, ADPSGDSettings, topology=config.algo.topology)
+
+
+def prague_settings(config: TrainConfig) -> PragueSettings:
+    return _gossip_settings(config, PragueSettings, group_size=config.gossip.group_size)
+
+
+def diloco_settings(config: TrainConfig) -> DiLoCoSettings:
+    o = config.outer
+    return DiLoCoSettings(sync_every=o.sync_every, comm_overhead=o.comm_overhead, sync_every_min=o.sync_every_min,
+                          sync_every_max=o.sync_every_max, outer_optimizer=o.outer_optimizer, outer_lr=o.outer_lr,
+                          outer_momentum=o.outer_momentum, fragments=o.fragments, overlap_steps=o.overlap_steps,
+                          merge_weight=o.merge_weight, compression=compression_settings(config), run=run_facts(config))
+
+
+def _ps_settings(config: TrainConfig, kind: type[PSSettings], **own: Any) -> Any:
+    """The parameter-server settings of ``kind``, with its ``own``."""
+    return kind(servers=config.ps.servers, ps_mode=config.ps.ps_mode, workers_per_node=config.algo.workers_per_node,
+                compression=compression_settings(config), run=run_facts(config), **own)
+
+
+def ps_settings(config: TrainConfig) -> PSSettings:
+    return _ps_settings(config, PSSettings)
+
+
+def server_settings(config: TrainConfig) -> ServerSettings:
+    r = config.run
+    return _ps_settings(config, ServerSettings, max_staleness=config.ps.max_staleness,
+                        checkpoint_every=r.checkpoint_every, model=config.model.model, resume=r.resume, epochs=r.epochs)
+
+
+#: The settings each algorithm takes, made from the config (by name).
+SETTINGS: dict[str, Callable[[TrainConfig], Any]] = {
+    AllReduce.name: allreduce_settings,
+    DPSGD.name: dpsgd_settings,
+    D2.name: dpsgd_settings,
+    ADPSGD.name: adpsgd_settings,
+    Prague.name: prague_settings,
+    DiLoCo.name: diloco_settings,
+    ParameterServer.name: ps_settings,
+}
+
+
+def serve(config: TrainConfig, run_dir: str | Path | None, like: torch.optim.Optimizer | None = None, *,
+          gather_totals: bool = True) -> None:
+    """Run one parameter server of a run with ``config`` (this process is one of the last
+    ``--servers`` ranks) until every worker's training has ended (see
+    :func:`~distrain.algorithms.parameter_server.serve`).
+
+    ``like``: the workers' optimizer (default: the one ``config`` describes); ``run_dir`` None
+    saves no checkpoint and resumes from none.
+    """
+    if like is None:
+        o = config.optim
+        like = build_optimizer(o.optimizer, [torch.zeros(1, requires_grad=True)], lr=o.lr, momentum=o.momentum,
+                               weight_decay=o.weight_decay)
+    emulation = Emulation.from_config(config.network, seed=config.run.seed, workers=config.cluster.workers,
+                                      workers_per_node=config.algo.workers_per_node)
+    parameter_server.serve(server_settings(config), run_dir, like, emulation, gather_totals=gather_totals)
+
+
+# -- what each algorithm refuses before any worker starts ------------------------------------
+
+
+def check_algorithm(config: TrainConfig) -> None:
+    """Refuse settings the chosen algorithm cannot honour (ConfigError), before any worker starts.
+
+    First ``--compress`` for algorithms that would ignore it, then the algorithm's own checks.
+    """
+    klass = algorithm_class(config.algo.algorithm)
+    spec = config.compress.compress.strip()
+    if not klass.compresses and spec != "none":
+        raise ConfigError("--compress", f"{klass.name} does not compress its traffic; use --compress none, "
+                                        f"or --algorithm allreduce or ps to train with {spec}")
+    CHECKS.get(klass.name, _no_check)(config, klass.name)
+
+
+def _no_check(config: TrainConfig, name: str) -> None:
+    """Nothing more to refuse."""
+
+
+def _require_peers(config: TrainConfig, name: str) -> None:
+    """Decentralized algorithms have nobody to average with on one worker."""
+    if config.cluster.workers < 2:
+        raise ConfigError("--workers", f"{name} is decentralized and needs at least 2 workers, got "
+                          f"{config.cluster.workers}; use --algorithm allreduce for one worker")
+
+
+def _check_dpsgd(config: TrainConfig, name: str) -> None:
+    """The topology must exist and be connected for ``--workers``, the weights fit it."""
+    _require_peers(config, name)
+    mixing_matrix(build_topology(config.algo.topology, config.cluster.workers), config.algo.mixing)
+
+
+def _check_async_gossip(config: TrainConfig, name: str) -> None:
+    _require_peers(config, name)
+    if config.run.resume not in ("none", ""):
+        raise ConfigError("--resume", f"{name} is asynchronous (exchanges are in flight at any moment); "
+                                      "it cannot resume from a checkpoint: use --resume none")
+
+
+def _check_adpsgd(config: TrainConfig, name: str) -> None:
+    _check_async_gossip(config, name)
+    bipartite_graph(config.algo.topology, config.cluster.workers)
+
+
+def _check_prague(config: TrainConfig, name: str) -> None:
+    _check_async_gossip(config, name)
+    g, n = config.gossip.group_size, config.cluster.workers
+    if n > 1 and g > n:
+        # stacklevel 3: the warning points at the TrainConfig.validate() line that checked the config
+        warnings.warn(f"--group-size {g} is larger than --workers {n}: groups will have {n} workers", stacklevel=3)
+
+
+def _check_diloco(config: TrainConfig, name: str) -> None:
+    o = config.outer
+    if o.sync_every == AUTO:
+        if o.overlap_steps >= o.sync_every_min:
+            raise ConfigError("--overlap-steps", f"must be less than --sync-every-min ({o.sync_every_min}) with "
+                                                 f"--sync-every auto, got {o.overlap_steps}")
+        return
+    if o.fragments > o.sync_every:
+        raise ConfigError("--fragments", f"must be at most --sync-every ({o.sync_every}): each fragment syncs at "
+                                         f"its own step of the period, got {o.fragments}")
+    if o.overlap_steps >= o.sync_every // o.fragments:
+        raise ConfigError("--overlap-steps", f"must be less than --sync-every / --fragments "
+                                             f"({o.sync_every // o.fragments}), the steps between two syncs, "
+                                             f"got {o.overlap_steps}")
+
+
+def _check_ps(config: TrainConfig, name: str) -> None:
+    if config.cluster.max_restarts:
+        raise ConfigError("--max-restarts", "ps does not start a lost worker again (with --ps-mode sync the servers "
+                                            "go on without it); use 0")
+    if config.optim.optimizer == "lars":
+        raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
+    if config.ps.ps_mode == "async" and config.run.resume not in ("none", ""):
+        raise ConfigError("--resume", "resuming is supported for --ps-mode sync only")
+    if config.algo.workers_per_node and config.compress.compress.strip() != "none":
+        raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
+
+
+#: Each algorithm's checks besides ``--compress`` (by name; none for allreduce).
+CHECKS: dict[str, Callable[[TrainConfig, str], None]] = {
+    DPSGD.name: _check_dpsgd,
+    D2.name: _check_dpsgd,
+    ADPSGD.name: _check_adpsgd,
+    Prague.name: _check_prague,
+    DiLoCo.name: _check_diloco,
+    ParameterServer.name: _check_ps,
+}
