@@ -96,7 +96,7 @@ def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tm
     worker 0 again from a member's checkpoint, and every worker ends with the same parameters (it
     stayed in step). The summary keeps the loss, adds the return and counts the whole run."""
     run_dir = tmp_path / "run"
-    args = [*QUICK, *algorithm, "--workers", "4", "--checkpoint-every", "8", "--run-dir", str(run_dir)]
+    args = [*QUICK, *algorithm, "--workers", "4", "--checkpoint-every", "4", "--run-dir", str(run_dir)]
     processes = 4 if "ps" not in algorithm else 6
     first = run_cli([*args, "--epochs", "1"], DISTRAIN_INJECT_KILL="0:12")
     assert first.returncode == 0, first.stderr
@@ -105,7 +105,9 @@ def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tm
     store = CheckpointStore(run_dir, 1, processes)
     assert store.latest_complete() == total and store.members(total) == list(range(1, processes))
     assert not store.rank_file(total, 0).exists()
-    assert store.steps()[0] > 12  # the survivors pruned the sets (rank 0 used to), the one before the loss too
+    # a survivor pruned the sets (rank 0 did): the 3 newest complete ones are kept, and a newer one
+    # may have been incomplete at the last pruning, when its last files were still being written
+    assert len(store.steps()) <= 4 and store.steps()[0] > 12
 
     again = run_cli([*args, "--epochs", "1", "--resume", "auto"])
     assert again.returncode == 0, again.stderr
