@@ -305,6 +305,14 @@ def main() -> int:
         start = time.perf_counter()
         before = (json.loads((out / "comparison.json").read_text())
                   if only is not None and (out / "comparison.json").exists() else None)
+        if before is not None:  # the plots are drawn again over every row's runs: refuse before running any
+            missing = [r["run_dir"] for row in before["configs"] if row["label"] not in only for r in row["runs"]
+                       if r.get("status") == "ok" and not (out / r["run_dir"] / "summary.json").exists()]
+            if missing:
+                parser.error(f"--only keeps the other rows of {out.name}/comparison.json and draws the plots over "
+                             f"their runs, whose directories are not here ({len(missing)}, e.g. {missing[0]}; "
+                             "results keep only the comparison): copy them in from the run that measured them, "
+                             "or measure every configuration")
         if before is not None:  # until the merge below: an interrupted rerun leaves the rows it replaces here
             write_json_atomic(out / "comparison-before-only.json", before)
         comparison = run_comparison(grid, base, echo=lambda line: print(line, flush=True),
