@@ -252,6 +252,15 @@ def report_targets(name: str, found: dict[str, Any]) -> None:
               f"{'met' if target['met'] else 'NOT met' if target['met'] is not None else 'no figure'}", flush=True)
 
 
+def kept_provenance(earlier: dict, kept: list[str]) -> dict:
+    """Which run measured each row an ``--only`` rerun keeps: the earlier run's, or, for a row it
+    had kept in turn, the run before it (``provenance_of``, by configuration)."""
+    older = earlier.get("kept_from_earlier_run") or {}
+    before = older.get("provenance_of") or dict.fromkeys(older.get("configs", []), older.get("provenance"))
+    return {"configs": kept, "provenance": earlier.get("provenance"),
+            "provenance_of": {c: before.get(c, earlier.get("provenance")) for c in kept}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), action="append",
@@ -333,8 +342,7 @@ def main() -> int:
             (out / "comparison-before-only.json").unlink()
         found = figures(name, comparison, out, link)
         if kept:
-            found["kept_from_earlier_run"] = {"configs": kept,
-                                              "provenance": (results.get(name) or {}).get("provenance")}
+            found["kept_from_earlier_run"] = kept_provenance(results.get(name) or {}, kept)
         found.update({"provenance": provenance(sys.argv), "scenario_file": str(SCENARIOS[name].relative_to(ROOT)),
                       "repeats": args.repeats,
                       "epochs": base.run.epochs,
