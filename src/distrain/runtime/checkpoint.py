@@ -466,8 +466,12 @@ class CheckpointStore:
         return None
 
     def _problem(self, step: int) -> CheckpointError | None:
-        """Return what is wrong with ``step``'s set, naming the file, or None if it is complete."""
-        return self._inspect(step)[1]
+        """Return what is wrong with ``step``'s set, naming the file, or None if it is complete
+        (then its members are kept for :meth:`members`, which need not read the files again)."""
+        members, problem = self._inspect(step)
+        if problem is None:
+            self._members[step] = members
+        return problem
 
     def _inspect(self, step: int) -> tuple[list[int], CheckpointError | None]:
         """The ranks ``step``'s set must hold (see :meth:`members`) and what is wrong with it,
