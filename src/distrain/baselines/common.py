@@ -54,10 +54,9 @@ from distrain.launch.common import (
 )
 from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
-from distrain.optim.schedule import LRSchedule, scaled_lr
 from distrain.tasks import build_task
 from distrain.train.evaluation import Evaluations
-from distrain.train.loop import lm_figures, lm_tokens, plan_worker_data, summarize
+from distrain.train.loop import lm_figures, lm_tokens, lr_schedule, plan_worker_data, summarize
 from distrain.train.metrics import MetricsWriter, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -181,10 +180,8 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     model = DDP(module, **ddp_buckets(cfg)) if peer.uses_ddp else module
 
     o = cfg.optim
-    global_batch = world * cfg.data.batch_size
-    peak = scaled_lr(o.lr, global_batch, o.reference_batch, enabled=o.lr_scaling)
-    schedule = LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=round(o.warmup_epochs * steps_per_epoch),
-                          total_steps=total_steps, decay=o.lr_decay)
+    schedule, global_batch = lr_schedule(cfg, world, round(o.warmup_epochs * steps_per_epoch), total_steps)
+    peak = schedule.peak_lr
     optimizer = build_optimizer(o.optimizer, module.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
     peer.register(model, optimizer, meter, cfg, steps_per_epoch, total_steps)
     out_cfg = copy.deepcopy(cfg)
