@@ -20,7 +20,7 @@ def test_one_bad_value_anywhere_is_caught(bad):
 
 def test_finite_values_whose_sum_overflows_are_still_finite():
     t = torch.full((8,), 3e38)
-    assert not torch.isfinite(t.sum())  # the fast path cannot tell; the exact check decides
+    assert not torch.isfinite(t.sum())  # a check by summing could not tell
     assert all_finite(t)
     t[3] = float("nan")
     assert not all_finite(t)
@@ -34,3 +34,20 @@ def test_grads_finite_over_parameters():
     params[1].grad[2] = float("inf")
     assert not grads_finite(params)
     assert grads_finite([torch.nn.Parameter(torch.ones(2))])
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_empty_and_sparse_gradients():
+    assert all_finite(torch.zeros(0))
+    grad = torch.sparse_coo_tensor(torch.tensor([[1, 7]]), torch.tensor([2.0, -1.0]), (10,))
+    params = [torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(0))]
+    params[0].grad, params[1].grad = grad, torch.zeros(0)
+    assert all_finite(grad) and grads_finite(params)
+    params[0].grad = torch.sparse_coo_tensor(torch.tensor([[1, 7]]), torch.tensor([2.0, float("nan")]), (10,))
+    assert not all_finite(params[0].grad) and not grads_finite(params)
+    params[0].grad = torch.ones(10)
+    params.append(torch.nn.Parameter(torch.ones(3, dtype=torch.float64)))  # mixed dtypes
+    params[2].grad = torch.tensor([1.0, 3e300, 0.0], dtype=torch.float64)
+    assert grads_finite(params)
+    params[2].grad[1] = float("-inf")
+    assert not grads_finite(params)

@@ -171,19 +171,25 @@ def lost_peer(exc: BaseException, rank: int, step: int, heartbeat: Heartbeat | N
 def all_finite(tensor: torch.Tensor) -> bool:
     """True when every element of ``tensor`` is finite.
 
-    A sum is finite only if every term is (a NaN or an infinity makes it NaN or infinite), and
-    summing is one pass without the boolean copy ``isfinite(t).all()`` makes (about 30x cheaper
-    on a million floats); only a sum that overflowed on finite values needs the exact check.
+    One pass: a NaN turns both the minimum and the maximum into NaN, and an infinity shows in one
+    of them. Exact, unlike a sum, which finite values can overflow, and about 3x cheaper than
+    ``tensor.sum()`` (whose cascade summation took 0.72 ms on a million floats on one CPU thread,
+    ``aminmax`` 0.23 ms) and 10x cheaper than ``isfinite(t).all()``, which writes a boolean copy.
     """
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+    extremes = _extremes(tensor)
+    return extremes is None or bool(torch.isfinite(extremes).all())
+
+
+def _extremes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """(min, max) of ``tensor``'s values (a sparse tensor's stored ones); None when it has none."""
+    values = tensor.coalesce().values() if tensor.is_sparse else tensor
+    return torch.stack(torch.aminmax(values)) if values.numel() else None
 
 
 def grads_finite(params: list[torch.nn.Parameter]) -> bool:
     """True when every gradient is finite (one reduction per parameter, one sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return True
-    return all_finite(torch.stack([g.sum() for g in grads])) or all(all_finite(g) for g in grads)
+    extremes = [e for p in params if p.grad is not None and (e := _extremes(p.grad)) is not None]
+    return not extremes or bool(torch.isfinite(torch.stack(extremes)).all())
 
 
 def nonfinite_error(rank: int, step: int, what: str = "loss") -> WorkerFailure:
