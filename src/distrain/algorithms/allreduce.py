@@ -46,6 +46,11 @@ class AllReduceSettings:
     run: RunFacts
 
 
+#: parameters of at least this many elements on average have their gradients scaled as they are
+#: copied into a bucket (one multiply per parameter instead of a pass over the whole bucket)
+FUSED_SCALE_NUMEL = 2**15
+
+
 @dataclass
 class Bucket:
     """Parameters whose gradients travel together in one flat buffer."""
@@ -60,6 +65,8 @@ class Bucket:
     #: instead of ``local``: the parameters' own gradient tensors of the step, when they are not
     #: views into ``flat`` (the user's zero_grad(set_to_none=True) made new ones), so nothing is copied
     own: list[torch.Tensor | None] | None = None
+    #: whether ``flat`` was divided by the number of workers as the gradients were copied into it
+    averaged: bool = False
 
     def bind_grads(self) -> None:
         """Make every parameter's ``.grad`` a view into ``flat`` (DDP's gradient_as_bucket_view):
@@ -83,8 +90,22 @@ class Bucket:
                 return False
         return True
 
-    def gather_grads(self) -> None:
+    def gather_grads(self, scale: float = 1.0) -> None:
+        """Copy the gradients into ``flat`` (nothing to copy when they are its views). Where they
+        are copied and their parameters are large, each is multiplied by ``scale`` on the way,
+        as DDP divides while copying into its bucket: the average then needs no second pass over
+        the bucket (``averaged``). Small parameters are copied in one ``cat`` and left unscaled,
+        since an operation per parameter would cost more than the pass it saves."""
+        self.averaged = False
         if self._grads_are_views():
+            return
+        if scale != 1.0 and self.views is not None and self.flat.numel() >= FUSED_SCALE_NUMEL * len(self.params):
+            for p, chunk in zip(self.params, self.flat.split(self.sizes), strict=True):
+                if p.grad is None:
+                    chunk.zero_()
+                else:
+                    torch.mul(p.grad.reshape(-1), scale, out=chunk)
+            self.averaged = True
             return
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=self.flat.dtype)
                  for p in self.params]
@@ -221,7 +242,7 @@ class AllReduce(Algorithm):
     def _grad_ready(self, bucket: Bucket) -> None:
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
-            bucket.gather_grads()
+            bucket.gather_grads(1.0 / self.transport.world_size)
             if not all_finite(bucket.flat):  # a NaN is never averaged into a peer
                 if self.settings.on_nonfinite != "skip":
                     raise NonFinite("gradient")
@@ -285,15 +306,16 @@ class AllReduce(Algorithm):
             return
         for bucket in self.buckets:
             if self.own_ring:
-                bucket.gather_grads()
+                bucket.gather_grads(1.0 / world)
                 ring_all_reduce(self.transport, bucket.flat)
             elif bucket.handle is None:  # some parameters got no gradient this step
-                bucket.gather_grads()
+                bucket.gather_grads(1.0 / world)
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
-            bucket.flat.div_(world)
+            if not bucket.averaged:
+                bucket.flat.div_(world)
             bucket.scatter_grads()
             bucket.ready, bucket.handle = 0, None
         self._launched = 0
