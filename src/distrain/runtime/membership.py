@@ -374,7 +374,8 @@ class Membership:
 def enter_run(cfg: TrainConfig) -> Membership:
     """Join the running elastic job a launcher restarted this process for (its ``RANK`` is the
     worker's id; the store is at ``MASTER_ADDR:MASTER_PORT``): wait to be admitted at a step's end,
-    then open the group with the members."""
+    then open the group with the members (with parameter servers, no group: the caller opens the
+    servers' link, :func:`~distrain.algorithms.parameter_server.servers_link`)."""
     from distrain.comm.group import backend_for
 
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -383,7 +384,8 @@ def enter_run(cfg: TrainConfig) -> Membership:
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
     c = cfg.cluster
-    return Membership.enter(store, int(os.environ.get("RANK", "0")), min_workers=c.min_workers,
+    servers = cfg.algo.algorithm == "ps"  # the servers admit it, over a link of their own (no group to reopen)
+    return Membership.enter(store, int(os.environ.get("RANK", "0")), reopen=not servers, min_workers=c.min_workers,
                             backend=backend_for(cfg), timeout=c.timeout)
 
 
