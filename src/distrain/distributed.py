@@ -32,10 +32,11 @@ A group of the world (``process_group=``, made with ``torch.distributed.new_grou
 its own, e.g. one data-parallel replica group beside others: allreduce, dpsgd, d2 and diloco, with
 ranks, shards, emulated links and ``slow_worker`` counted inside the group.
 
-Elastic runs (``allreduce``, ``diloco``; ``distrain launch --max-restarts R``): a worker started
-again after its loss joins the others inside ``wrap()``, which returns once it holds their state,
-with ``opt.steps`` where they are; loop with ``while opt.steps < total:``. If the others have
-finished by then, ``wrap()`` exits the process with status 0.
+Elastic runs (``allreduce``, ``diloco``, ``dpsgd``, ``d2``, ``ps`` in sync mode; ``distrain launch
+--max-restarts R``): a worker started again after its loss joins the others inside ``wrap()``,
+which returns once it holds their state (with ``ps``, the servers' parameters), with
+``opt.steps`` where they are; loop with ``while opt.steps < total:``. If the others have finished
+by then, ``wrap()`` exits the process with status 0.
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Subset
 
 from distrain.algorithms import StepContext
-from distrain.algorithms.parameter_server import server_optimizer
-from distrain.assemble import build_algorithm, serve, survives
+from distrain.algorithms.parameter_server import (
+    ParameterServer,
+    admissions,
+    server_optimizer,
+    servers_link,
+)
+from distrain.assemble import build_algorithm, ps_settings, serve, survives
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
@@ -151,7 +157,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
             log.warning("%s; it leaves", exc)
             raise SystemExit(0) from None
         return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                                    owns_group=True, joined=joined)
+                                    owns_group=dist.is_initialized(), joined=joined)  # (ps: a link, no group)
     created = _join(cfg)
     try:
         workers = cfg.cluster.workers
@@ -298,16 +304,26 @@ class DistributedOptimizer:
         #: the group of some of the processes that this optimizer trains in (``wrap(process_group=)``),
         #: else None (the default group)
         self.process_group = process_group
+        # A worker that joins a run with parameter servers talks to them over a link they open with
+        # it (nobody reopens the run's group), where it keeps its rank in the run.
+        to_servers = config.algo.algorithm == "ps" and joined is not None
         # A worker keeps its emulated device and links by its id, whatever its rank; in a group of
         # some of the processes, by its rank in that group.
-        me, world = (joined.me, config.cluster.workers) if joined is not None else (None, None)
+        processes = config.cluster.workers + (config.ps.servers if to_servers else 0)
+        me, world = (joined.me, processes) if joined is not None else (None, None)
         if process_group is not None:
             me, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.emulation = Emulation.from_config(config.network, me, world, seed=config.run.seed,
                                                workers=config.cluster.workers, workers_per_node=config.algo.workers_per_node)
-        self.transport = Transport(process_group, link_model=self.emulation.link_model,
-                                   ids=joined.members if joined else None)
-        self.rank, self.workers = self.transport.rank, dist.get_world_size(workers_group)
+        if to_servers:
+            assert joined is not None
+            self.transport: Transport = servers_link(joined, joined.me, joined.me, ps_settings(config),
+                                                     self.emulation.link_model)
+            self.rank, self.workers = joined.members.index(joined.me), len(joined.members)
+        else:
+            self.transport = Transport(process_group, link_model=self.emulation.link_model,
+                                       ids=joined.members if joined else None)
+            self.rank, self.workers = self.transport.rank, dist.get_world_size(workers_group)
         if broadcast and joined is None:
             _broadcast_from_rank0(model, workers_group)
         self.algorithm = build_algorithm(config.algo.algorithm, config)
@@ -317,7 +333,10 @@ class DistributedOptimizer:
         #: drops the lost ones and adds those that join
         self.ids = list(joined.members) if joined is not None else list(range(self.workers))
         self.id = joined.me if joined is not None else self.rank
-        self.membership = joined or self._elastic_membership()
+        #: parameter servers that admit workers started again (the servers hand them the
+        #: parameters; the workers only record the change): where this worker learns of joins
+        self.joins = joined if to_servers else self._server_admissions()
+        self.membership = None if to_servers else joined or self._elastic_membership()
         if self.membership is not None:
             self.algorithm.keep_local = True
             watch_waits(self.membership.changed)  # this thread's waits leave as soon as a survivor flags a loss
@@ -343,7 +362,11 @@ class DistributedOptimizer:
         self._forward_hook = model.register_forward_pre_hook(self._forward_started, prepend=True)
         self._final: torch.nn.Module | None = None
         if joined is not None:  # the members wait in their step's end for this worker to take their state
-            self._take_state(0)
+            if to_servers:  # the servers hand it their parameters
+                assert isinstance(self.algorithm, ParameterServer)
+                self.steps = self.algorithm.join()
+            else:
+                self._take_state(0)
             self.changes.append(self._joined_change(joined))
             self._started = True
             self._begin()
@@ -352,6 +375,14 @@ class DistributedOptimizer:
     def _joined_change(self, joined: Membership) -> Change:
         members, steps = joined._members_of(joined.epoch)
         return Change(joined.epoch, members, [], steps, time.time(), 0.0, self.steps, joined=[joined.me])
+
+    def _server_admissions(self) -> Membership | None:
+        """Where workers started again ask to join, in an elastic parameter-server run whose
+        launcher starts lost workers again (None otherwise)."""
+        algorithm = self.algorithm
+        if not isinstance(algorithm, ParameterServer) or not algorithm.survives(algorithm.settings):
+            return None
+        return admissions(store_client(self.config.cluster.timeout), self.ids, self.id, algorithm.settings)
 
     def _elastic_membership(self) -> Membership | None:
         """The run's membership when the survivors of a lost worker go on: an elastic algorithm,
@@ -437,6 +468,8 @@ class DistributedOptimizer:
         self.steps += 1
         if self.membership is not None and self.membership.accepts_joins:
             self._admit_joiners()
+        if self.joins is not None:
+            self._note_joined()
         if self.membership is None and (lost := self.algorithm.newly_lost()):
             self._note_lost(lost)
         self.last_compute_seconds = compute
@@ -536,6 +569,29 @@ class DistributedOptimizer:
                                    seconds=max(0.0, time.time() - at), step=self.steps))
         log.warning("worker %d: the servers lost worker(s) %s at step %d; %d workers go on", self.id, sorted(lost),
                     self.steps, self.workers)
+
+    def _note_joined(self) -> None:
+        """At a step's end, in a parameter-server run: when the workers and servers agreed to admit
+        workers started again after this step, the members and the record of the change follow
+        (the servers hand them the parameters), so a loop splits the data again over them. A loss
+        not read from the store yet (a joiner's own earlier one among them) is recorded first."""
+        assert self.joins is not None
+        growth = self.joins.planned_growth(self.steps)
+        if growth is None or growth.at != self.steps:
+            return
+        assert isinstance(self.algorithm, ParameterServer)
+        since = time.perf_counter()
+        change = self.joins.admit(growth, self.steps, since, self.algorithm.live_workers())
+        missed = {i: time.time() for i in self.ids if i not in change.members or i in change.joined}
+        missed.update({i: t for i, t in self.algorithm.newly_lost(force=True).items() if i in self.ids})
+        if missed:
+            self._note_lost(missed)
+        self.algorithm.rejoin(change.joined)
+        self.ids = [i for i in change.members if i in self.ids or i in change.joined]
+        self.workers = len(self.ids)
+        self.changes.append(change)
+        log.info("worker %d: worker(s) %s joined after step %d; %d workers go on", self.id, change.joined,
+                 self.steps, self.workers)
 
     def _admit_joiners(self) -> None:
         """At a step's end: when the members agreed to admit waiting workers after this step,
@@ -715,6 +771,8 @@ class DistributedOptimizer:
         """This worker's training is over (:meth:`finish` begins with it): parameter servers stop
         serving once every worker has ended, and workers they lost on the way are recorded."""
         self.algorithm.end()
+        if self.joins is not None:  # a worker started again from now on finds the run over
+            self.joins.close()
         if self.membership is None and (lost := self.algorithm.newly_lost(force=True)):
             self._note_lost(lost)
 

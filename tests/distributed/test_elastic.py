@@ -316,6 +316,96 @@ def test_parameter_servers_serve_the_workers_left(tmp_path: Path):
     assert not torch.allclose(ps_reference(victim, STEPS), expected, atol=1e-4)
 
 
+def ps_join_reference(victim: int, at: int, back: int, steps: int, lr: float = 0.1,
+                      momentum: float = 0.9) -> torch.Tensor:
+    """What the two servers compute, in their float32 and on their own shards ([0, 5) and [5, 10)):
+    each step the sum of the pushes (a missing one a row of zeros) over the number of workers,
+    then one step of SGD with momentum; ``victim``'s pushes are missing from step ``at`` until it
+    joins after step ``back``."""
+    shards = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(5))]
+    optimizers = [torch.optim.SGD([w], lr=lr, momentum=momentum) for w in shards]
+    for step in range(steps):
+        pushes = torch.zeros(WORKERS, gradient(0, 0).numel())  # float32, as on the wire
+        for r in range(WORKERS):
+            if not (r == victim and at <= step < back):
+                pushes[r] = gradient(r, step)
+        for s, (w, optimizer) in enumerate(zip(shards, optimizers, strict=True)):
+            w.grad = pushes[:, 5 * s : 5 * s + 5].sum(0).div_(WORKERS)
+            optimizer.step()
+    return torch.cat([w.detach() for w in shards]).double()
+
+
+def ps_rejoin(tmp_path: Path, victim: int, at: int, settings: dict) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
+    """Two servers, worker ``victim`` killed as step ``at`` begins and started again (--max-restarts
+    1): the run's process and every worker's result, once nothing of it is left running."""
+    from tests.reliability.common import kill_tagged, tagged
+
+    tag = f"ps-join-{tmp_path.name}"
+    try:
+        done = launch(tmp_path, victim, at, "rejoin", "--servers", "2", "--max-restarts", "1", settings=settings,
+                      env={**os.environ, "DISTRAIN_TEST_TAG": tag})
+        assert tagged(tag) == []
+    finally:
+        kill_tagged(tag)
+    assert done.returncode == 0, done.stderr
+    assert f"rank {victim} failed: killed by SIGKILL; started again, it joins the others with their state" in done.stderr
+    assert done.stderr.count(f"worker {victim} joined the run at step") == 1
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    return done, results
+
+
+def test_a_restarted_worker_joins_the_parameter_servers_again(tmp_path: Path):
+    """Two servers, worker 0 (which started them) killed as step 3 begins and started again
+    (--max-restarts 1): the servers serve the other three, then at a step's end agreed in the
+    launcher's store they open a link to it, send it their parameters of that step and wait for
+    its push again from the next one. No step is lost or applied twice: every worker ends with
+    the servers' parameters, bit for bit; nothing is left running."""
+    victim, at = 0, 3
+    _, results = ps_rejoin(tmp_path, victim, at, {"algorithm": "ps"})
+    lost, joined = results[1]["changes"]
+    assert (lost["event"], lost["workers"], lost["members"]) == ("lost", [0], [1, 2, 3])
+    assert (joined["event"], joined["workers"], joined["members"]) == ("joined", [0], [0, 1, 2, 3])
+    back = joined["joined_at_step"]
+    steps = max(STEPS, back + 4)
+    assert at < back
+    expected = ps_join_reference(victim, at, back, steps)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["ids"] == [0, 1, 2, 3] and result["steps"] == steps, r
+        assert result["changes"][-1] == {**result["changes"][-1], "event": "joined", "joined_at_step": back}, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=0)
+    assert [c["event"] for c in results[0]["changes"]] == ["joined"]  # its own record: it joined
+    # the reference can fail: without the joiner's pushes after it joined, or with them all along
+    assert not torch.allclose(ps_join_reference(victim, at, steps, steps), expected, atol=1e-4)
+    assert not torch.allclose(ps_join_reference(victim, at, at, steps), expected, atol=1e-4)
+
+
+@pytest.mark.slow  # the uncompressed join above runs in CI
+def test_a_restarted_worker_joins_compressed_parameter_servers_again(tmp_path: Path):
+    """The same with top-k pushes, error feedback and momentum correction: worker 2 joins again (its
+    residuals and momentum start from zero: a fresh process), and every worker ends with the
+    servers' parameters, bit for bit."""
+    _, results = ps_rejoin(tmp_path, 2, 3, {"algorithm": "ps", "compress": "topk:0.5", "momentum_correction": "on"})
+    lost, joined = results[0]["changes"]
+    assert (lost["workers"], lost["members"], joined["workers"], joined["members"]) == ([2], [0, 1, 3], [2], [0, 1, 2, 3])
+    steps = max(STEPS, joined["joined_at_step"] + 4)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"], results[0]["weight"], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_worker_cannot_join_servers_that_took_over_a_lost_one(tmp_path: Path):
+    """Server 1 lost at step 3 (the other takes over its parameters), then worker 0 at step 6 and
+    started again: the servers stop the run with one line when it asks to join, not after a
+    timeout waiting for the lost server on the link."""
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:3"}
+    done = launch(tmp_path, 0, 6, "rejoin", "--servers", "2", "--max-restarts", "1", settings={"algorithm": "ps"},
+                  env=env)
+    assert done.returncode == 1
+    assert "the servers took over a lost server's parameters; a worker cannot join such a run" in \
+        done.stderr.strip().splitlines()[-1]
+
+
 def ps_takeover_reference(lost: tuple[int, int], at: int, steps: int = STEPS, lr: float = 0.1,
                           momentum: float = 0.9) -> torch.Tensor:
     """SGD with momentum on every worker's gradient, the momentum of the parameters in ``lost``

@@ -69,6 +69,44 @@ def test_a_restarted_worker_joins_and_ends_with_the_same_parameters(tmp_path):
     assert [line["event"] for line in lines if "event" in line] == ["joined"]
 
 
+@pytest.mark.slow  # the join through wrap() (tests/distributed/test_elastic.py) runs in CI
+def test_a_restarted_worker_joins_the_parameter_servers_again(tmp_path):
+    """--algorithm ps --servers 2 --max-restarts 1: worker 0, killed at step 12, starts again and the
+    servers admit it at a step's end with their parameters; every worker then pushes again, all end
+    with the same parameters (so none lost or took a step twice), and the run ends with four."""
+    run_dir = tmp_path / "run"
+    run = run_cli([*RUN, "--algorithm", "ps", "--servers", "2", "--latency", "50ms", "--max-restarts", "1",
+                   "--checkpoint-every", "1000", "--run-dir", str(run_dir)], DISTRAIN_INJECT_KILL="0:12")
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    assert "worker 0 was killed by SIGKILL; started again, it joins the others with their state" in run.stderr
+    assert len(re.findall(r"worker 0 joined the run at step \d+ with 4 workers", run.stderr)) == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lost, joined = summary["membership"]
+    assert lost["event"] == "lost" and lost["workers"] == [0] and lost["members"] == [1, 2, 3]
+    assert lost["lost_at_step"] >= 12  # the workers read it from the store, up to a second later
+    assert joined["event"] == "joined" and joined["workers"] == [0] and joined["members"] == [0, 1, 2, 3]
+    total, back = summary["steps"], joined["joined_at_step"]
+    assert 12 < back < total and summary["workers_at_end"] == 4 and list(summary["lost_workers"]) == ["0"]
+    assert summary["steps_per_worker"] == [total - back, total, total, total]  # its second life's steps
+    assert summary["wall_time_s"] >= summary["compute_s_per_worker"][1] + summary["exposed_comm_s_per_worker"][1]
+    sent = summary["bytes_sent_per_worker"]
+    assert 0 < sent[0] < sent[1] == sent[2] == sent[3]  # every step's push, the joiner's since it joined
+    models = [CheckpointStore(run_dir, r, 6).load(total)["model"] for r in range(4)]
+    for r in (1, 2, 3):
+        for name, tensor in models[0].items():
+            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+    lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    steps = [line["step"] for line in lines if "loss" in line]
+    first_life = [s for s in steps if s <= 12]  # what its first life had flushed before SIGKILL
+    assert steps == [*range(1, len(first_life) + 1), *range(back + 1, total + 1)]
+    assert [line["event"] for line in lines if "event" in line] == ["joined"]
+    for worker in (1, 2, 3):
+        lines = [json.loads(line) for line in (run_dir / "metrics" / f"rank{worker}.jsonl").read_text().splitlines()]
+        assert [(line["event"], line["workers"]) for line in lines if "event" in line] == [("lost", [0]), ("joined", [0])]
+        assert [line["step"] for line in lines if "loss" in line] == list(range(1, total + 1))
+
+
 def test_a_hung_worker_is_found_by_its_silence_and_left_behind(tmp_path):
     """Worker 2 stops (SIGSTOP) at step 12: its connections stay open, but its heartbeat stops; the
     others find it silent within a few seconds of waiting, go on without it, and when they have

@@ -48,3 +48,12 @@ def test_settings_carry_the_flags():
         servers=2, ps_mode="async", workers_per_node=0, compression=compression,
         run=RunFacts(workers=4, min_workers=1, timeout=60.0, device="cpu", seed=3), max_staleness=2,
         checkpoint_every=5, model="mlp", resume="none", epochs=3.0)
+
+
+def test_a_lost_worker_joins_a_ps_run_again_in_sync_mode_only():
+    from distrain.errors import ConfigError
+
+    TrainConfig(algorithm="ps", servers=2, max_restarts=1).validate()
+    for flags in ({"ps_mode": "async"}, {"workers_per_node": 2}):
+        with pytest.raises(ConfigError, match="--max-restarts"):
+            TrainConfig(algorithm="ps", servers=2, max_restarts=1, **flags).validate()

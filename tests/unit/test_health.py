@@ -76,3 +76,18 @@ def test_a_store_group_gathers_and_sums_over_its_members_only():
         assert [r.tolist() for r in rows] == [[1.0, 10.0], [2.0, 20.0], [4.0, 40.0]]
         assert torch.equal(total, torch.full((2, 2), 7.0))
     assert StoreGroup(store, members, 4).global_rank(2) == 4
+
+
+def test_after_a_join_the_run_closes_over_the_store():
+    """Every process finished, but a worker joined on the way: it is outside the run's first group,
+    so the closing bookkeeping goes through the store over all of them; without a join, the group."""
+    from distrain.algorithms.parameter_server import survivors_transport
+    from distrain.runtime.health import FINISHED_KEY
+    from distrain.runtime.membership import JOINS_KEY
+
+    store = dist.HashStore()
+    store.set(FINISHED_KEY.format(1), "1")
+    assert survivors_transport(store, 0, 2, timeout=5) == (None, {})
+    store.add(JOINS_KEY, 1)
+    group, lost = survivors_transport(store, 0, 2, timeout=5)
+    assert group is not None and group.members == [0, 1] and lost == {}

@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 from distrain.runtime.health import KEY, declare_dead
 from distrain.runtime.membership import (
+    ADMIT_KEY,
     CLOSED_KEY,
+    JOINER_KEY,
     JOINS_KEY,
     RESTARTS_KEY,
     Growth,
@@ -82,6 +84,64 @@ def test_without_restarts_the_members_never_ask():
     assert Membership(store, [0, 1], 0).planned_growth(5) is None
 
 
+def test_workers_and_servers_admit_a_joiner_together_in_order_of_ids():
+    """A parameter-server run: worker 0 was lost and asks to join again. A server (rank 4, which
+    serves workers 1-3) and a worker that has not read the loss yet (so counts worker 0 live) see
+    it at different steps, agree on one step, and both name the same members, worker 0 among them,
+    in order of their ids; the joiner reads its epoch and the members without opening a group."""
+    store = dist.HashStore()
+    store.set(RESTARTS_KEY, "1")
+    declare_dead(store, 0)
+    server, worker = Membership(store, [0, 1, 2, 3], 4), Membership(store, [0, 1, 2, 3], 2)
+    entered: list[Membership] = []
+    joiner = threading.Thread(target=lambda: entered.append(Membership.enter(store, 0, reopen=False, timeout=10)))
+    joiner.start()
+    while not store.check([JOINER_KEY.format(0)]):  # it asked
+        time.sleep(0.01)
+    assert server.planned_growth(7) == worker.planned_growth(6) == Growth(9, 1)
+    by_server = server.admit(Growth(9, 1), 9, time.perf_counter(), live=[1, 2, 3])
+    by_worker = worker.admit(Growth(9, 1), 9, time.perf_counter(), live=[0, 1, 2, 3])
+    for change in (by_server, by_worker):
+        assert (change.members, change.joined, change.lost, change.step, change.epoch) == ([0, 1, 2, 3], [0], [], 9, 1)
+        assert change.record()["event"] == "joined" and change.record()["joined_at_step"] == 9
+    joiner.join(timeout=10)
+    [admitted] = entered
+    assert (admitted.epoch, admitted.members, admitted.admitted) == (1, [0, 1, 2, 3], 1)
+    assert not dist.is_initialized() and not store.check(["distrain/0/dead/0"])  # alive again
+    assert server.planned_growth(10) is None  # nobody else waits
+
+
+class AdmittedWhileLooking:
+    """A store in which the members admit the joiner, then close, between its first look for its
+    admission and its look for the run's end."""
+
+    def __init__(self, store: dist.HashStore, admit: object) -> None:
+        self.store, self.admit, self.looked = store, admit, False
+
+    def check(self, keys: list[str]) -> bool:
+        if keys == [ADMIT_KEY.format(0)] and not self.looked:
+            self.looked = True
+            self.admit()
+            return False
+        return self.store.check(keys)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+
+def test_a_joiner_admitted_just_before_the_members_closed_still_joins():
+    store = dist.HashStore()
+    store.set(RESTARTS_KEY, "1")
+    member = Membership(store, [0, 1, 2], 0)
+
+    def admit_and_close() -> None:
+        member.admit(member.planned_growth(5), 7, time.perf_counter(), live=[0, 1, 2])  # type: ignore[arg-type]
+        member.close()
+
+    joiner = Membership.enter(AdmittedWhileLooking(store, admit_and_close), 3, reopen=False, timeout=5)  # type: ignore[arg-type]
+    assert joiner.members == [0, 1, 2, 3] and joiner.epoch == 1
+
+
 def test_a_joiner_after_the_end_is_told_so():
     store = dist.HashStore()
     store.set(CLOSED_KEY, "1")
@@ -117,3 +177,24 @@ def test_the_survivors_split_every_sample_between_them(algorithm):
         assert (schedule is before) == (algorithm == "ps")
         assert schedule.peak_lr == pytest.approx(before.peak_lr * (1 if algorithm == "ps" else 3 / 4))
     assert sorted(seen) == list(range(120))
+
+
+def test_after_a_join_every_worker_trains_on_its_first_shard_again():
+    """A parameter-server run admits a joiner with the members in order of their ids: the split
+    over the four is the first one, so the joiner gets its own shard back and so does everyone."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from distrain.algorithms import ALGORITHMS
+    from distrain.config import TrainConfig
+    from distrain.train.loop import lr_schedule, regroup, split
+
+    cfg = TrainConfig.from_dict({"algorithm": "ps", "workers": 4, "batch_size": 8})
+    data = TensorDataset(torch.zeros(120, 1), torch.zeros(120, dtype=torch.long))
+    first = split(cfg, data, 4)
+    schedule, _ = lr_schedule(cfg, 4, 0, 100)
+    for me in range(4):
+        opt = SimpleNamespace(workers=4, ids=[0, 1, 2, 3], id=me, algorithm=ALGORITHMS["ps"])
+        sampler, _, global_batch = regroup(cfg, opt, data, schedule)  # type: ignore[arg-type]
+        assert sampler.indices.tolist() == first[me].tolist() and global_batch == 32

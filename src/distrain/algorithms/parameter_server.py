@@ -69,6 +69,18 @@ servers lost (:meth:`ParameterServer.newly_lost`): the loss becomes a change of 
 scale it). At the end the survivors and the servers each register as
 finished and close the run over those that did (:func:`survivors_transport`).
 
+A lost worker joins again when the launcher starts it again (``--max-restarts``): it asks in the
+store (:meth:`~distrain.runtime.membership.Membership.enter`), and the workers and the servers,
+each looking there at every step's end, agree on the step after which it joins, two steps after
+the first of them saw it (:func:`admissions`). After that round each server opens a link with it
+(:func:`servers_link`: a gloo group of the servers and the worker, since nobody can enter the
+run's group again) and sends it its shard of the parameters; the worker takes them and that step
+(:meth:`ParameterServer.join`), and from the next round on every server waits for its push again,
+summing the live workers' gradients over ``--workers`` as always. The servers are the live state:
+no checkpoint is read, the optimizer state stays on them, and the worker's own error-feedback
+residuals start from zero. The workers record the change (the members, in order of their ids, so
+``distrain train`` gives every worker its shard of the first split back).
+
 A lost server (uncompressed pushes, two servers or more): every worker finds its push or pull
 failing, and once the server is declared dead the workers agree in the store that they all lost
 it at the same step (it answered nobody; pulls land in a spare buffer, so each worker still holds
@@ -77,8 +89,8 @@ the last parameters it answered). The live servers split its ranges between them
 every worker's gradient and a fresh optimizer state (logged), and serve their shard and pieces as
 one from then on: no step lost or applied twice. A server lost while it answered some workers and
 not others, a hung worker, async mode, node groups and a lost server with compressed pushes (or
-the only one) still stop the run; a lost worker is not started again, and a run whose servers
-took over another's cannot resume from its checkpoints.
+the only one) still stop the run; a run whose servers took over another's cannot resume from its
+checkpoints, nor can a worker join it.
 
 The servers step the workers' optimizer on their shards: the same class and hyperparameters
 (:func:`server_optimizer`; one parameter group, or groups that differ only in their
@@ -113,6 +125,7 @@ import torch.distributed as dist
 
 from distrain.algorithms.base import Algorithm, RunFacts, StepContext
 from distrain.algorithms.hierarchical import NodeGroups, node_process_groups
+from distrain.comm.link import LinkTransport, open_link
 from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo
@@ -125,11 +138,13 @@ from distrain.errors import ConfigError, WorkerFailure
 from distrain.optim.optimizers import LARS
 from distrain.runtime.faults import FaultWatch, is_comm_error, maybe_injected_kill, store_client
 from distrain.runtime.health import DEAD_KEY, declare_dead, declared_dead, finishers
+from distrain.runtime.membership import JOINS_KEY, RESTARTS_KEY, Membership
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
 
 if TYPE_CHECKING:
     from distrain.emulation import Emulation
+    from distrain.emulation.link import LinkModel
 
 log = logging.getLogger(__name__)
 
@@ -489,15 +504,37 @@ def survivors_transport(store: dist.Store | None, rank: int, world: int,
                         timeout: float) -> tuple[StoreGroup | None, dict[int, float]]:
     """After serving or training (every process of an elastic parameter-server run calls it):
     the processes that finished, as a group over ``store`` (the rendezvous store) for the closing
-    bookkeeping (None when all did), and the workers lost on the way (global rank -> when declared
-    dead)."""
+    bookkeeping (None when all did and the run's group is whole: nobody joined, a worker started
+    again being outside it), and the workers lost on the way (global rank -> when declared dead)."""
     if store is None:
         return None, {}
     finished = finishers(store, rank, world, timeout)
     lost = {r: float(store.get(DEAD_KEY.format(r)).decode()) for r in range(world) if r not in finished}
-    if not lost:
+    if not lost and int(store.add(JOINS_KEY, 0)) == 0:
         return None, {}
     return StoreGroup(store, finished, rank, timeout), lost
+
+
+def admissions(store: dist.Store | None, workers: list[int], me: int, settings: PSSettings) -> Membership | None:
+    """Where workers that a launcher starts again ask to join an elastic run (None: it starts
+    none, or the run is not elastic): the workers and the servers each look there at every step's
+    end, and admit them together at the step agreed in the store (see
+    :meth:`~distrain.runtime.membership.Membership.admit`)."""
+    if store is None or not elastic_servers(settings) or not store.check([RESTARTS_KEY]):
+        return None
+    return Membership(store, list(workers), me, timeout=settings.run.timeout)
+
+
+def servers_link(membership: Membership, worker: int, me: int, settings: PSSettings,
+                 link_model: LinkModel | None = None) -> LinkTransport:
+    """The link between every server and ``worker``, admitted in ``membership``'s current epoch
+    (each of them opens it; ``me``: this process's rank in the run). Its ranks are the run's: the
+    servers after the ``--workers`` workers. Workers join only in local runs, whose processes
+    listen on the store's address (``MASTER_ADDR``, loopback by default)."""
+    workers = settings.run.workers
+    servers = [workers + s for s in range(settings.servers)]
+    return open_link(membership.store_prefix(f"servers/{worker}"), [*servers, worker], me, workers + settings.servers,
+                     settings.run.timeout, link_model, host=os.environ.get("MASTER_ADDR", "127.0.0.1"))
 
 
 #: How often a worker of an elastic run looks in the store for workers the servers lost (seconds).
@@ -546,6 +583,9 @@ class ParameterServer(Algorithm):
         self._store: Any = None  # the rendezvous store, to read which workers the servers lost
         self._known_lost: set[int] = set()
         self._lost_checked = time.monotonic()
+        #: workers that joined the run again after their loss (this one too, if it did); they
+        #: lead nothing (their counters cover their last life only)
+        self.rejoined: set[int] = set()
         c = settings.compression
         self.push: ShardPush | None = None
         self.ratio, self.momentum, self.weight_decay = 1.0, 0.0, 0.0
@@ -580,6 +620,8 @@ class ParameterServer(Algorithm):
     def start(self, total_steps: int, steps_per_epoch: int) -> None:
         """Worker 0 tells every server its shard size and the run length, and sends the start values
         (and the optimizer state to start from, after :meth:`load_server_state`)."""
+        if self._started:  # a worker that joined a running job (:meth:`join`)
+            return
         self._started = True
         if self.transport.rank != 0:
             return
@@ -778,6 +820,44 @@ class ParameterServer(Algorithm):
                                 f"at steps {seen}); its parameters differ between workers and it cannot be taken over")
         return live[0]
 
+    def join(self) -> int:
+        """This worker was started again and the servers admitted it (its transport is their
+        link, :func:`servers_link`): take every server's parameters of the step after which they
+        admitted it, and that step (returned), where this worker's clock goes on from. The
+        servers hold the optimizer state; a worker keeps none of its own but its error-feedback
+        residuals (and momentum, under momentum correction), which start again from zero."""
+        steps = set()
+        header = torch.zeros(2, dtype=torch.int64)
+        for server, (lo, hi) in zip(self.servers, self.bounds, strict=True):
+            self.transport.recv(header, server).wait()
+            step, numel = (int(v) for v in header.tolist())
+            if numel != hi - lo:
+                raise WorkerFailure(f"worker {self.transport.rank}: server {server - self.num_workers} announced "
+                                    f"{numel} parameters for its shard of {hi - lo}")
+            self.transport.recv(self.flat[lo:hi], server).wait()
+            steps.add(step)
+        if len(steps) != 1:
+            raise WorkerFailure(f"worker {self.transport.rank}: the servers admitted it after different steps {sorted(steps)}")
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.clock, self._started = steps.pop(), True
+        self.rejoined.add(self.transport.rank)
+        self._known_lost = set(range(self.num_workers)) - set(self.live_workers())  # lost before it joined
+        return self.clock
+
+    def rejoin(self, workers: list[int]) -> None:
+        """``workers`` joined again after their loss: a later loss of theirs is news again."""
+        self._known_lost.difference_update(workers)
+        self.rejoined.update(workers)
+
+    def live_workers(self) -> list[int]:
+        """The workers the servers have not declared dead (elastic runs; all of them otherwise)."""
+        store = self._store_client()
+        return [r for r in range(self.num_workers) if store is None or not declared_dead(store, r)]
+
     def apply_update(self, ctx: StepContext) -> None:
         """The servers took the optimizer step."""
 
@@ -798,8 +878,8 @@ class ParameterServer(Algorithm):
         if not self._settled:
             assert self.transport is not None
             self._settled = True
-            self._control, lost = survivors_transport(self._store_client(), dist.get_rank(), dist.get_world_size(),
-                                                      self.settings.run.timeout)
+            self._control, lost = survivors_transport(self._store_client(), self.transport.rank,
+                                                      self.transport.world_size, self.settings.run.timeout)
             self.lost_workers = {r: t for r, t in lost.items() if r < self.num_workers}
             self.lost_servers = {r - self.num_workers: t for r, t in lost.items() if r >= self.num_workers}
         return self._control
@@ -820,12 +900,18 @@ class ParameterServer(Algorithm):
         return new
 
     def leads(self, transport: Transport) -> bool:
-        """In an elastic run, while training: the first worker the servers have not lost."""
-        if self._ended or not elastic_servers(self.settings):
+        """In an elastic run: the first worker the servers have not lost (once training ended, the
+        first that finished), of those in the run from its start when there are any."""
+        if not elastic_servers(self.settings):
             return super().leads(transport)
-        store = self._store_client()
-        live = [r for r in range(self.num_workers) if not declared_dead(store, r)]
-        return bool(live) and transport.rank == live[0]
+        if self._ended:
+            control = self.control_transport()
+            live = [r for r in (control.members if control is not None else range(self.num_workers))
+                    if r < self.num_workers]
+        else:
+            live = self.live_workers()
+        first = [r for r in live if r not in self.rejoined] or live
+        return bool(first) and self.transport.rank == first[0]
 
     def _store_client(self) -> Any:
         """The rendezvous store (a client made on first use; None without one)."""
@@ -904,6 +990,11 @@ class ShardServer:
         if loaded is not None:
             self.load_optimizer_state(loaded)
         self._store: Any = None  # the rendezvous store, where lost workers are declared (elastic runs)
+        self._links: dict[int, Transport] = {}  # pusher row -> the link opened when its worker joined
+        self._opened: list[Transport] = []  # every link opened, for the counters
+        #: elastic runs whose launcher starts lost workers again: where they ask to join
+        self.joins = admissions(self._store_client() if elastic_servers(settings) else None, self.pushers,
+                                transport.rank, settings)
         self.layout: ShardLayout | None = None  # every server's ranges, from the first takeover on
         self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
         c = settings.compression
@@ -929,21 +1020,27 @@ class ShardServer:
         self.updates, self.steps, self.clocks = int(state.get("updates", 0)), int(state.get("steps", 0)), clocks
         self.resume_step = self.steps
 
-    def _recv_header(self, out: torch.Tensor, worker: int) -> None:
+    def _peer(self, i: int) -> Transport:
+        """The transport to pusher row ``i``: the run's, or the link opened when it joined."""
+        return self._links.get(i, self.transport)
+
+    def _recv_header(self, out: torch.Tensor, worker: int, transport: Transport | None = None) -> None:
         """``worker``'s next push header into ``out``, answering its requests for the optimizer
         state on the way (:data:`STATE`)."""
+        transport = transport or self.transport
         while True:
-            self.transport.recv(out, worker).wait()
+            transport.recv(out, worker).wait()
             if int(out[0]) != STATE:
                 return
-            send_state(self.transport, self.optimizer_state(), worker)
+            send_state(transport, self.optimizer_state(), worker)
 
-    def _recv_push(self, out: torch.Tensor, worker: int) -> Handle | None:
+    def _recv_push(self, out: torch.Tensor, worker: int, transport: Transport | None = None) -> Handle | None:
         """Receive ``worker``'s gradient push into ``out``: a handle to wait for when dense, else
         decoded here (a compressed push's size is known only once its header arrived)."""
+        transport = transport or self.transport
         if self.decoder is None:
-            return self.transport.recv(out, worker)
-        out.copy_(self.decoder.recv(self.transport, worker))
+            return transport.recv(out, worker)
+        out.copy_(self.decoder.recv(transport, worker))
         return None
 
     def _step(self, grad: torch.Tensor, lr: float, weight: float = 1.0) -> None:
@@ -985,7 +1082,8 @@ class ShardServer:
             if self.watch is not None:
                 self.watch.step = step
             for i in list(live):
-                self._with_worker(i, live, step, grads, lambda i=i: self._recv_header(headers[i], pushers[i]))
+                self._with_worker(i, live, step, grads,
+                                  lambda i=i: self._recv_header(headers[i], pushers[i], self._peer(i)))
             clocks = headers[live, 0]
             if bool((clocks == STOP).all()):
                 break
@@ -996,16 +1094,19 @@ class ShardServer:
                 raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers "
                                     f"{[pushers[i] for i in live]} sent clocks {clocks.tolist()} (-1: training ended)")
             for i in list(live):
-                self._with_worker(i, live, step, grads,
-                                  lambda i=i, grads=grads: (h := self._recv_push(grads[i], pushers[i])) and h.wait())
+                self._with_worker(i, live, step, grads, lambda i=i, grads=grads:
+                                  (h := self._recv_push(grads[i], pushers[i], self._peer(i))) and h.wait())
             lr = float(headers[live, 1].clone().view(torch.float64).mean())
             self._step(grads.sum(0).div_(self.num_workers), lr)
-            handles = {i: self._with_worker(i, live, step, grads, lambda i=i: self.transport.send(self.shard.data, pushers[i]))
+            handles = {i: self._with_worker(i, live, step, grads,
+                                            lambda i=i: self._peer(i).send(self.shard.data, pushers[i]))
                        for i in list(live)}
             for i, h in handles.items():
                 if h is not None:
                     self._with_worker(i, live, step, grads, h.wait)
             step = self.steps = step + 1
+            if self.joins is not None:  # workers started again join after this round
+                self._admit_joiners(step, live)
             if every and step % every == 0:
                 self.save(step)
             self._stop_requested(step - 1)
@@ -1025,7 +1126,7 @@ class ShardServer:
             raise WorkerFailure(f"server {self.index}: a takeover announced by some workers only (clocks {clocks.tolist()})")
         messages = torch.zeros(len(pushers), TAKEOVER_FIELDS, dtype=torch.int64)
         for i in list(live):
-            self._with_worker(i, live, step, grads, lambda i=i: self.transport.recv(messages[i], pushers[i]).wait())
+            self._with_worker(i, live, step, grads, lambda i=i: self._peer(i).recv(messages[i], pushers[i]).wait())
         if not live or not bool((messages[live] == messages[live[0]]).all()):
             raise WorkerFailure(f"server {self.index}: workers disagree on a takeover: {messages[live].tolist()}")
         lost, leader, redone, numel = messages[live[0]].tolist()
@@ -1039,17 +1140,17 @@ class ShardServer:
             return grads
         n = sum(hi - lo for lo, hi in pieces)
         piece = torch.nn.Parameter(torch.empty(n))
-        self.transport.recv(piece.data, leader).wait()
+        self._peer(pushers.index(leader)).recv(piece.data, leader).wait()
         pushed = torch.zeros(len(pushers), n)
         for i in list(live):
-            self._with_worker(i, live, step, pushed, lambda i=i: self.transport.recv(pushed[i], pushers[i]).wait())
+            self._with_worker(i, live, step, pushed, lambda i=i: self._peer(i).recv(pushed[i], pushers[i]).wait())
         fresh = type(self.optimizer)([piece], **optimizer_settings(self.optimizer))  # type: ignore[arg-type]
         piece.grad = pushed.sum(0).div_(self.num_workers)
         lr = float(headers[live, 1].clone().view(torch.float64).mean())
         for group in fresh.param_groups:
             group["lr"] = lr * self.lr_factor
         fresh.step()
-        handles = {i: self._with_worker(i, live, step, pushed, lambda i=i: self.transport.send(piece.data, pushers[i]))
+        handles = {i: self._with_worker(i, live, step, pushed, lambda i=i: self._peer(i).send(piece.data, pushers[i]))
                    for i in list(live)}
         for i, h in handles.items():
             if h is not None:
@@ -1058,6 +1159,35 @@ class ShardServer:
         log.warning("server %d: took over parameters %s of lost server %d at step %d (from worker %d's copy); their "
                     "optimizer state starts from zero", self.index, pieces, lost, step, leader)
         return torch.zeros(len(pushers), self.shard.numel())
+
+    def _admit_joiners(self, step: int, live: list[int]) -> None:
+        """After round ``step``: when the workers and servers agreed (in the store) to admit workers
+        started again after this step, open a link to each, send it this server's parameters of
+        the step, and from the next round on wait for its push again."""
+        assert self.joins is not None
+        growth = self.joins.planned_growth(step)
+        if growth is None or growth.at != step:
+            return
+        change = self.joins.admit(growth, step, time.perf_counter(), [self.pushers[i] for i in live])
+        if change.joined and self.layout is not None:  # the link would wait for the lost server
+            raise WorkerFailure(f"server {self.index}: worker(s) {change.joined} asked to join after step {step}, but "
+                                "the servers took over a lost server's parameters; a worker cannot join such a run")
+        for worker in change.joined:
+            i = self.pushers.index(worker)
+            if i in live:  # its loss was never seen here: its row would count twice
+                raise WorkerFailure(f"server {self.index}: worker {worker} joined after step {step}, but this "
+                                    "server was still serving its earlier process")
+            link = servers_link(self.joins, worker, self.transport.rank, self.settings, self.transport.link_model)
+            for h in [link.send(torch.tensor([step, self.shard.numel()], dtype=torch.int64), worker),
+                      link.send(self.shard.data, worker)]:
+                h.wait()
+            self._links[i] = link
+            self._opened.append(link)
+            live.append(i)
+            live.sort()
+            if worker in self.lost_pushers:
+                self.lost_pushers.remove(worker)
+            log.info("server %d: worker %d joined after step %d; serving %d", self.index, worker, step, len(live))
 
     def _with_worker(self, i: int, live: list[int], step: int, grads: torch.Tensor, fn: Any) -> Any:
         """``fn()``, an exchange with pusher row ``i`` (its result; None once the worker is lost);
@@ -1163,8 +1293,11 @@ class ShardServer:
 
     def totals(self) -> RunTotals:
         """This server's counters over the run so far, every segment (a row that trained no samples)."""
-        stats = self.transport.stats
-        row = [0.0, 0.0, time.perf_counter() - self.started, 0.0, stats.comm_seconds, *stats.sent, *stats.received,
+        every = [self.transport.stats, *(link.stats for link in self._opened)]
+        sent = [sum(column) for column in zip(*(t.sent for t in every), strict=True)]
+        received = [sum(column) for column in zip(*(t.received for t in every), strict=True)]
+        busy = sum(t.comm_seconds for t in every)
+        row = [0.0, 0.0, time.perf_counter() - self.started, 0.0, busy, *sent, *received,
                time.process_time() - self.cpu_started]
         return self.earlier.plus(row, 0.0, None)
 

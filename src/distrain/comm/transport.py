@@ -245,9 +245,13 @@ class Transport:
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, link_model: LinkModel | None = None,
                  ids: list[int] | None = None) -> None:
+        self._open(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), link_model, ids)
+
+    def _open(self, process_group: dist.ProcessGroup | None, rank: int, world_size: int,
+              link_model: LinkModel | None, ids: list[int] | None) -> None:
         self.group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self.rank = rank
+        self.world_size = world_size
         self.stats = TransportStats(sent=[0] * self.world_size, received=[0] * self.world_size)
         delays = link_model is not None and link_model.delays_messages and self.world_size > 1
         self.link_model = link_model if delays else None

@@ -213,14 +213,17 @@ def run_role(cfg: TrainConfig, rank: int, world: int, run_dir: str | Path, **use
 @dataclass
 class Restarts:
     """How many lost workers may still be started again (``--max-restarts``), and how:
-    ``start(rank)`` starts a process that joins the others."""
+    ``start(rank)`` starts a process that joins the others. Only the first ``workers`` ranks are
+    workers (None: every rank); a lost parameter server is not started again."""
 
     left: int
     start: Callable[[int], Any]
+    workers: int | None = None
 
     def __call__(self, rank: int) -> Any:
-        """The process started again for ``rank``, or None when no restart is left."""
-        if self.left <= 0:
+        """The process started again for ``rank``, or None when no restart is left (or it is a
+        server's)."""
+        if self.left <= 0 or (self.workers is not None and rank >= self.workers):
             return None
         self.left -= 1
         return self.start(rank)

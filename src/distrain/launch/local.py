@@ -291,7 +291,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
             p.start()
         _supervise(list(procs), grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
                    signals=signals, survivable=survives, store=store,
-                   restart=Restarts(cfg.cluster.max_restarts, start_again) if survives else None)
+                   restart=Restarts(cfg.cluster.max_restarts, start_again, cfg.cluster.workers) if survives else None)
     except Interrupted:
         from distrain.runtime.checkpoint import CheckpointStore
 

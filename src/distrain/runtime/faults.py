@@ -112,9 +112,11 @@ class StopRequest:
 
 
 def store_client(timeout: float = 10.0) -> dist.TCPStore | None:
-    """A client of the rendezvous store (None for a single process or no store address)."""
+    """A client of the rendezvous store (None for a single process or no store address). A
+    process without a default group has one when the store is named: a worker that joined a
+    parameter-server run talks to the servers over a link of its own."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not host or not port or (dist.is_initialized() and dist.get_world_size() == 1):
         return None
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 

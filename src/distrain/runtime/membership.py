@@ -268,7 +268,8 @@ class Membership:
         The first member to see a joiner proposes ``steps + 2`` (compare-and-set: one proposal
         wins), or the first step count after it that ``align`` allows (an outer round's end).
         Synchronous members are at most one step apart and each asks at every step's end, so none
-        has passed the agreed step when it learns it."""
+        has passed the agreed step when it learns it (synchronous parameter servers ask at every
+        round's end too: they and the workers are at most one step apart as well)."""
         if self.growth is not None:
             return self.growth
         if not self.accepts_joins:
@@ -284,19 +285,47 @@ class Membership:
     def grow(self, growth: Growth, steps: int, since: float) -> Change:
         """Admit the joiners of ``growth`` (collective with them): the next epoch's members are
         this one's and then the joiners, each told its epoch; the group is opened again."""
-        joiners = [int(self.store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, growth.count)]
-        joined = [j for j in dict.fromkeys(joiners) if j not in self.members]
+        joined = [j for j in self._joiners(growth) if j not in self.members]
+        done = self._settle(growth, [*self.members, *joined], steps)
+        self._reopen()
+        return self._grown(steps, since, joined, done)
+
+    def admit(self, growth: Growth, steps: int, since: float, live: list[int]) -> Change:
+        """Admit the joiners of ``growth`` into a run whose group stays as it is (parameter
+        servers: they open a link to each joiner themselves, and the workers only record it).
+        The next epoch's members are ``live`` (the workers not declared dead, as this process
+        sees them) and the joiners, in order of their ids; every proposal names every joiner, and
+        the first one is everyone's."""
+        joined = self._joiners(growth)
+        done = self._settle(growth, sorted({*live, *joined}), steps)
+        return self._grown(steps, since, joined, done)
+
+    def _joiners(self, growth: Growth) -> list[int]:
+        """The ids of the joiners ``growth`` admits, once each, in the order they asked."""
+        asked = (int(self.store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, growth.count))
+        return list(dict.fromkeys(asked))
+
+    def _settle(self, growth: Growth, proposal: list[int], steps: int) -> dict[int, int]:
+        """Propose the next epoch's members (compare-and-set: the first proposal wins), tell each
+        joiner of ``growth`` its epoch, and take the agreed members; returns each one's steps."""
         nxt = self.epoch + 1
-        proposal = ",".join(f"{m}:{steps}" for m in [*self.members, *joined])
-        self.store.compare_set(self._key("members", nxt), "", proposal)
+        self.store.compare_set(self._key("members", nxt), "", ",".join(f"{m}:{steps}" for m in proposal))
         for n in range(self.admitted, growth.count):
             self.store.compare_set(ADMIT_KEY.format(n), "", f"{nxt}:{growth.count}")
-        members, done = self._members_of(nxt)
-        self.epoch, self.members, self.admitted, self.growth = nxt, members, growth.count, None
-        self._reopen()
-        change = Change(self.epoch, members, [], done, time.time(), time.perf_counter() - since, steps, joined=joined)
+        self.members, done = self._members_of(nxt)
+        self.epoch, self.admitted, self.growth = nxt, growth.count, None
+        return done
+
+    def _grown(self, steps: int, since: float, joined: list[int], done: dict[int, int]) -> Change:
+        change = Change(self.epoch, list(self.members), [], done, time.time(), time.perf_counter() - since, steps,
+                        joined=joined)
         self.changes.append(change)
         return change
+
+    def store_prefix(self, name: str) -> dist.PrefixStore:
+        """The store under this epoch's key ``name``: where processes that all name it meet (e.g.
+        to open a group between the parameter servers and a worker they admitted)."""
+        return dist.PrefixStore(self._key(name), self.store)
 
     def close(self) -> None:
         """This member has stopped stepping: workers still waiting to join are told the run ended."""
@@ -308,16 +337,18 @@ class Membership:
         return [int(m) for m, _ in pairs], {int(m): int(s) for m, s in pairs}
 
     @classmethod
-    def enter(cls, store: dist.Store, me: int, **kwargs: object) -> Membership:
+    def enter(cls, store: dist.Store, me: int, reopen: bool = True, **kwargs: object) -> Membership:
         """Join a running elastic run as worker ``me`` (a restarted or new process): ask, wait for
         the members to admit this worker at a step's end (at most ``timeout`` seconds), and open
-        the group with them. The caller then takes a member's state (collective)."""
+        the group with them (``reopen``; not in a run with parameter servers, which open a link
+        to it instead). The caller then takes a member's state (collective)."""
         timeout = float(kwargs.get("timeout", 120.0))  # type: ignore[arg-type]
         n = int(store.add(JOINS_KEY, 1)) - 1
         store.set(JOINER_KEY.format(n), str(me))
         deadline = time.monotonic() + timeout
         while not store.check([ADMIT_KEY.format(n)]):
-            if store.check([CLOSED_KEY]):
+            # (admitted just before the members closed: it joins, and finds the run at its end)
+            if store.check([CLOSED_KEY]) and not store.check([ADMIT_KEY.format(n)]):
                 raise RunEnded(f"worker {me} was started again, but the others had finished training")
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"worker {me} asked to join the run but was not admitted within {timeout:g} s")
@@ -326,7 +357,8 @@ class Membership:
         store.delete_key(DEAD_KEY.format(me))  # alive again
         membership = cls(store, [me], me, epoch=epoch, admitted=admitted, **kwargs)  # type: ignore[arg-type]
         membership.members, _ = membership._members_of(epoch)
-        membership._reopen()
+        if reopen:
+            membership._reopen()
         return membership
 
     def _reopen(self) -> None:
@@ -342,7 +374,8 @@ class Membership:
 def enter_run(cfg: TrainConfig) -> Membership:
     """Join the running elastic job a launcher restarted this process for (its ``RANK`` is the
     worker's id; the store is at ``MASTER_ADDR:MASTER_PORT``): wait to be admitted at a step's end,
-    then open the group with the members."""
+    then open the group with the members (with parameter servers, no group: the caller opens the
+    servers' link, :func:`~distrain.algorithms.parameter_server.servers_link`)."""
     from distrain.comm.group import backend_for
 
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -351,7 +384,8 @@ def enter_run(cfg: TrainConfig) -> Membership:
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
     c = cfg.cluster
-    return Membership.enter(store, int(os.environ.get("RANK", "0")), min_workers=c.min_workers,
+    servers = cfg.algo.algorithm == "ps"  # the servers admit it, over a link of their own (no group to reopen)
+    return Membership.enter(store, int(os.environ.get("RANK", "0")), reopen=not servers, min_workers=c.min_workers,
                             backend=backend_for(cfg), timeout=c.timeout)
 
 

@@ -210,7 +210,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         cfg, rank, world, train_set, test_set, workers_group, task, collective=not joining)
 
     # --- resume: the checkpoint this worker continues from, if any ------------------------------
-    store = CheckpointStore(run_dir, rank, world if joining else dist.get_world_size())  # servers save their shards too
+    servers = cfg.ps.servers if cfg.algo.algorithm == "ps" else 0
+    store = CheckpointStore(run_dir, rank, world + servers if joining else dist.get_world_size())  # servers save their shards too
     resume_step = store.resolve(cfg.run.resume) if not joining else None  # a joiner takes live state
     # A worker lost before that checkpoint has no file in it: it starts from a member's, as one
     # that joins a running job takes a member's state.
@@ -464,7 +465,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(), lost())
     mine = torch.tensor(run.row, dtype=torch.float64)
     elastic = opt.membership is not None
-    rows = [[0.0] * len(mine) for _ in range(world if elastic else dist.get_world_size())]  # lost: zeros
+    rows = [[0.0] * len(mine) for _ in range(world if elastic else transport.world_size)]  # lost: zeros
     control = algorithm.control_transport() or transport  # the survivors, if workers were lost
     if elastic:  # the members' rows, by worker id
         for i, row in enumerate(opt.control_all_gather(mine)):
@@ -480,7 +481,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                          **({"lost_servers": {str(s): t for s, t in sorted(algorithm.lost_servers.items())}}
                             if algorithm.lost_servers else {})},
                         membership=run.changes, stopped_at_target=stopped_at_target,
-                        workers_at_end=opt.workers if elastic else world - len(lost()),
+                        workers_at_end=opt.workers if elastic or opt.joins is not None else world - len(lost()),
                         leader=opt.id if opt.changes else None,
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
     if elastic:
