@@ -1,0 +1,150 @@
+"""Sharded parameter servers: workers push gradients, servers update their shard, workers pull.
+
+The flat parameter vector is cut into ``--servers`` equal shards (balanced by bytes; a shard may
+span several tensors). Each step every worker sends each server the gradient of its shard and
+receives the shard's new parameters; the server owns the optimizer state of its shard.
+
+Modes:
+    sync: a server waits for all workers' gradients of a step, averages them, takes one
+        optimizer step, and answers everyone (equal to all-reduce SGD).
+    async: a server applies each push as it arrives (gradient / workers, one optimizer step per
+        push) and answers that worker at once, unless the worker is more than
+        ``--max-staleness`` pushes ahead of the slowest worker: then its answer waits
+        (stale-synchronous parallel). With ``--max-staleness 0`` and SGD (with or without
+        momentum) this is the sync result, up to the order of floating-point additions.
+
+        Momentum must not act once per push: a round of P pushes would then apply the
+        momentum P times on gradients all computed before the round, which diverges at
+        learning rates sync trains well with. With SGD the server keeps sync's heavy-ball
+        momentum per round (:class:`RoundMomentumSGD`): push i of a round moves the shard by
+        ``lr * (momentum * M / P + g_i)`` and the buffer ``M`` becomes ``momentum * M + sum g_i``
+        once the round's P pushes are in, exactly one sync step per round when no push is stale.
+        Adam steps once per push with ``lr / P`` and ``beta1 ** (1/P)``. A gradient computed on
+        parameters ``tau`` rounds old (more than a round of other pushes applied since its
+        worker's pull) counts ``1 / (1 + tau)`` (staleness-aware SGD, Zhang et al. 2016).
+
+        Asynchrony itself acts as momentum (Mitliagkas et al. 2016): with ``--max-staleness``
+        above 0, P pushers applying gradients some pushes old behave like SGD with an implicit
+        momentum of about ``1 - 1/P``. Added to an explicit 0.9 this overshoots at the rates
+        sync trains well with (the default job lost 2-10 points at ``--max-staleness 2``), so
+        the servers lower the explicit momentum to keep the total inertia at the configured
+        value: ``(1 - explicit) * (1/P) = 1 - momentum``, i.e.
+        ``explicit = max(0, 1 - P * (1 - momentum))`` (:func:`async_momentum`; 0.6 for 4
+        pushers and 0.9). ``--max-staleness 0`` holds every answer until the round is complete,
+        has no implicit momentum, and keeps the configured value.
+
+With ``--compress`` (other than none) each worker compresses the gradient of each shard, with
+error feedback kept per shard, and the server decodes every push to a dense gradient before
+summing; pulls stay dense. The density warm-up sends dense pushes; every worker may push a
+different ratio at every step (:meth:`~distrain.algorithms.base.Algorithm.compress_ratio`).
+With a sparsifier, SGD with momentum and ``--momentum-correction on`` (the default), the workers
+apply momentum and weight decay before compressing (Deep Gradient Compression) and the servers
+step with plain SGD.
+
+Hierarchical (``--workers-per-node K``): workers first sum their gradients inside their node
+(:mod:`~distrain.algorithms.hierarchical`); only each node's leader pushes the node's sum to the
+servers and pulls the parameters, which it then broadcasts inside the node. A server divides the
+sum of the pushes by the number of workers, so this is the flat result; in async mode a node's
+push counts as one push.
+
+Wire format (tensors only): at start, worker 0 sends each server an int64 header
+``[shard_numel, total_steps, steps_per_epoch]`` (checked before the server allocates: at most
+``MAX_SHARD_BYTES`` of parameters, and what the server keeps of the shard must fit in its
+machine's memory) and the initial shard; each push is an int64
+``[clock, lr]`` (the worker's learning rate, a float64's bits) then the float gradient shard, or
+with ``--compress`` one message of :mod:`distrain.compress.pushes` (a header announcing the
+payload's size, checked by the server before it allocates); each pull is the float parameter
+shard. When a worker's training ends it sends ``[-1, 0]`` (:data:`STOP`) to every server, which
+serves until every worker has.
+
+Elastic (``--ps-mode sync``, flat, ``--min-workers`` below ``--workers``): a server whose
+receive from a worker fails (the worker's process died: its connection resets) declares it
+dead in the store and serves the others; the round in progress completes without that
+worker's push (or with it, if it arrived first: a gradient counts once), and every later round
+sums the survivors' gradients over ``--workers`` as before, i.e. their average at the learning
+rate scaled to the smaller global batch (linear scaling rule). The workers never wait for one
+another, so nothing is redone. The workers look in the store once a second for workers the
+servers lost (:meth:`ParameterServer.newly_lost`): the loss becomes a change of members, and
+``distrain train`` splits the data again over the survivors (the learning rate stays: the servers
+scale it). At the end the survivors and the servers each register as
+finished and close the run over those that did (:func:`survivors_transport`).
+
+A lost worker joins again when the launcher starts it again (``--max-restarts``): it asks in the
+store (:meth:`~distrain.runtime.membership.Membership.enter`), and the workers and the servers,
+each looking there at every step's end, agree on the step after which it joins, two steps after
+the first of them saw it (:func:`admissions`). After that round each server opens a link with it
+(:func:`servers_link`: a gloo group of the servers and the worker, since nobody can enter the
+run's group again) and sends it its shard of the parameters; the worker takes them and that step
+(:meth:`ParameterServer.join`), and from the next round on every server waits for its push again,
+summing the live workers' gradients over ``--workers`` as always. The servers are the live state:
+no checkpoint is read, the optimizer state stays on them, and the worker's own error-feedback
+residuals start from zero. The workers record the change (the members, in order of their ids, so
+``distrain train`` gives every worker its shard of the first split back).
+
+A lost server (uncompressed pushes, two servers or more): every worker finds its push or pull
+failing, and once the server is declared dead the workers agree in the store that they all lost
+it at the same step (it answered nobody; pulls land in a spare buffer, so each worker still holds
+the last parameters it answered). The live servers split its ranges between them
+(:class:`ShardLayout`), take their pieces' parameters from one worker, redo the step on them with
+every worker's gradient and a fresh optimizer state (logged), and serve their shard and pieces as
+one from then on: no step lost or applied twice. A server lost while it answered some workers and
+not others, a hung worker, async mode, node groups and a lost server with compressed pushes (or
+the only one) still stop the run; a run whose servers took over another's cannot resume from its
+checkpoints, nor can a worker join it.
+
+The servers step the workers' optimizer on their shards: the same class and hyperparameters
+(:func:`server_optimizer`; one parameter group, or groups that differ only in their
+parameters), at the learning rate each push carries, so a scheduler attached to the workers'
+optimizer drives the servers too.
+
+Workers run with :class:`PSSettings`, servers with :class:`ServerSettings` (the same and what
+only a server uses); :mod:`distrain.assemble` makes them from the flags and starts a server
+(``distrain.assemble.serve``).
+
+The package: :mod:`.worker` (:class:`ParameterServer`, the worker side), :mod:`.server`
+(:class:`ShardServer`, :func:`serve`), :mod:`.settings`, :mod:`.layout` (who owns which ranges),
+:mod:`.server_optim` (the optimizer a server steps), :mod:`.wire` (headers and optimizer state as
+tensors) and :mod:`.elastic` (going on without a lost worker, admitting it again).
+
+Example::
+
+    distrain train --algorithm ps --servers 2 --ps-mode async --max-staleness 2
+    distrain train --algorithm ps --servers 2 --compress group_topk:0.01
+    distrain train --algorithm ps --servers 2 --workers 8 --workers-per-node 4
+"""
+
+from __future__ import annotations
+
+from distrain.algorithms.parameter_server.elastic import (
+    admissions,
+    servers_link,
+    survivors_transport,
+)
+from distrain.algorithms.parameter_server.layout import (
+    ShardLayout,
+    gather_ranges,
+    scatter_ranges,
+    shard_bounds,
+)
+from distrain.algorithms.parameter_server.server import ShardServer, serve
+from distrain.algorithms.parameter_server.server_optim import (
+    RoundMomentumSGD,
+    async_momentum,
+    merged_optimizer,
+    server_optimizer,
+)
+from distrain.algorithms.parameter_server.settings import PSSettings, ServerSettings
+from distrain.algorithms.parameter_server.wire import (
+    MAX_SHARD_BYTES,
+    check_start_header,
+    recv_state,
+    send_state,
+)
+from distrain.algorithms.parameter_server.worker import ParameterServer
+
+__all__ = [
+    "MAX_SHARD_BYTES", "PSSettings", "ParameterServer", "RoundMomentumSGD", "ServerSettings", "ShardLayout",
+    "ShardServer", "admissions", "async_momentum", "check_start_header", "gather_ranges", "merged_optimizer",
+    "recv_state", "scatter_ranges", "send_state", "serve", "server_optimizer", "servers_link", "shard_bounds",
+    "survivors_transport",
+]

@@ -1,0 +1,70 @@
+"""Which server owns which ranges of the flat parameter vector, before and after a takeover.
+
+See :mod:`distrain.algorithms.parameter_server` for how the pieces fit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
+    """``servers`` contiguous [lo, hi) ranges of nearly equal size covering ``numel`` elements."""
+    base, extra = divmod(numel, servers)
+    bounds, lo = [], 0
+    for s in range(servers):
+        hi = lo + base + (1 if s < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class ShardLayout:
+    """Which ranges of the flat parameter vector each server owns: its own shard at first, and
+    pieces of lost servers' ranges after takeovers. Workers and servers each keep a copy and
+    apply the same takeovers in the same order, so the copies agree; a server's shard is its
+    ranges concatenated in order.
+
+    Example::
+
+        layout = ShardLayout(shard_bounds(10, 3))   # [(0, 4)], [(4, 7)], [(7, 10)]
+        layout.take_over(1)                          # {0: [(4, 6)], 2: [(6, 7)]}
+        layout.owned[2]                              # [(7, 10), (6, 7)]
+    """
+
+    def __init__(self, bounds: list[tuple[int, int]]) -> None:
+        self.owned = {s: [b] for s, b in enumerate(bounds)}
+
+    def live(self) -> list[int]:
+        return sorted(self.owned)
+
+    def numel(self, server: int) -> int:
+        return sum(hi - lo for lo, hi in self.owned[server])
+
+    def take_over(self, lost: int) -> dict[int, list[tuple[int, int]]]:
+        """Split ``lost``'s ranges over the live servers (each range in nearly equal pieces, in
+        server order); returns the pieces each live server gained."""
+        ranges = self.owned.pop(lost)
+        live = self.live()
+        gained: dict[int, list[tuple[int, int]]] = {s: [] for s in live}
+        for lo, hi in ranges:
+            for s, (a, b) in zip(live, shard_bounds(hi - lo, len(live)), strict=True):
+                if b > a:
+                    gained[s].append((lo + a, lo + b))
+                    self.owned[s].append((lo + a, lo + b))
+        return gained
+
+
+def gather_ranges(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """``flat``'s ``ranges`` concatenated (a view when there is one)."""
+    if len(ranges) == 1:
+        return flat[ranges[0][0] : ranges[0][1]]
+    return torch.cat([flat[lo:hi] for lo, hi in ranges])
+
+
+def scatter_ranges(flat: torch.Tensor, ranges: list[tuple[int, int]], values: torch.Tensor) -> None:
+    """Write ``values`` (``ranges`` concatenated) into ``flat``."""
+    offset = 0
+    for lo, hi in ranges:
+        flat[lo:hi].copy_(values[offset : offset + hi - lo])
+        offset += hi - lo

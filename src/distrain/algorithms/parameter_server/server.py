@@ -1,0 +1,462 @@
+"""The server side: one process owns a shard of the parameters and its optimizer state.
+
+See :mod:`distrain.algorithms.parameter_server` for how the pieces fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from distrain.algorithms.hierarchical import node_process_groups
+from distrain.algorithms.parameter_server.elastic import (
+    admissions,
+    servers_link,
+    survivors_transport,
+)
+from distrain.algorithms.parameter_server.layout import ShardLayout, shard_bounds
+from distrain.algorithms.parameter_server.server_optim import (
+    RoundMomentumSGD,
+    merged_optimizer,
+    momentum_corrected,
+    optimizer_settings,
+    server_optimizer,
+)
+from distrain.algorithms.parameter_server.settings import ServerSettings, elastic_servers
+from distrain.algorithms.parameter_server.wire import (
+    HEADER,
+    STATE,
+    STOP,
+    TAKEOVER,
+    TAKEOVER_FIELDS,
+    check_start_header,
+    physical_memory,
+    recv_state,
+    send_state,
+)
+from distrain.comm.store_group import StoreGroup
+from distrain.comm.transport import Handle, Transport
+from distrain.compress.pushes import PushDecoder
+from distrain.compress.registry import build_compressor
+from distrain.errors import WorkerFailure
+from distrain.runtime.faults import FaultWatch, is_comm_error, maybe_injected_kill, store_client
+from distrain.runtime.health import declare_dead
+from distrain.runtime.totals import RunTotals
+from distrain.topology import NodeMap
+
+if TYPE_CHECKING:
+    from distrain.emulation import Emulation
+
+
+log = logging.getLogger(__name__)
+
+
+class ShardServer:
+    """One server process: owns a shard of the parameters and its optimizer state.
+
+    Args:
+        settings: what the server runs with (workers, servers, mode, compression, checkpoints).
+        transport: this server's transport over the world.
+        run_dir: where it saves its checkpoints; None: it saves none (``wrap()``, whose user
+            saves the workers' state).
+        like: the workers' optimizer, whose class and hyperparameters the server steps its shard
+            with (:func:`server_optimizer`).
+    """
+
+    def __init__(self, settings: ServerSettings, transport: Transport, run_dir: str | Path | None,
+                 like: torch.optim.Optimizer) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.num_workers = settings.run.workers
+        self.index = transport.rank - self.num_workers
+        k = settings.workers_per_node  # hierarchical: only node leaders push, each its node's sum
+        self.pushers = NodeMap(self.num_workers, k).leaders if k else list(range(self.num_workers))
+        self.lost_pushers: list[int] = []  # workers lost during the run (elastic runs)
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        transport.recv(header, 0).wait()
+        try:
+            numel, self.total_steps, self.steps_per_epoch = check_start_header(header.tolist(), len(self.pushers),
+                                                                                physical_memory())
+        except WorkerFailure as exc:
+            raise WorkerFailure(f"server {self.index}: {exc} (from worker 0)") from None
+        self.shard = torch.nn.Parameter(torch.empty(numel))
+        transport.recv(self.shard.data, 0).wait()
+        follows = torch.zeros(1, dtype=torch.int64)
+        transport.recv(follows, 0).wait()  # 1: worker 0 sends the optimizer state to resume from
+        loaded = recv_state(transport, 0) if int(follows) == 1 else None
+        pushes, asynchronous = len(self.pushers), settings.ps_mode == "async"
+        self.optimizer, self.lr_factor = server_optimizer(
+            like, self.shard, asynchronous=asynchronous, pushers=pushes, max_staleness=settings.max_staleness,
+            corrected=momentum_corrected(settings.compression, like))
+        if isinstance(self.optimizer, RoundMomentumSGD) and self.optimizer.momentum != like.param_groups[0]["momentum"]:
+            log.info("server %d: momentum %g lowered to %.3g for %d pushers out of step (--max-staleness %d)",
+                     self.index, like.param_groups[0]["momentum"], self.optimizer.momentum, pushes, settings.max_staleness)
+        self.shard.grad = torch.zeros(numel)
+        self.updates = 0
+        self.steps = 0  # the workers' steps served (sync: rounds; async: the most any worker pushed)
+        self.clocks = [0] * len(self.pushers)  # each pusher's last clock
+        self.resume_step: int | None = None  # the step a state sent at the start continues from
+        if loaded is not None:
+            self.load_optimizer_state(loaded)
+        self._store: Any = None  # the rendezvous store, where lost workers are declared (elastic runs)
+        self._links: dict[int, Transport] = {}  # pusher row -> the link opened when its worker joined
+        self._opened: list[Transport] = []  # every link opened, for the counters
+        #: elastic runs whose launcher starts lost workers again: where they ask to join
+        self.joins = admissions(self._store_client() if elastic_servers(settings) else None, self.pushers,
+                                transport.rank, settings)
+        self.layout: ShardLayout | None = None  # every server's ranges, from the first takeover on
+        self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
+        c = settings.compression
+        self.decoder = (PushDecoder(build_compressor(c.spec, error_feedback=False, seed=settings.run.seed), numel)
+                        if c.enabled else None)
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
+        self.earlier = RunTotals()  # what the earlier segments of a resumed run did
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """This server's optimizer state, update count, the steps it served and each pusher's
+        last clock (what ``wrap()``'s ``state_dict()`` holds)."""
+        clocks = list(self.clocks) if self.settings.ps_mode == "async" else [self.steps] * len(self.pushers)
+        return {"optimizer": self.optimizer.state_dict(), "updates": self.updates, "steps": self.steps,
+                "clocks": clocks}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`optimizer_state` of a run with the same shards and pushers."""
+        optimizer, clocks = state.get("optimizer"), state.get("clocks")
+        if not isinstance(optimizer, dict) or not isinstance(clocks, list) or len(clocks) != len(self.pushers):
+            raise WorkerFailure(f"server {self.index}: the optimizer state it was sent is malformed, or of a run "
+                                f"with another number of workers pushing ({len(self.pushers)} here)")
+        self.optimizer.load_state_dict(optimizer)
+        self.updates, self.steps, self.clocks = int(state.get("updates", 0)), int(state.get("steps", 0)), clocks
+        self.resume_step = self.steps
+
+    def _peer(self, i: int) -> Transport:
+        """The transport to pusher row ``i``: the run's, or the link opened when it joined."""
+        return self._links.get(i, self.transport)
+
+    def _recv_header(self, out: torch.Tensor, worker: int, transport: Transport | None = None) -> None:
+        """``worker``'s next push header into ``out``, answering its requests for the optimizer
+        state on the way (:data:`STATE`)."""
+        transport = transport or self.transport
+        while True:
+            transport.recv(out, worker).wait()
+            if int(out[0]) != STATE:
+                return
+            send_state(transport, self.optimizer_state(), worker)
+
+    def _recv_push(self, out: torch.Tensor, worker: int, transport: Transport | None = None) -> Handle | None:
+        """Receive ``worker``'s gradient push into ``out``: a handle to wait for when dense, else
+        decoded here (a compressed push's size is known only once its header arrived)."""
+        transport = transport or self.transport
+        if self.decoder is None:
+            return transport.recv(out, worker)
+        out.copy_(self.decoder.recv(transport, worker))
+        return None
+
+    def _step(self, grad: torch.Tensor, lr: float, weight: float = 1.0) -> None:
+        """One optimizer step on ``grad`` (the averaged or pushed gradient) at the workers'
+        learning rate ``lr``, counted ``weight``."""
+        if isinstance(self.optimizer, RoundMomentumSGD):
+            self.optimizer.step(grad.mul_(weight), lr)
+        else:
+            self.shard.grad.copy_(grad)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr * self.lr_factor * weight
+            self.optimizer.step()
+        self.updates += 1
+
+    def run(self, start_step: int = 0, watch: Any = None) -> None:
+        """Serve until every pushing worker has sent :data:`STOP`."""
+        self.watch = watch
+        self.steps = start_step
+        if self.settings.ps_mode == "sync":
+            self._run_sync(start_step)
+        else:
+            self._run_async()
+
+    def _stop_requested(self, step: int) -> None:
+        """SIGTERM / Ctrl-C here: propose the step every worker stops at (they then send STOP)."""
+        if self.watch is not None and self.watch.stop.requested.is_set() and not self._proposed:
+            self._proposed = True
+            self.watch.agreed_step(step, synchronous=True)
+
+    def _run_sync(self, start_step: int) -> None:
+        pushers = self.pushers
+        headers = torch.zeros(len(pushers), 2, dtype=torch.int64)
+        grads = torch.zeros(len(pushers), self.shard.numel())  # a lost worker's row stays zero
+        every = self.settings.checkpoint_every
+        step = start_step
+        live = list(range(len(pushers)))  # rows of the workers still pushing
+        while True:
+            maybe_injected_kill(self.transport.rank, step)  # fault injection for tests
+            if self.watch is not None:
+                self.watch.step = step
+            for i in list(live):
+                self._with_worker(i, live, step, grads,
+                                  lambda i=i: self._recv_header(headers[i], pushers[i], self._peer(i)))
+            clocks = headers[live, 0]
+            if bool((clocks == STOP).all()):
+                break
+            if bool((clocks == TAKEOVER).any()):
+                grads = self._take_over(live, headers, step, grads)
+                continue
+            if not bool((clocks == step + 1).all()):
+                raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers "
+                                    f"{[pushers[i] for i in live]} sent clocks {clocks.tolist()} (-1: training ended)")
+            for i in list(live):
+                self._with_worker(i, live, step, grads, lambda i=i, grads=grads:
+                                  (h := self._recv_push(grads[i], pushers[i], self._peer(i))) and h.wait())
+            lr = float(headers[live, 1].clone().view(torch.float64).mean())
+            self._step(grads.sum(0).div_(self.num_workers), lr)
+            handles = {i: self._with_worker(i, live, step, grads,
+                                            lambda i=i: self._peer(i).send(self.shard.data, pushers[i]))
+                       for i in list(live)}
+            for i, h in handles.items():
+                if h is not None:
+                    self._with_worker(i, live, step, grads, h.wait)
+            step = self.steps = step + 1
+            if self.joins is not None:  # workers started again join after this round
+                self._admit_joiners(step, live)
+            if every and step % every == 0:
+                self.save(step)
+            self._stop_requested(step - 1)
+        if step > start_step and not (every and step % every == 0):
+            self.save(step)
+
+    def _take_over(self, live: list[int], headers: torch.Tensor, step: int, grads: torch.Tensor) -> torch.Tensor:
+        """Every live worker announced the takeover of a lost server at step ``step``, just served (see
+        :meth:`ParameterServer._take_over`): this server takes its share of the lost ranges
+        (:class:`ShardLayout`), their parameters of the last step answered from one worker, redoes
+        the step on them with every live worker's gradient and a fresh optimizer state, answers
+        them, and from then on serves its shard and its share as one. Returns the buffer of pushes
+        for the larger shard."""
+        pushers = self.pushers
+        clocks = headers[live, 0]
+        if not bool((clocks == TAKEOVER).all()):
+            raise WorkerFailure(f"server {self.index}: a takeover announced by some workers only (clocks {clocks.tolist()})")
+        messages = torch.zeros(len(pushers), TAKEOVER_FIELDS, dtype=torch.int64)
+        for i in list(live):
+            self._with_worker(i, live, step, grads, lambda i=i: self._peer(i).recv(messages[i], pushers[i]).wait())
+        if not live or not bool((messages[live] == messages[live[0]]).all()):
+            raise WorkerFailure(f"server {self.index}: workers disagree on a takeover: {messages[live].tolist()}")
+        lost, leader, redone, numel = messages[live[0]].tolist()
+        if redone != step:  # the step the live servers just served, the lost one never did
+            raise WorkerFailure(f"server {self.index}: a takeover of step {redone} after serving step {step}")
+        if self.layout is None:
+            self.layout = ShardLayout(shard_bounds(numel, self.settings.servers))
+        pieces = self.layout.take_over(lost)[self.index]
+        if not pieces:
+            log.warning("server %d: server %d is lost; the others take over its parameters", self.index, lost)
+            return grads
+        n = sum(hi - lo for lo, hi in pieces)
+        piece = torch.nn.Parameter(torch.empty(n))
+        self._peer(pushers.index(leader)).recv(piece.data, leader).wait()
+        pushed = torch.zeros(len(pushers), n)
+        for i in list(live):
+            self._with_worker(i, live, step, pushed, lambda i=i: self._peer(i).recv(pushed[i], pushers[i]).wait())
+        fresh = type(self.optimizer)([piece], **optimizer_settings(self.optimizer))  # type: ignore[arg-type]
+        piece.grad = pushed.sum(0).div_(self.num_workers)
+        lr = float(headers[live, 1].clone().view(torch.float64).mean())
+        for group in fresh.param_groups:
+            group["lr"] = lr * self.lr_factor
+        fresh.step()
+        handles = {i: self._with_worker(i, live, step, pushed, lambda i=i: self._peer(i).send(piece.data, pushers[i]))
+                   for i in list(live)}
+        for i, h in handles.items():
+            if h is not None:
+                self._with_worker(i, live, step, pushed, h.wait)
+        self.shard, self.optimizer = merged_optimizer(self.optimizer, self.shard, fresh, piece)  # type: ignore[arg-type]
+        log.warning("server %d: took over parameters %s of lost server %d at step %d (from worker %d's copy); their "
+                    "optimizer state starts from zero", self.index, pieces, lost, step, leader)
+        return torch.zeros(len(pushers), self.shard.numel())
+
+    def _admit_joiners(self, step: int, live: list[int]) -> None:
+        """After round ``step``: when the workers and servers agreed (in the store) to admit workers
+        started again after this step, open a link to each, send it this server's parameters of
+        the step, and from the next round on wait for its push again."""
+        assert self.joins is not None
+        growth = self.joins.planned_growth(step)
+        if growth is None or growth.at != step:
+            return
+        change = self.joins.admit(growth, step, time.perf_counter(), [self.pushers[i] for i in live])
+        if change.joined and self.layout is not None:  # the link would wait for the lost server
+            raise WorkerFailure(f"server {self.index}: worker(s) {change.joined} asked to join after step {step}, but "
+                                "the servers took over a lost server's parameters; a worker cannot join such a run")
+        for worker in change.joined:
+            i = self.pushers.index(worker)
+            if i in live:  # its loss was never seen here: its row would count twice
+                raise WorkerFailure(f"server {self.index}: worker {worker} joined after step {step}, but this "
+                                    "server was still serving its earlier process")
+            link = servers_link(self.joins, worker, self.transport.rank, self.settings, self.transport.link_model)
+            for h in [link.send(torch.tensor([step, self.shard.numel()], dtype=torch.int64), worker),
+                      link.send(self.shard.data, worker)]:
+                h.wait()
+            self._links[i] = link
+            self._opened.append(link)
+            live.append(i)
+            live.sort()
+            if worker in self.lost_pushers:
+                self.lost_pushers.remove(worker)
+            log.info("server %d: worker %d joined after step %d; serving %d", self.index, worker, step, len(live))
+
+    def _with_worker(self, i: int, live: list[int], step: int, grads: torch.Tensor, fn: Any) -> Any:
+        """``fn()``, an exchange with pusher row ``i`` (its result; None once the worker is lost);
+        in an elastic run a worker whose process died (its connection reset) is lost: declared
+        dead, its row zeroed, the others served."""
+        if i not in live:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            if not (elastic_servers(self.settings) and is_comm_error(exc)):
+                raise
+            worker = self.pushers[i]
+            live.remove(i)
+            self.lost_pushers.append(worker)
+            grads[i].zero_()
+            declare_dead(self._store_client(), worker)
+            log.warning("server %d: lost worker %d at step %d; serving the other %d", self.index, worker, step + 1,
+                        len(live))
+            if len(live) < max(1, self.settings.run.min_workers):
+                raise WorkerFailure(f"server {self.index}: lost worker {worker} at step {step + 1}; {len(live)} "
+                                    f"left, fewer than --min-workers {self.settings.run.min_workers}") from exc
+            return None
+
+    def _store_client(self) -> Any:
+        """The rendezvous store (a client made on first use; None without one)."""
+        if self._store is None:
+            self._store = store_client(self.settings.run.timeout)
+        return self._store
+
+    def control_transport(self) -> Transport | StoreGroup:
+        """After serving: the transport for the closing collectives, over the processes that
+        finished when workers were lost in an elastic run."""
+        if not elastic_servers(self.settings):
+            return self.transport
+        control, _ = survivors_transport(self._store_client(), self.transport.rank, self.transport.world_size,
+                                         self.settings.run.timeout)
+        return control or self.transport
+
+    def _run_async(self) -> None:
+        """Apply pushes in arrival order; hold back answers to workers too far ahead."""
+        n, limit = len(self.pushers), self.settings.max_staleness
+        index = {w: i for i, w in enumerate(self.pushers)}
+        clocks = self.clocks  # from a state sent at the start, else zeros
+        ended = [False] * n
+        pulled = [self.updates] * n  # self.updates when each pusher last got the parameters (a resumed run: its start)
+        waiting: deque[int] = deque()
+        header = torch.zeros(2, dtype=torch.int64)
+        grad = torch.zeros(self.shard.numel())
+        while not all(ended):
+            worker = self.transport.recv_any(header)
+            clock = int(header[0])
+            if worker in index and clock == STATE:
+                send_state(self.transport, self.optimizer_state(), worker)
+                continue
+            if worker in index and clock == STOP and not ended[index[worker]] and worker not in waiting:
+                ended[index[worker]] = True
+            elif worker not in index or clock != clocks[index[worker]] + 1 or ended[index[worker]]:
+                raise WorkerFailure(f"server {self.index}: unexpected push (worker {worker}, clock {clock})")
+            else:
+                handle = self._recv_push(grad, worker)
+                if handle is not None:
+                    handle.wait()
+                clocks[index[worker]] = clock
+                self.steps = max(self.steps, clock)
+                stale_rounds = (self.updates - pulled[index[worker]]) // n
+                lr = float(header[1:].clone().view(torch.float64))
+                self._step(grad.div_(self.num_workers), lr, 1 / (1 + stale_rounds))
+                waiting.append(worker)
+                self._stop_requested(clock)
+            # a worker that has ended holds nobody back
+            slowest = min((c for c, done in zip(clocks, ended, strict=True) if not done), default=None)
+            for w in [w for w in waiting if slowest is None or clocks[index[w]] - slowest <= limit]:
+                waiting.remove(w)
+                pulled[index[w]] = self.updates
+                self.transport.send(self.shard.data, w).wait()
+        if waiting:
+            raise WorkerFailure(f"server {self.index}: workers {list(waiting)} still waiting at the end")
+        self.save(self.steps)
+
+    def save(self, step: int) -> None:
+        if self.run_dir is None:
+            return
+        from distrain.runtime.checkpoint import MEMBERS_KEY, CheckpointStore
+
+        world = self.transport.world_size
+        store = CheckpointStore(self.run_dir, self.transport.rank, world)
+        # after a loss the set is written by the processes still serving and training
+        members = [r for r in range(world) if r not in self.lost_pushers]
+        store.save(step, {"shard": self.shard.data, "optimizer": self.optimizer.state_dict(), "step": step,
+                          "model_name": self.settings.model, "algorithm_name": "ps",
+                          "world_size": world, "steps_per_epoch": self.steps_per_epoch,
+                          "total_steps": self.total_steps, "totals": self.totals().state_dict(),
+                          **({MEMBERS_KEY: members} if self.lost_pushers else {})})
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state (see :meth:`save`)."""
+        if state["shard"].numel() != self.shard.numel():
+            raise WorkerFailure(f"server {self.index}: its checkpoint holds {state['shard'].numel()} parameters, not "
+                                f"{self.shard.numel()}: it took over a lost server's, and such a run cannot resume")
+        self.shard.data.copy_(state["shard"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def totals(self) -> RunTotals:
+        """This server's counters over the run so far, every segment (a row that trained no samples)."""
+        every = [self.transport.stats, *(link.stats for link in self._opened)]
+        sent = [sum(column) for column in zip(*(t.sent for t in every), strict=True)]
+        received = [sum(column) for column in zip(*(t.received for t in every), strict=True)]
+        busy = sum(t.comm_seconds for t in every)
+        row = [0.0, 0.0, time.perf_counter() - self.started, 0.0, busy, *sent, *received,
+               time.process_time() - self.cpu_started]
+        return self.earlier.plus(row, 0.0, None)
+
+
+def serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.optim.Optimizer, emulation: Emulation,
+          *, gather_totals: bool = True) -> None:
+    """Run one parameter server until every worker's training has ended; then join the final
+    gather of counters (``gather_totals``: distrain's own loop) and the closing barrier.
+
+    ``like``: the workers' optimizer; ``emulation``: this server's emulated links (not started);
+    ``run_dir`` None saves no checkpoint and resumes from none. ``distrain.assemble.serve`` makes
+    these from a run's config.
+    """
+
+    watch = FaultWatch(dist.get_rank(), role="server")
+    watch.run(_serve, settings, run_dir, like, emulation, gather_totals, watch)
+
+
+def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.optim.Optimizer, emulation: Emulation,
+           gather_totals: bool, watch: FaultWatch) -> None:
+    from distrain.runtime.checkpoint import CheckpointStore, finished_for
+
+    transport = Transport(link_model=emulation.link_model)  # servers' links are emulated too
+    state = None
+    if run_dir is not None:
+        store = CheckpointStore(run_dir, transport.rank, transport.world_size)
+        resume = store.resolve(settings.resume)
+        state = store.load(resume) if resume is not None else None
+    if state is not None and finished_for(state, settings.epochs):
+        return  # the workers found the run finished too, and leave before anything collective
+    if settings.workers_per_node:  # the workers create their node groups: collective over the world
+        node_process_groups(settings.run.workers, settings.workers_per_node, settings.run.timeout)
+    emulation.start()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    server = ShardServer(settings, transport, run_dir, like)
+    server.started, server.cpu_started = start, cpu_start  # waiting for the workers' start counts too
+    start_step = server.resume_step or 0  # wrap(): worker 0 sent the state to continue from
+    if state is not None:
+        server.load(state)
+        server.earlier = RunTotals.from_state(state.get("totals"))
+        start_step = int(state["step"])
+    server.run(start_step, watch)
+    control = server.control_transport()
+    if gather_totals:  # the workers' final gather of counters (train.loop), as a row that trained no samples
+        control.control_all_gather(torch.tensor(server.totals().row, dtype=torch.float64))
+    control.control_barrier()

@@ -1,0 +1,445 @@
+"""The worker side of the parameter servers: push gradient shards, pull parameter shards.
+
+See :mod:`distrain.algorithms.parameter_server` for how the pieces fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from distrain.algorithms.base import Algorithm, StepContext
+from distrain.algorithms.hierarchical import NodeGroups
+from distrain.algorithms.parameter_server.elastic import LOST_CHECK_S, survivors_transport
+from distrain.algorithms.parameter_server.layout import (
+    ShardLayout,
+    gather_ranges,
+    scatter_ranges,
+    shard_bounds,
+)
+from distrain.algorithms.parameter_server.server_optim import momentum_corrected
+from distrain.algorithms.parameter_server.settings import PSSettings, elastic_servers
+from distrain.algorithms.parameter_server.wire import (
+    GIB,
+    MAX_SHARD_BYTES,
+    STATE,
+    STOP,
+    TAKEOVER,
+    TAKEOVER_KEY,
+    recv_state,
+    send_state,
+)
+from distrain.comm.store_group import StoreGroup
+from distrain.comm.transport import Handle, Transport
+from distrain.compress.base import CompressInfo
+from distrain.compress.gradients import take_momentum
+from distrain.compress.momentum_correction import MomentumCorrection
+from distrain.compress.pushes import ShardPush, send_message
+from distrain.errors import ConfigError, WorkerFailure
+from distrain.runtime.faults import is_comm_error, store_client
+from distrain.runtime.health import DEAD_KEY, declared_dead
+
+log = logging.getLogger(__name__)
+
+
+class ParameterServer(Algorithm):
+    """The worker side: push gradient shards, pull parameter shards."""
+
+    name = "ps"
+    compresses = True
+    rescales_lr = False  # the servers divide the survivors' gradients by --workers: already scaled
+    settings: PSSettings
+
+    def __init__(self, settings: PSSettings) -> None:
+        super().__init__(settings, settings.compression)
+
+    @classmethod
+    def survives(cls, settings: PSSettings) -> bool:
+        return elastic_servers(settings)
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
+        super().setup(model, optimizer, transport)
+        settings = self.settings
+        self.num_workers = settings.run.workers
+        self.servers = [self.num_workers + s for s in range(settings.servers)]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # The wire and the servers' shards are float32 on the CPU, whatever the model's type and
+        # device (a model on the GPU: pinned copies, one transfer each way a step).
+        pin = bool(self.params) and self.params[0].device.type == "cuda"
+        self.flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to("cpu", torch.float32)
+        self.flat = self.flat.pin_memory() if pin else self.flat
+        self.grad = torch.zeros_like(self.flat, pin_memory=pin)
+        self.bounds = shard_bounds(self.flat.numel(), len(self.servers))
+        self.layout = ShardLayout(self.bounds)
+        largest = max(hi - lo for lo, hi in self.bounds) * 4
+        if largest > MAX_SHARD_BYTES:
+            raise ConfigError("--servers", f"{len(self.servers)} servers would each hold up to {largest / GIB:.1f} GiB of "
+                                           f"parameters, more than the {MAX_SHARD_BYTES / GIB:g} GiB a server accepts; "
+                                           f"use at least {-(-self.flat.numel() * 4 // MAX_SHARD_BYTES)}")
+        self.clock = 0
+        self._clock_header = torch.zeros(2, dtype=torch.int64)  # [clock, learning rate's float64 bits]
+        self._ended = False
+        self._control: StoreGroup | None = None  # over the processes that finished (elastic, some lost)
+        self._settled = False  # the processes that finished are known
+        self._store: Any = None  # the rendezvous store, to read which workers the servers lost
+        self._known_lost: set[int] = set()
+        self._lost_checked = time.monotonic()
+        #: workers that joined the run again after their loss (this one too, if it did); they
+        #: lead nothing (their counters cover their last life only)
+        self.rejoined: set[int] = set()
+        c = settings.compression
+        self.push: ShardPush | None = None
+        self.ratio, self.momentum, self.weight_decay = 1.0, 0.0, 0.0
+        if c.enabled:
+            compressor = c.compressor(settings.run.seed)
+            if momentum_corrected(c, optimizer):  # the servers step plain SGD
+                self.momentum, self.weight_decay = take_momentum(optimizer)
+                compressor = MomentumCorrection(compressor.inner, self.momentum)
+            self.push = ShardPush(compressor)
+            self.density = c.warmup(compressor.ratio)
+        #: the others take over a lost server's ranges (elastic, uncompressed, two servers or more);
+        #: pulls then land in a second buffer, so a failed one leaves the last parameters whole
+        self.takes_over = elastic_servers(settings) and self.push is None and len(self.servers) > 1
+        self._spare = self.flat.clone() if self.takes_over else None
+        self._started = False  # worker 0 started the servers (start())
+        self._loaded_servers: list[dict[str, Any]] | None = None  # load_server_state(): sent at the start
+        # --workers-per-node: sum inside the node; only its leader talks to the servers
+        k = settings.workers_per_node
+        self.nodes = NodeGroups(transport, k, timeout=settings.run.timeout, workers=self.num_workers) if k else None
+        self.pushes = self.nodes is None or self.nodes.is_leader
+
+    def _push_info(self, ctx: StepContext) -> tuple[CompressInfo, bool]:
+        """How this step's pushes are compressed (key 0; set per shard), and whether they are dense."""
+        epochs_done = ctx.epoch * ctx.step / (ctx.step + 1)  # ctx.epoch counts the step being finished
+        dense = self.density.dense(epochs_done)
+        ratio = None if dense else self.compress_ratio(ctx)
+        if not dense and (ratio is None or self.push.compressor.ratio is None):
+            ratio = self.density.ratio(epochs_done)
+        self.ratio = 1.0 if dense or ratio is None else ratio
+        return CompressInfo(step=ctx.step, ratio=ratio, worker=self.transport.rank), dense
+
+    def start(self, total_steps: int, steps_per_epoch: int) -> None:
+        """Worker 0 tells every server its shard size and the run length, and sends the start values
+        (and the optimizer state to start from, after :meth:`load_server_state`)."""
+        if self._started:  # a worker that joined a running job (:meth:`join`)
+            return
+        self._started = True
+        if self.transport.rank != 0:
+            return
+        self.flat.copy_(torch.cat([p.detach().reshape(-1) for p in self.params]))  # after any resume
+        handles: list[Handle] = []
+        loaded = self._loaded_servers
+        for s, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
+            header = torch.tensor([hi - lo, total_steps, steps_per_epoch], dtype=torch.int64)
+            follows = torch.tensor([0 if loaded is None else 1], dtype=torch.int64)
+            handles += [self.transport.send(header, server), self.transport.send(self.flat[lo:hi].contiguous(), server),
+                        self.transport.send(follows, server)]
+            if loaded is not None:
+                for h in handles:
+                    h.wait()
+                handles = []
+                send_state(self.transport, loaded[s], server)
+        for h in handles:
+            h.wait()
+
+    def server_state(self) -> list[dict[str, Any]] | None:
+        """Every server's optimizer state, asked for now (between two steps): what ``wrap()``'s
+        ``state_dict()`` holds besides the workers' own state. None on a worker that does not talk
+        to the servers (``--workers-per-node``: only each node's first worker does)."""
+        if not self.pushes:
+            return None
+        if not self._started:  # no step yet: the servers hold what they were started with
+            return self._loaded_servers
+        if self._ended:
+            raise RuntimeError("state_dict() under algorithm='ps' after this worker's training ended: the servers "
+                               "stop serving it then; save the state before finish()")
+        if self.layout.live() != list(range(len(self.servers))):
+            raise WorkerFailure("the servers took over a lost server's parameters: their state no longer matches "
+                                "the run's shards, so it cannot be saved for a resume")
+        asking = torch.tensor([STATE, 0], dtype=torch.int64)
+        states = []
+        for server in self.servers:
+            self.transport.send(asking, server).wait()
+            states.append(recv_state(self.transport, server))
+        return states
+
+    def load_server_state(self, states: list[dict[str, Any]] | None) -> None:
+        """Start the servers from ``states`` (:meth:`server_state` of a run with as many servers
+        and the same model); before the first step."""
+        if states is None:
+            return
+        if self._started:
+            raise RuntimeError("load_state_dict() under algorithm='ps' must come before the first step: the "
+                               "servers take their optimizer state when training starts")
+        if not isinstance(states, list) or len(states) != len(self.servers):
+            raise ConfigError("servers", f"the saved state is of {len(states) if isinstance(states, list) else '?'} "
+                                         f"servers, this run has {len(self.servers)}")
+        self._loaded_servers = states
+
+    def after_backward(self, ctx: StepContext) -> None:
+        self.grad.copy_(torch.cat([p.grad.reshape(-1) if p.grad is not None
+                                   else torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in self.params]))
+        info, dense = self._push_info(ctx) if self.push is not None else (None, True)
+        if self.push is not None and self.momentum and self.weight_decay:  # the servers' SGD has none
+            self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]).to(self.grad.device),
+                           alpha=self.weight_decay)
+        self.clock += 1
+        intra = self.nodes.intra if self.nodes is not None and self.nodes.intra.world_size > 1 else None
+        if intra is not None:
+            intra.reduce(self.grad, dst=0).wait()  # the leader holds the node's sum
+        if self.pushes:
+            self._push_pull(info, dense)
+        if intra is not None:
+            intra.broadcast(self.flat, src=0).wait()
+        if self.nodes is not None:
+            self.nodes.fold_stats()
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _push_pull(self, info: CompressInfo | None, dense: bool) -> None:
+        """Send every server its gradient shard (with this step's clock and learning rate);
+        receive its parameters."""
+        assert self.optimizer is not None
+        self._clock_header[0] = self.clock
+        self._clock_header[1:] = torch.tensor([float(self.optimizer.param_groups[0]["lr"])], dtype=torch.float64).view(torch.int64)
+        if self.takes_over:
+            self._push_pull_elastic()
+            return
+        handles: list[Handle] = []
+        for shard, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
+            handles.append(self.transport.send(self._clock_header, server))
+            if self.push is None or info is None:
+                handles.append(self.transport.send(self.grad[lo:hi], server))
+            else:
+                info.key = shard
+                handles += send_message(self.transport, self.push.encode(self.grad[lo:hi], info, dense=dense), server)
+            handles.append(self.transport.recv(self.flat[lo:hi], server))
+        for h in handles:
+            h.wait()
+
+    def _push_pull_elastic(self) -> None:
+        """The push and pull of a run whose servers may be lost: each live server's ranges; the
+        pulls land in the spare buffer, which becomes the parameters once every server answered.
+        A server lost on the way is taken over by the others (:meth:`_take_over`)."""
+        assert self._spare is not None
+        pending: dict[int, tuple[torch.Tensor, list[Handle]]] = {}
+        lost: list[tuple[int, BaseException]] = []
+        for s in self.layout.live():
+            ranges, server = self.layout.owned[s], self.servers[s]
+            into = gather_ranges(self._spare, ranges) if len(ranges) == 1 else torch.empty(self.layout.numel(s))
+            try:  # a connection already closed fails here, not at the wait
+                pending[s] = (into, [self.transport.send(self._clock_header, server),
+                                     self.transport.send(gather_ranges(self.grad, ranges), server),
+                                     self.transport.recv(into, server)])
+            except Exception as exc:
+                if not is_comm_error(exc):
+                    raise
+                lost.append((s, exc))
+        for s, (into, handles) in pending.items():
+            try:
+                for h in handles:
+                    h.wait()
+            except Exception as exc:
+                if not is_comm_error(exc):
+                    raise
+                lost.append((s, exc))
+                continue
+            if len(self.layout.owned[s]) > 1:
+                scatter_ranges(self._spare, self.layout.owned[s], into)
+        if not lost:
+            self.flat, self._spare = self._spare, self.flat
+            return
+        for s in pending:  # the live servers' answers; the lost ones' ranges keep the last parameters
+            if s not in dict(lost):
+                scatter_ranges(self.flat, self.layout.owned[s], gather_ranges(self._spare, self.layout.owned[s]))
+        for s, exc in lost:
+            self._take_over(s, exc)
+        self._spare.copy_(self.flat)
+
+    def _take_over(self, s: int, exc: BaseException) -> None:
+        """Server ``s`` is lost while this step's pushes were out (its connection reset): once it
+        is declared dead, the workers agree (:meth:`_agree`) and send every live server a
+        takeover: the servers split its ranges between them (:class:`ShardLayout`), start them
+        from the parameters of the last step it answered (from one worker) with fresh optimizer
+        state, redo this step on them with every live worker's gradient, and answer the new
+        parameters. No step is lost or applied twice."""
+        store = self._store_client()
+        rank = self.servers[s]
+        deadline = time.monotonic() + self.settings.run.timeout
+        while store is None or not declared_dead(store, rank):  # the launcher declares an exited process dead
+            if store is None or time.monotonic() > deadline:
+                raise exc
+            time.sleep(0.02)
+        leader = self._agree(store, s)
+        gained = self.layout.take_over(s)
+        me, numel = self.transport.rank, self.flat.numel()
+        log.warning("worker %d: lost server %d at step %d; servers %s take over its parameters", me, s, self.clock,
+                    [t for t, pieces in gained.items() if pieces])
+        header = self._clock_header.clone()
+        header[0] = TAKEOVER
+        message = torch.tensor([s, leader, self.clock, numel], dtype=torch.int64)
+        handles: list[Handle] = []
+        answers: dict[int, torch.Tensor] = {}
+        for t, pieces in gained.items():
+            server = self.servers[t]
+            handles += [self.transport.send(header, server), self.transport.send(message, server)]
+            if not pieces:
+                continue
+            if me == leader:
+                handles.append(self.transport.send(gather_ranges(self.flat, pieces).contiguous(), server))
+            handles.append(self.transport.send(gather_ranges(self.grad, pieces).contiguous(), server))
+            answers[t] = torch.empty(sum(hi - lo for lo, hi in pieces))
+            handles.append(self.transport.recv(answers[t], server))
+        for h in handles:
+            h.wait()
+        for t, values in answers.items():
+            scatter_ranges(self.flat, gained[t], values)
+
+    def _agree(self, store: Any, s: int) -> int:
+        """The live workers agree on taking over server ``s`` at this step: each registers its
+        step; all must have seen the loss at the same step (the server died before answering
+        anyone), else the run stops with one line. Returns the worker that sends the parameters
+        (the first live one)."""
+        me = self.transport.rank
+        store.set(TAKEOVER_KEY.format(s, me), str(self.clock))
+        deadline = time.monotonic() + self.settings.run.timeout
+        while True:
+            live = [w for w in range(self.num_workers) if not declared_dead(store, w)]
+            seen = {w: int(store.get(TAKEOVER_KEY.format(s, w)).decode()) for w in live
+                    if store.check([TAKEOVER_KEY.format(s, w)])}
+            if len(seen) == len(live):
+                break
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"worker {me}: lost server {s} at step {self.clock}; workers "
+                                    f"{sorted(set(live) - set(seen))} never reported it")
+            time.sleep(0.02)
+        if set(seen.values()) != {self.clock}:
+            raise WorkerFailure(f"worker {me}: server {s} was lost while it answered step {self.clock} (workers saw it "
+                                f"at steps {seen}); its parameters differ between workers and it cannot be taken over")
+        return live[0]
+
+    def join(self) -> int:
+        """This worker was started again and the servers admitted it (its transport is their
+        link, :func:`servers_link`): take every server's parameters of the step after which they
+        admitted it, and that step (returned), where this worker's clock goes on from. The
+        servers hold the optimizer state; a worker keeps none of its own but its error-feedback
+        residuals (and momentum, under momentum correction), which start again from zero."""
+        steps = set()
+        header = torch.zeros(2, dtype=torch.int64)
+        for server, (lo, hi) in zip(self.servers, self.bounds, strict=True):
+            self.transport.recv(header, server).wait()
+            step, numel = (int(v) for v in header.tolist())
+            if numel != hi - lo:
+                raise WorkerFailure(f"worker {self.transport.rank}: server {server - self.num_workers} announced "
+                                    f"{numel} parameters for its shard of {hi - lo}")
+            self.transport.recv(self.flat[lo:hi], server).wait()
+            steps.add(step)
+        if len(steps) != 1:
+            raise WorkerFailure(f"worker {self.transport.rank}: the servers admitted it after different steps {sorted(steps)}")
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.clock, self._started = steps.pop(), True
+        self.rejoined.add(self.transport.rank)
+        self._known_lost = set(range(self.num_workers)) - set(self.live_workers())  # lost before it joined
+        return self.clock
+
+    def rejoin(self, workers: list[int]) -> None:
+        """``workers`` joined again after their loss: a later loss of theirs is news again."""
+        self._known_lost.difference_update(workers)
+        self.rejoined.update(workers)
+
+    def live_workers(self) -> list[int]:
+        """The workers the servers have not declared dead (elastic runs; all of them otherwise)."""
+        store = self._store_client()
+        return [r for r in range(self.num_workers) if store is None or not declared_dead(store, r)]
+
+    def apply_update(self, ctx: StepContext) -> None:
+        """The servers took the optimizer step."""
+
+    def end(self) -> None:
+        """Tell every server this worker's training is over (they serve until every worker has)."""
+        if self._ended or not self.pushes:
+            return
+        self._ended = True
+        stop = torch.tensor([STOP, 0], dtype=torch.int64)
+        for h in [self.transport.send(stop, self.servers[s]) for s in self.layout.live()]:
+            h.wait()
+
+    def control_transport(self) -> StoreGroup | None:  # type: ignore[override]
+        """Once this worker's training has ended, in an elastic run: the processes that finished,
+        when some workers were lost (they register as finished; see :func:`survivors_transport`)."""
+        if not self._ended or not elastic_servers(self.settings):
+            return None
+        if not self._settled:
+            assert self.transport is not None
+            self._settled = True
+            self._control, lost = survivors_transport(self._store_client(), self.transport.rank,
+                                                      self.transport.world_size, self.settings.run.timeout)
+            self.lost_workers = {r: t for r, t in lost.items() if r < self.num_workers}
+            self.lost_servers = {r - self.num_workers: t for r, t in lost.items() if r >= self.num_workers}
+        return self._control
+
+    def newly_lost(self, force: bool = False) -> dict[int, float]:
+        """Workers the servers declared dead since the last call (elastic runs), so that the loop
+        spreads their data over the survivors."""
+        now = time.monotonic()
+        if not elastic_servers(self.settings) or (not force and now - self._lost_checked < LOST_CHECK_S):
+            return {}
+        self._lost_checked = now
+        store = self._store_client()
+        if store is None:
+            return {}
+        new = {r: float(store.get(DEAD_KEY.format(r)).decode()) for r in range(self.num_workers)
+               if r not in self._known_lost and declared_dead(store, r)}
+        self._known_lost.update(new)
+        return new
+
+    def leads(self, transport: Transport) -> bool:
+        """In an elastic run: the first worker the servers have not lost (once training ended, the
+        first that finished), of those in the run from its start when there are any."""
+        if not elastic_servers(self.settings):
+            return super().leads(transport)
+        if self._ended:
+            control = self.control_transport()
+            live = [r for r in (control.members if control is not None else range(self.num_workers))
+                    if r < self.num_workers]
+        else:
+            live = self.live_workers()
+        first = [r for r in live if r not in self.rejoined] or live
+        return bool(first) and self.transport.rank == first[0]
+
+    def _store_client(self) -> Any:
+        """The rendezvous store (a client made on first use; None without one)."""
+        if self._store is None:
+            self._store = store_client(self.settings.run.timeout)
+        return self._store
+
+    def metrics(self) -> dict[str, float]:
+        if self.push is None:
+            return {}
+        adaptive = {} if self.adaptive is None else self.adaptive.metrics(self.transport)
+        return {"compress_ratio": self.ratio, **adaptive}
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"clock": self.clock}
+        if self.push is not None:
+            state["compressor"] = self.push.compressor.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clock = int(state.get("clock", 0))
+        if self.push is not None and "compressor" in state:
+            self.push.compressor.load_state_dict(state["compressor"])
+
+    def close(self) -> None:
+        if self.nodes is not None:
+            self.nodes.close()
