@@ -32,9 +32,10 @@ A group of the world (``process_group=``, made with ``torch.distributed.new_grou
 its own, e.g. one data-parallel replica group beside others: allreduce, dpsgd, d2 and diloco, with
 ranks, shards, emulated links and ``slow_worker`` counted inside the group.
 
-Elastic runs (``allreduce``, ``diloco``, ``dpsgd``, ``d2``, ``ps`` in sync mode; ``distrain launch
---max-restarts R``): a worker started again after its loss joins the others inside ``wrap()``,
-which returns once it holds their state (with ``ps``, the servers' parameters), with
+Elastic runs (``allreduce``, ``diloco``, ``dpsgd``, ``d2``, ``ps`` in sync mode, ``adpsgd``;
+``distrain launch --max-restarts R``): a worker started again after its loss joins the others
+inside ``wrap()``, which returns once it holds their state (with ``ps``, the servers' parameters;
+with ``adpsgd``, a neighbour's model), with
 ``opt.steps`` where they are; loop with ``while opt.steps < total:``. If the others have finished
 by then, ``wrap()`` exits the process with status 0.
 """
@@ -81,6 +82,10 @@ from distrain.runtime.membership import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Asynchronous algorithms whose workers a launcher can start again: their peers admit them and
+#: hand them a model over links (see :mod:`distrain.algorithms.rejoin`).
+GOSSIP_JOINS = ("adpsgd",)
 
 #: The environment variable through which ``distrain launch`` hands its settings (the emulated
 #: network, the number of servers) to ``wrap()`` in every process: a JSON object of setting names.
@@ -307,6 +312,8 @@ class DistributedOptimizer:
         # A worker that joins a run with parameter servers talks to them over a link they open with
         # it (nobody reopens the run's group), where it keeps its rank in the run.
         to_servers = config.algo.algorithm == "ps" and joined is not None
+        # A worker that joins an asynchronous gossip run again: its peers open links with it.
+        to_peers = config.algo.algorithm in GOSSIP_JOINS and joined is not None
         # A worker keeps its emulated device and links by its id, whatever its rank; in a group of
         # some of the processes, by its rank in that group.
         processes = config.cluster.workers + (config.ps.servers if to_servers else 0)
@@ -320,6 +327,10 @@ class DistributedOptimizer:
             self.transport: Transport = servers_link(joined, joined.me, joined.me, ps_settings(config),
                                                      self.emulation.link_model)
             self.rank, self.workers = joined.members.index(joined.me), len(joined.members)
+        elif to_peers:
+            assert joined is not None  # its rank stays its id: asynchronous gossip never renumbers
+            self.transport = Transport.detached(joined.me, config.cluster.workers, self.emulation.link_model)
+            self.rank, self.workers = joined.me, len(joined.members)
         else:
             self.transport = Transport(process_group, link_model=self.emulation.link_model,
                                        ids=joined.members if joined else None)
@@ -327,6 +338,8 @@ class DistributedOptimizer:
         if broadcast and joined is None:
             _broadcast_from_rank0(model, workers_group)
         self.algorithm = build_algorithm(config.algo.algorithm, config)
+        if to_peers:
+            self.algorithm.entered = joined  # type: ignore[attr-defined]
         self.algorithm.setup(model, optimizer, self.transport)
         self.params = [p for p in model.parameters() if p.requires_grad]
         #: the workers' ids (their ranks when the run started) in rank order; an elastic run
@@ -336,7 +349,7 @@ class DistributedOptimizer:
         #: parameter servers that admit workers started again (the servers hand them the
         #: parameters; the workers only record the change): where this worker learns of joins
         self.joins = joined if to_servers else self._server_admissions()
-        self.membership = None if to_servers else joined or self._elastic_membership()
+        self.membership = None if to_servers or to_peers else joined or self._elastic_membership()
         if self.membership is not None:
             self.algorithm.keep_local = True
             watch_waits(self.membership.changed)  # this thread's waits leave as soon as a survivor flags a loss
@@ -365,6 +378,8 @@ class DistributedOptimizer:
             if to_servers:  # the servers hand it their parameters
                 assert isinstance(self.algorithm, ParameterServer)
                 self.steps = self.algorithm.join()
+            elif to_peers:  # a neighbour hands it its model over their link
+                self.steps = self.algorithm.join()  # type: ignore[attr-defined]
             else:
                 self._take_state(0)
             self.changes.append(self._joined_change(joined))
@@ -470,6 +485,8 @@ class DistributedOptimizer:
             self._admit_joiners()
         if self.joins is not None:
             self._note_joined()
+        if not self.algorithm.synchronous:
+            self._note_gossip_joins()
         if self.membership is None and (lost := self.algorithm.newly_lost()):
             self._note_lost(lost)
         self.last_compute_seconds = compute
@@ -592,6 +609,22 @@ class DistributedOptimizer:
         self.changes.append(change)
         log.info("worker %d: worker(s) %s joined after step %d; %d workers go on", self.id, change.joined,
                  self.steps, self.workers)
+
+    def _note_gossip_joins(self) -> None:
+        """Asynchronous gossip: the admissions of workers started again that this worker took part
+        in (its gossip threads admit them, see :mod:`distrain.algorithms.rejoin`) become records;
+        the loss of each joiner is recorded first. The members then are the workers not declared
+        dead and the joiners, in order of their ids."""
+        for change in getattr(self.algorithm, "newly_joined", list)():
+            missed = [i for i in self.ids if i not in change.members or i in change.joined]
+            if missed:
+                members = [i for i in self.ids if i not in missed]
+                self.changes.append(Change(epoch=change.epoch, members=members, lost=missed, steps={}, at=change.at,
+                                           seconds=0.0, step=change.step))
+            self.ids, self.workers = list(change.members), len(change.members)
+            self.changes.append(change)
+            log.info("worker %d: worker(s) %s joined again at step %d; %d workers", self.id, change.joined,
+                     self.steps, self.workers)
 
     def _admit_joiners(self) -> None:
         """At a step's end: when the members agreed to admit waiting workers after this step,
@@ -771,6 +804,8 @@ class DistributedOptimizer:
         """This worker's training is over (:meth:`finish` begins with it): parameter servers stop
         serving once every worker has ended, and workers they lost on the way are recorded."""
         self.algorithm.end()
+        if not self.algorithm.synchronous:  # admissions while this worker drained
+            self._note_gossip_joins()
         if self.joins is not None:  # a worker started again from now on finds the run over
             self.joins.close()
         if self.membership is None and (lost := self.algorithm.newly_lost(force=True)):

@@ -57,7 +57,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
     final = opt.finish()
-    torch.save({"weight": final.weight.detach().clone(), "workers": opt.workers, "ids": opt.ids,
+    torch.save({"weight": final.weight.detach().clone(), "own": model.weight.detach().clone(),
+                "workers": opt.workers, "ids": opt.ids,
                 "steps": opt.steps, "changes": [c.record() for c in opt.changes]}, out / f"worker{me}.pt")
 
 

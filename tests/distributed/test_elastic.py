@@ -461,3 +461,51 @@ def test_min_workers_equal_to_workers_stops_asynchronous_gossip(tmp_path: Path):
     assert done.returncode != 0
     assert "rank 2" in done.stderr and "killed by SIGKILL" in done.stderr, done.stderr
     assert not any(tmp_path.glob("worker*.pt"))
+
+
+def gossip_rejoin(tmp_path: Path, victim: int, settings: dict) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
+    """Worker ``victim`` killed as step 3 begins and started again (--max-restarts 1): the run's
+    process and every worker's result, once nothing of it is left running."""
+    from tests.reliability.common import kill_tagged, tagged
+
+    tag = f"gossip-join-{tmp_path.name}"
+    try:
+        done = launch(tmp_path, victim, 3, "rejoin", "--max-restarts", "1", settings=settings,
+                      env={**os.environ, "DISTRAIN_TEST_TAG": tag})
+        assert tagged(tag) == []
+    finally:
+        kill_tagged(tag)
+    assert done.returncode == 0, done.stderr
+    assert f"rank {victim} failed: killed by SIGKILL; started again, it joins the others with their state" in done.stderr
+    assert done.stderr.count(f"worker {victim} joined the run at step") == 1
+    return done, {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+
+
+def check_gossip_rejoin(results: dict[int, dict], victim: int) -> None:
+    """Every worker ends as a member of four, the members recorded the loss and the join, and the
+    consensus every worker holds is the average of the four workers' own final models (the
+    joiner's among them: without it, the average of three differs)."""
+    own = torch.stack([results[r]["own"].reshape(-1) for r in range(WORKERS)])
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["ids"] == list(range(WORKERS)), r
+        torch.testing.assert_close(result["weight"].reshape(-1), own.mean(0), rtol=0, atol=1e-12)
+        if r == victim:
+            assert [c["event"] for c in result["changes"]] == ["joined"]
+        else:
+            lost, joined = result["changes"]
+            assert (lost["event"], lost["workers"]) == ("lost", [victim]), r
+            assert (joined["event"], joined["workers"], joined["members"]) == ("joined", [victim], list(range(WORKERS)))
+    # it trained after it joined, and averaged with the others to the end: its model is theirs
+    joined_at = results[victim]["changes"][0]["joined_at_step"]
+    assert results[victim]["steps"] == max(STEPS, joined_at + 4), (results[victim]["steps"], joined_at)
+    survivors = [r for r in range(WORKERS) if r != victim]
+    torch.testing.assert_close(own[victim], own[survivors].mean(0), rtol=1e-6, atol=1e-6)
+
+
+def test_a_restarted_worker_joins_adpsgd_again(tmp_path: Path):
+    """AD-PSGD on a ring of 4, worker 2 (active: it calls 1 and 3) killed as step 3 begins and started
+    again: the others admit it as soon as one of them sees it ask, its passive neighbours each open a
+    link with it and hand it their model, it calls them again over those links, and all four finish
+    and agree on one consensus, the average of their four models."""
+    _, results = gossip_rejoin(tmp_path, 2, {"algorithm": "adpsgd"})
+    check_gossip_rejoin(results, 2)

@@ -57,3 +57,11 @@ def test_a_lost_worker_joins_a_ps_run_again_in_sync_mode_only():
     for flags in ({"ps_mode": "async"}, {"workers_per_node": 2}):
         with pytest.raises(ConfigError, match="--max-restarts"):
             TrainConfig(algorithm="ps", servers=2, max_restarts=1, **flags).validate()
+
+
+def test_a_lost_worker_joins_adpsgd_again_but_not_prague():
+    from distrain.errors import ConfigError
+
+    TrainConfig(algorithm="adpsgd", max_restarts=1).validate()
+    with pytest.raises(ConfigError, match="--max-restarts"):
+        TrainConfig(algorithm="prague", max_restarts=1).validate()

@@ -76,6 +76,40 @@ def test_progress_headers_merge_by_maximum():
         a.merge(torch.zeros(5, dtype=torch.int64))
 
 
+def test_a_worker_that_joins_again_is_not_done_until_it_finishes_its_next_life():
+    """Worker 1 is lost (done), then joins again: every worker that merges the news counts it
+    training again, whatever it knew before; its finish ends the run again."""
+    a, b = SharedModel(torch.zeros(1), 0, 2), SharedModel(torch.zeros(1), 1, 2)
+    a.finish()
+    a.mark_lost(1)
+    assert a.all_done and a.lost == {1}
+    a.revive(1)
+    assert a.done == [1, 2] and not a.all_done and a.lost == set()
+    b.merge(a.progress_header()[:])  # the joiner learns its life from a member's header
+    assert b.done == [1, 2] and not b.finished
+    stale = SharedModel(torch.zeros(1), 0, 2)
+    stale.mark_lost(1)  # a member that has not read the admission yet
+    stale.merge(a.progress_header())
+    assert stale.done[1] == 2 and not stale.all_done
+    b.finish()
+    a.merge(b.progress_header())
+    assert a.done == [1, 3] and a.all_done
+    a.mark_lost(1)  # lost again: still done, and a second join is its third life
+    a.revive(1)
+    assert a.done == [1, 4]
+
+
+def test_a_joiners_snapshots_start_after_it_joined():
+    early, late = Snapshots(interval=1.0, limit=100), Snapshots(interval=1.0, limit=100)
+    late.start_at(3.5)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        early.take(t, 0, torch.zeros(1))
+        if t > 3.5:
+            late.take(t, 0, torch.zeros(1))
+    assert sorted(late.points) == [4, 5]
+    assert early.common_points(0, min(early.last, late.last), max(early.first, late.first)) == [4, 5]
+
+
 @pytest.mark.parametrize("kind,expected", [("local", (0.5, 50)), ("time", (0.25, 25)), ("global", (0.75, 75))])
 def test_budget_progress_and_schedule(kind, expected):
     budget = Budget(kind, steps=100, world=4, seconds=40.0)

@@ -70,6 +70,29 @@ def test_the_first_proposal_to_admit_a_joiner_is_everyones():
     assert b.planned_growth(11) == Growth(12, 1)
 
 
+def test_asynchronous_members_admit_at_once_until_one_closes_the_run():
+    """Asynchronous gossip: the first member to see a joiner proposes to admit it now, and a member
+    that closes later admits it first; once one closed, nobody admits and the joiner is told."""
+    store = dist.HashStore()
+    store.set(RESTARTS_KEY, "1")
+    a, b = Membership(store, [0, 1, 2], 0), Membership(store, [0, 1, 2], 1)
+    assert a.growth_now() is None  # nobody waits
+    store.add(JOINS_KEY, 1)
+    store.set(JOINER_KEY.format(0), "2")
+    assert a.growth_now() == Growth(0, 1)  # a's proposal: it names a
+    assert b.close_growth() == Growth(0, 1)  # b closes after the agreement: it admits first
+    for m in (a, b):
+        change = m.admit(m.growth, 5, time.perf_counter(), live=[0, 1])  # type: ignore[arg-type]
+        assert (change.members, change.joined, change.epoch) == ([0, 1, 2], [2], 1)
+    assert b.close_growth() is None and store.check([CLOSED_KEY])
+    store.add(JOINS_KEY, 1)
+    store.set(JOINER_KEY.format(1), "1")
+    assert a.growth_now() is None  # closed at this epoch: a later joiner is not admitted
+    assert a.close_growth() is None
+    with pytest.raises(RunEnded):
+        Membership.enter(store, 1, reopen=False, timeout=5)
+
+
 def test_a_round_based_algorithm_admits_at_a_rounds_end():
     store = dist.HashStore()
     store.set(RESTARTS_KEY, "1")

@@ -35,6 +35,13 @@ active worker only sends DONE once it knows all are done, and a passive one tell
 what it knows, so the knowledge spreads until everyone stops; after that, nothing changes the
 models, and the loop takes the consensus (an all-reduce on the main group).
 
+A lost worker that the launcher starts again (``--max-restarts``) joins again (see
+``rejoin.py``): the members admit it as soon as one of them sees it ask, each of its neighbours
+opens a link with it (HELLO: ``[HELLO, seconds since the start in microseconds, *counts, *done]``
+and the neighbour's model) and calls it, or waits for its calls, over that link from then on; it
+keeps its id, and so its side. Every worker closes the run to joiners before its gossip ends, and
+waits for the links it is opening, so nobody stops while a neighbour that joined still gossips.
+
 Example::
 
     distrain train --algorithm adpsgd                      # ring of 4: workers 0, 2 active
@@ -65,6 +72,7 @@ from distrain.algorithms.gossip import (
     Waiter,
     gossip_group,
 )
+from distrain.algorithms.rejoin import POLL_S, Admissions, open_pair
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import is_comm_error
@@ -73,7 +81,7 @@ from distrain.topology import Graph, bipartite_sets, build_topology
 
 log = logging.getLogger(__name__)
 
-REQUEST, REPLY, DONE = 1, 2, 3
+REQUEST, REPLY, DONE, HELLO = 1, 2, 3, 4
 
 
 def bipartite_graph(topology: str, n: int) -> Graph:
@@ -138,7 +146,8 @@ class PairwiseGossip(GossipEngine):
     """
 
     def __init__(self, state: SharedModel, transport: Transport, graph: Graph, seed: int = 0,
-                 liveness: Liveness | None = None, peer_timeout: float = 120.0) -> None:
+                 liveness: Liveness | None = None, peer_timeout: float = 120.0,
+                 admissions: Admissions | None = None, entering: bool = False) -> None:
         super().__init__(state)
         self.liveness, self.peer_timeout = liveness, peer_timeout
         if graph.n != transport.world_size:
@@ -147,27 +156,39 @@ class PairwiseGossip(GossipEngine):
         self.transports = [transport]
         active, _ = bipartite_sets(graph)
         self.active = transport.rank in active
-        self.peers = list(graph.neighbors[transport.rank])  # all on the other side
+        self.neighbours = list(graph.neighbors[transport.rank])  # all on the other side
+        # A worker that joined again (``entering``) gossips with a neighbour once it opened their link.
+        self.peers = [] if entering else list(self.neighbours)
         self.rng = random.Random(seed * 1_000_003 + transport.rank)
         self.header_len = 1 + 2 * state.world
         self.mine, self.theirs = self._messages()  # what this worker sends, what it receives
         self.exchanges = 0  # exchanges this worker started (active) or served (passive)
         self._graveyard: list[Message] = []  # buffers of abandoned exchanges (see _lose)
         self._calling: set[int] = set(self.peers)  # passive: callers that have not said DONE
-        self._heard = dict.fromkeys(self.peers, time.monotonic())  # passive: when each was last heard from
+        self._heard = dict.fromkeys(self.neighbours, time.monotonic())  # passive: when each was last heard from
         self._ended = threading.Event()  # the gossip thread has ended
         self.waiter = Waiter("distrain-adpsgd-wait") if liveness is not None else None
+        self.admissions = admissions
+        self.links: dict[int, Transport] = {}  # peers that joined again (or, joining, every peer): their link
+        self._opening: set[int] = set()  # links being opened (with a joiner, or by a joiner)
+        self.inbox: queue.SimpleQueue[tuple[int, Message, threading.Event]] = queue.SimpleQueue()  # passive
 
     def _messages(self) -> tuple[Message, Message]:
         return tuple(Message(self.header_len, self.state.x.numel(), self.state.x.dtype) for _ in range(2))  # type: ignore[return-value]
 
     def _threads(self) -> list[tuple[str, Any]]:
-        if not self.peers:
+        if not self.neighbours:
             return []
         watch = [("distrain-adpsgd-watch", self._watch)] if self.liveness is not None else []
+        if self.admissions is not None:
+            watch.append(("distrain-adpsgd-admit", self._admit_joiners))
         if self.active:
             return [("distrain-adpsgd-active", self._run_active), *watch]
         return [("distrain-adpsgd-passive", self._run_passive), *watch]
+
+    def _via(self, peer: int) -> Transport:
+        """The transport to ``peer``: the gossip group's, or the link opened when one of us joined."""
+        return self.links.get(peer, self.transport)
 
     def _wait(self, handles: list[Handle], peer: int) -> None:
         """Wait for an exchange with ``peer``. With liveness: on the waiter, giving up (PeerTimeout)
@@ -194,12 +215,11 @@ class PairwiseGossip(GossipEngine):
             gossiped = 0  # the first exchange follows the first step
             while True:
                 gossiped, _ = self.wait_for_round(gossiped)
-                if self.state.all_done:
+                if self.state.all_done and self._may_stop():
                     break
-                if not self.peers:
-                    raise WorkerFailure(f"worker {self.transport.rank}: every neighbour was lost; nobody left to "
-                                        "average with")
-                peer = self.rng.choice(self.peers)
+                peer = self._pick()
+                if peer is None:  # a link with a joiner is being opened
+                    continue
                 try:
                     self._call(peer)
                 except Exception as exc:
@@ -211,6 +231,29 @@ class PairwiseGossip(GossipEngine):
                     self._lose(peer, exc)
         finally:
             self._ended.set()
+
+    def _pick(self) -> int | None:
+        """A random neighbour to call; None after a short wait while there is none yet but a link
+        is being opened."""
+        with self.state.lock:
+            if self.peers:
+                return self.rng.choice(self.peers)
+            if not self._opening:
+                raise WorkerFailure(f"worker {self.transport.rank}: every neighbour was lost; nobody left to "
+                                    "average with")
+            self.state.lock.wait(timeout=0.5)
+            return None
+
+    def _may_stop(self) -> bool:
+        """Every worker is done as far as this one knows: close the run to joiners (admitting those
+        already agreed on, who are not done) and wait for the links being opened; True when every
+        worker is still done."""
+        if self.admissions is not None:
+            self.admissions.close(self._welcome, self._live)
+        with self.state.lock:
+            while self._opening and self.error is None:
+                self.state.lock.wait(timeout=0.5)
+        return self.state.all_done
 
     def _lose(self, peer: int, exc: BaseException) -> None:
         """Drop ``peer`` after a failed exchange, if peers can be dropped and it looks gone."""
@@ -230,7 +273,7 @@ class PairwiseGossip(GossipEngine):
                     str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
 
     def _call(self, peer: int, kind: int = REQUEST) -> None:
-        t = self.transport
+        t = self._via(peer)
         mine, theirs = self.mine, self.theirs
         mine.header.copy_(self.state.progress_header(kind))
         self.state.read(out=mine.body)
@@ -251,7 +294,7 @@ class PairwiseGossip(GossipEngine):
 
     def _run_passive(self) -> None:
         t = self.transport
-        calling = self._calling = set(self.peers)  # active neighbours that have not said DONE
+        calling = self._calling  # active neighbours that have not said DONE
         if self.liveness is not None:
             self._serve_listened(calling)
             return
@@ -283,13 +326,16 @@ class PairwiseGossip(GossipEngine):
         this thread answers one message at a time. (Not an any-source receive: when a caller
         dies or leaves mid-message, gloo can leave such a receive posted, and it swallows the
         next message of another caller.)"""
-        inbox: queue.SimpleQueue[tuple[int, Message, threading.Event]] = queue.SimpleQueue()
+        inbox = self.inbox
         for caller in sorted(calling):
-            threading.Thread(target=self._listen, args=(caller, inbox), name=f"distrain-adpsgd-listen-{caller}",
-                             daemon=True).start()
+            self._start_listening(caller)
         checked = time.monotonic()
         try:
-            while calling:
+            while True:
+                if not calling and not self._opening:  # nobody calls any more: unless a worker joins, done
+                    self._may_stop()
+                    if not calling:
+                        break
                 # Once a second, busy or not: a caller that died is declared dead at once (by the
                 # launcher, or by a peer), and its DONE will never come. Checked only when idle,
                 # a passive worker that another caller keeps busy waited for the peer timeout.
@@ -297,7 +343,7 @@ class PairwiseGossip(GossipEngine):
                     self._drop_lost_callers(calling)
                     checked = time.monotonic()
                     if not calling:
-                        break
+                        continue
                 try:
                     src, theirs, served = inbox.get(timeout=1.0)
                 except queue.Empty:
@@ -312,6 +358,10 @@ class PairwiseGossip(GossipEngine):
         finally:
             self._ended.set()
 
+    def _start_listening(self, caller: int) -> None:
+        threading.Thread(target=self._listen, args=(caller, self.inbox), name=f"distrain-adpsgd-listen-{caller}",
+                         daemon=True).start()
+
     def _listen(self, caller: int, inbox: queue.SimpleQueue[tuple[int, Message, threading.Event]]) -> None:
         """Receive ``caller``'s messages until its DONE, each into this thread's buffer once the
         last was served (a caller sends again only after our reply). A closed connection ends
@@ -319,7 +369,7 @@ class PairwiseGossip(GossipEngine):
         theirs = self._messages()[1]
         try:
             while True:
-                self.transport.recv(theirs.buffer, caller).wait()
+                self._via(caller).recv(theirs.buffer, caller).wait()
                 served = threading.Event()
                 inbox.put((caller, theirs, served))
                 if theirs.kind != REQUEST:
@@ -366,7 +416,7 @@ class PairwiseGossip(GossipEngine):
     def _serve(self, src: int, calling: set[int], theirs: Message | None = None) -> bool:
         """Answer the request in ``theirs`` (default ``self.theirs``); True when something changed
         in who is still calling."""
-        t = self.transport
+        t = self._via(src)
         theirs = theirs or self.theirs
         kind = theirs.kind
         dropped = src in self.state.lost  # back after we gave up on it: answered, never averaged
@@ -390,6 +440,125 @@ class PairwiseGossip(GossipEngine):
         return bool(self.state.lost)
 
 
+    # -- joins: a lost worker started again (see distrain.algorithms.rejoin) --
+
+    def _live(self) -> list[int]:
+        assert self.liveness is not None
+        return [r for r in range(self.state.world) if r not in self.liveness.dead_ranks()]
+
+    def _admit_joiners(self) -> None:
+        """A member's thread: a few times a second, admit the workers that asked to join."""
+        assert self.admissions is not None and self.liveness is not None
+        live = self.liveness.another()
+
+        def alive() -> list[int]:
+            return [r for r in range(self.state.world) if r not in live.dead_ranks()]
+
+        while not self._ended.wait(POLL_S):
+            self.admissions.steps = self.state.own_steps
+            self.admissions.poll(self._welcome, alive)
+
+    def _welcome(self, joiner: int, epoch: int) -> None:
+        """``joiner`` was admitted in ``epoch``: it trains again, and a neighbour opens a link with
+        it and hands it its model there (on a thread of its own)."""
+        self.state.revive(joiner)
+        log.info("worker %d: worker %d joins again", self.transport.rank, joiner)
+        if joiner not in self.neighbours:
+            return
+        with self.state.lock:
+            self._opening.add(joiner)
+        self.spawn(f"distrain-adpsgd-link-{joiner}", lambda: self._hand_over(joiner, epoch))
+
+    def _hand_over(self, joiner: int, epoch: int) -> None:
+        """Open the link with ``joiner`` and send it this worker's model and what it knows of every
+        worker's progress (HELLO); from then on call it (active) or wait for its calls (passive)."""
+        assert self.admissions is not None and self.liveness is not None
+        live = self.liveness.another()
+        try:
+            deadline = time.monotonic() + self.peer_timeout
+            while live.is_dead(joiner):  # its mark goes once it took its admission (Membership.enter)
+                if time.monotonic() > deadline:
+                    raise PeerTimeout(f"worker {joiner} was admitted but did not come within {self.peer_timeout:g} s")
+                time.sleep(0.05)
+            link = open_pair(self.admissions.membership, epoch, (self.transport.rank, joiner), self.transport.rank,
+                             self.state.world, self.peer_timeout, self.transport.link_model)
+            hello = Message(self.header_len + 1, self.state.x.numel(), self.state.x.dtype)
+            hello.header.copy_(self.state.progress_header(HELLO, round((time.perf_counter() - self.t0) * 1e6)))
+            self.state.read(out=hello.body)
+            self._wait([link.send(hello.buffer, joiner)], joiner)
+            self._linked(joiner, link)
+        except Exception as exc:  # noqa: BLE001 - it died again, or never came
+            self._lose_joiner(joiner, exc, live)
+        finally:
+            with self.state.lock:
+                self._opening.discard(joiner)
+                self.state.lock.notify_all()
+
+    def _linked(self, peer: int, link: Transport) -> None:
+        """The link with ``peer`` is open: gossip with it over the link from now on."""
+        self.links[peer] = link
+        self.transports.append(link)
+        with self.state.lock:
+            self._heard[peer] = time.monotonic()
+            if self.active:
+                self.peers.append(peer)
+            else:
+                self._calling.add(peer)
+                self._start_listening(peer)
+            self.state.lock.notify_all()
+
+    def _lose_joiner(self, peer: int, exc: BaseException, live: Liveness) -> None:
+        """No link with ``peer``: drop it if it is gone (declared dead, or its heartbeat stopped)."""
+        if not live.silent([peer]):
+            raise exc
+        live.declare_dead(peer)
+        self.state.mark_lost(peer)
+        log.warning("worker %d: lost worker %d while opening a link with it (%s); going on without it",
+                    self.transport.rank, peer, str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
+
+    def enter(self, epoch: int) -> None:
+        """This worker joined again, admitted in ``epoch``: open a link with every live neighbour
+        (each opens its side once it admitted it) and take the first model handed over
+        (:attr:`has_model` is set then)."""
+        assert self.liveness is not None and self.admissions is not None
+        dead = self.liveness.dead_ranks()
+        for r in dead:
+            if r != self.transport.rank:
+                self.state.mark_lost(r)
+        with self.state.lock:
+            self._opening.update(n for n in self.neighbours if n not in dead)
+        for n in sorted(self._opening):
+            self.spawn(f"distrain-adpsgd-link-{n}", lambda n=n: self._take_over(n, epoch))
+
+    def _take_over(self, peer: int, epoch: int) -> None:
+        """Open the link with neighbour ``peer`` and receive its HELLO: the first one's model
+        becomes this worker's; every one's progress is merged."""
+        assert self.admissions is not None and self.liveness is not None
+        live = self.liveness.another()
+        try:
+            link = open_pair(self.admissions.membership, epoch, (self.transport.rank, peer), self.transport.rank,
+                             self.state.world, self.peer_timeout, self.transport.link_model)
+            hello = Message(self.header_len + 1, self.state.x.numel(), self.state.x.dtype)
+            self._wait([link.recv(hello.buffer, peer)], peer)
+            if hello.kind != HELLO:
+                raise WorkerFailure(f"worker {self.transport.rank}: expected worker {peer}'s model, got message "
+                                    f"kind {hello.kind}")
+            self.state.merge(hello.header[2:])
+            with self.state.lock:
+                if not self.has_model.is_set():
+                    self.state.x.copy_(hello.body)
+                    self.handed_at = int(hello.header[1]) / 1e6
+                    self.has_model.set()
+                    log.info("worker %d: took worker %d's model", self.transport.rank, peer)
+            self._linked(peer, link)
+        except Exception as exc:  # noqa: BLE001
+            self._lose_joiner(peer, exc, live)
+        finally:
+            with self.state.lock:
+                self._opening.discard(peer)
+                self.state.lock.notify_all()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ADPSGDSettings(GossipSettings):
     """What AD-PSGD runs with: the gossip settings and its topology."""
@@ -408,9 +577,13 @@ class ADPSGD(AsyncGossip):
         g = self.settings
         self.graph = bipartite_graph(g.topology, transport.world_size)  # under torchrun: WORLD_SIZE
         liveness = self.liveness(transport.world_size)
+        admissions = self.admissions(liveness, transport)
+        if self.entered is not None:  # no group to enter: links with each neighbour (see rejoin.py)
+            return PairwiseGossip(self.state, transport, self.graph, seed=g.run.seed, liveness=liveness,
+                                  peer_timeout=g.peer_timeout, admissions=admissions, entering=True)
         group = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)  # see Waiter
         return PairwiseGossip(self.state, Transport(group, link_model=transport.link_model), self.graph,
-                              seed=g.run.seed, liveness=liveness, peer_timeout=g.peer_timeout)
+                              seed=g.run.seed, liveness=liveness, peer_timeout=g.peer_timeout, admissions=admissions)
 
     def close(self) -> None:
         if isinstance(self.engine, PairwiseGossip) and self.engine.waiter is not None:

@@ -11,7 +11,9 @@ only by gradient steps).
 
 Besides the model, a worker knows how many steps each worker has taken and which ones have
 finished training (``counts``, ``done``), as far as the gossip has told it: these travel in the
-fixed-format int64 headers of every exchange and are merged by maximum. They drive the budget
+fixed-format int64 headers of every exchange and are merged by maximum (``done`` counts a
+worker's lives: even while it trains, odd once it finished or was lost, and one more when it
+joins again, see :meth:`SharedModel.revive`). They drive the budget
 (``--budget global`` stops once all workers together have made ``--epochs`` passes over the
 training set) and the shutdown: a worker that has finished keeps averaging until it knows that
 every worker has finished, so the models stop changing everywhere before the final consensus.
@@ -43,10 +45,12 @@ import torch
 import torch.distributed as dist
 
 from distrain.algorithms.base import Algorithm, FlatParams, RunFacts, StepContext, copy_module
+from distrain.algorithms.rejoin import Admissions
+from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import WorkerFailure
 from distrain.runtime.health import Liveness
-from distrain.runtime.membership import LeftOut
+from distrain.runtime.membership import Change, LeftOut, Membership
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,8 @@ class SharedModel:
         self.rank, self.world = rank, world
         self.lock = threading.Condition()
         self.counts = [0] * world
+        #: per worker: even while it trains, odd once it finished or was lost; a worker that joins
+        #: again after its loss starts its next life (one more), so the maximum is always the news
         self.done = [0] * world
         self.rounds = 0  # averagings this worker took part in
         self.lost: set[int] = set()  # peers this worker found gone (asynchronous runs go on without them)
@@ -162,13 +168,21 @@ class SharedModel:
         """A peer is gone: it counts as done, so the others can finish without it."""
         with self.lock:
             self.lost.add(rank)
-            self.done[rank] = 1
+            self.done[rank] |= 1
+            self.lock.notify_all()
+
+    def revive(self, rank: int) -> None:
+        """A lost peer joined again: it trains again (its next life), and nobody is done before
+        it is (or is lost again)."""
+        with self.lock:
+            self.lost.discard(rank)
+            self.done[rank] = (self.done[rank] | 1) + 1
             self.lock.notify_all()
 
     def finish(self) -> None:
         """This worker's training budget is used up: mark it done and wake the gossip."""
         with self.lock:
-            self.done[self.rank] = 1
+            self.done[self.rank] |= 1
             self.lock.notify_all()
 
     @property
@@ -177,11 +191,11 @@ class SharedModel:
 
     @property
     def finished(self) -> bool:
-        return bool(self.done[self.rank])
+        return bool(self.done[self.rank] & 1)
 
     @property
     def all_done(self) -> bool:
-        return all(self.done)
+        return all(d & 1 for d in self.done)
 
     def global_steps(self) -> int:
         """Steps taken by all workers together, as far as this worker knows (a lower bound)."""
@@ -200,15 +214,15 @@ class SharedModel:
             raise WorkerFailure(f"gossip header of {len(values)} progress values, expected {2 * n}")
         with self.lock:
             self.counts = [max(a, b) for a, b in zip(self.counts, values[:n], strict=True)]
-            self.done = [max(a, min(1, b)) for a, b in zip(self.done, values[n:], strict=True)]
+            self.done = [max(a, b) for a, b in zip(self.done, values[n:], strict=True)]
 
     def wait_for_round(self, gossiped: int) -> tuple[int, bool]:
         """Block until this worker has a step newer than ``gossiped`` or has finished;
         returns (steps now, finished)."""
         with self.lock:
-            while not self.done[self.rank] and self.counts[self.rank] <= gossiped:
+            while not self.done[self.rank] & 1 and self.counts[self.rank] <= gossiped:
                 self.lock.wait(timeout=1.0)
-            return self.counts[self.rank], bool(self.done[self.rank])
+            return self.counts[self.rank], bool(self.done[self.rank] & 1)
 
     def idle_seconds(self) -> float:
         """Pause between averagings of a worker that has finished training (one step's time)."""
@@ -231,6 +245,16 @@ class GossipEngine:
         self.transports: list[Transport] = []
         self.error: BaseException | None = None
         self._threads_running: list[threading.Thread] = []
+        #: where workers started again ask to join (None: the launcher starts none; see rejoin.py)
+        self.admissions: Admissions | None = None
+        self.t0 = time.perf_counter()  # the run's common start, for a worker that joins (set by the algorithm)
+        self.has_model = threading.Event()  # joining: a peer handed this worker its model
+        self.handed_at = 0.0  # joining: the seconds since the start of the peer that handed it
+
+    def enter(self, epoch: int) -> None:
+        """This worker joined the run again, admitted in ``epoch``: start taking a peer's model
+        (:attr:`has_model` is set once it has one)."""
+        raise WorkerFailure(f"{type(self).__name__}: a worker cannot join this algorithm's run again")
 
     def _threads(self) -> list[tuple[str, Callable[[], None]]]:
         raise NotImplementedError
@@ -426,6 +450,7 @@ class Snapshots:
         self.interval, self.limit = interval, max(2, limit)
         self.level = 0  # points kept: multiples of 2**level
         self.last = 0  # the last point passed
+        self.first = 1  # the first point this worker has (later for a worker that joined the run)
         self.points: dict[int, Snapshot] = {}
 
     @property
@@ -438,6 +463,11 @@ class Snapshots:
     def due(self, seconds: float) -> bool:
         return self._passed(seconds) >= (self.last // self.stride + 1) * self.stride
 
+    def start_at(self, seconds: float) -> None:
+        """A worker that joins ``seconds`` after the common start keeps the points after it only."""
+        self.last = self._passed(seconds)
+        self.first = self.last + 1
+
     def take(self, seconds: float, steps: int, vector: torch.Tensor) -> None:
         passed = self._passed(seconds)
         while passed // self.stride > self.limit:
@@ -448,10 +478,11 @@ class Snapshots:
             self.points[k] = snap
         self.last = max(self.last, passed)
 
-    def common_points(self, level: int, last: int) -> list[int]:
-        """The points every worker has, given the largest level and the smallest last point."""
+    def common_points(self, level: int, last: int, first: int = 1) -> list[int]:
+        """The points every worker has, given the largest level, the smallest last point and the
+        largest first point."""
         stride = 1 << level
-        return list(range(stride, last + 1, stride))
+        return [k for k in range(stride, last + 1, stride) if k >= first]
 
 
 def snapshot_limit(model_bytes: int) -> int:
@@ -473,6 +504,9 @@ class AsyncGossip(Algorithm):
     synchronous = False
     survives_lost_workers = True  # the others drop a lost worker and finish (see the engines)
     settings: GossipSettings
+    #: Set on a worker started again after its loss, before :meth:`setup`: its admission (it
+    #: takes a peer's model over links in :meth:`join`, never entering the run's groups).
+    entered: Membership | None = None
 
     @classmethod
     def survives(cls, settings: GossipSettings) -> bool:
@@ -483,6 +517,12 @@ class AsyncGossip(Algorithm):
         """Where the engine declares and looks up lost workers; None (a lost worker stops the run,
         as in a synchronous algorithm) with ``--min-workers`` equal to ``--workers``."""
         return Liveness.from_env(world) if self.survives(self.settings) else None
+
+    def admissions(self, liveness: Liveness | None, transport: Transport) -> Admissions | None:
+        """Where workers started again ask to join (None: the launcher starts none)."""
+        if self.entered is not None:
+            return Admissions(self.entered)
+        return Admissions.for_run(liveness, transport.world_size, transport.rank, self.settings.run.timeout)
 
     def _check_members(self) -> None:
         """Stop with one line once fewer than ``--min-workers`` workers are left."""
@@ -528,7 +568,35 @@ class AsyncGossip(Algorithm):
         self.read_copy.copy_(self.state.x)
         self.t0 = time.perf_counter()
         if self.engine is not None:
+            if self.entered is not None:  # the clock of the peer that handed it its model: the run's
+                self.t0 -= self.engine.handed_at
+                self.snapshots.start_at(self.engine.handed_at)
+            self.engine.t0 = self.t0
             self.engine.start()
+
+    def join(self) -> int:
+        """This worker was started again and admitted (:attr:`entered`): take a live peer's model
+        over a link (into the module too) and what it knows of every worker's progress; returns
+        this worker's steps as the others know them, where it goes on from."""
+        assert self.entered is not None and self.engine is not None
+        engine, timeout = self.engine, 2 * self.settings.peer_timeout
+        engine.enter(self.entered.epoch)
+        deadline = time.monotonic() + timeout
+        while not engine.has_model.wait(0.05):
+            engine.check()
+            if time.monotonic() > deadline or not engine.alive():
+                raise WorkerFailure(f"worker {self.state.rank} was admitted again, but no peer handed it a model "
+                                    f"within {timeout:g} s")
+        engine.check()
+        self.flat.write(self.state.read())
+        self.read_copy.copy_(self.state.x)
+        return self.state.own_steps
+
+    def newly_joined(self) -> list[Change]:
+        """The admissions of workers started again that this worker took part in since it last
+        asked (see :mod:`distrain.algorithms.rejoin`)."""
+        admissions = self.engine.admissions if self.engine is not None else None
+        return admissions.newly_joined() if admissions is not None else []
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -603,11 +671,15 @@ class AsyncGossip(Algorithm):
         if live is None:
             return None
         self.lost_workers = live.dead_ranks()
-        if not self.lost_workers:
+        joined = self.engine is not None and self.engine.admissions is not None and self.engine.admissions.joined
+        if not self.lost_workers and not joined:
             return None
         if self.transport.rank in self.lost_workers:
             raise LeftBehind(self.transport.rank)
         survivors = [r for r in range(self.state.world) if r not in self.lost_workers]
+        if joined:  # a worker that joined again is in no group of the others: meet in the store
+            log.info("worker %d: the consensus is over workers %s", self.transport.rank, survivors)
+            return StoreGroup(live.store, survivors, self.transport.rank, self.settings.peer_timeout)  # type: ignore[return-value]
         log.warning("worker %d: the consensus is over workers %s (lost: %s)", self.transport.rank, survivors,
                     sorted(self.lost_workers))
         group = dist.new_group(survivors, backend="gloo", timeout=timedelta(seconds=self.settings.peer_timeout),
@@ -657,11 +729,12 @@ class AsyncGossip(Algorithm):
     def consensus_history(self) -> Iterator[tuple[dict[str, float], torch.nn.Module]]:
         """The consensus model at every snapshot point (collective; each worker iterates fully)."""
         assert self.transport is not None
-        mine = torch.tensor([self.snapshots.level, self.snapshots.last], dtype=torch.int64, device=self.device)
+        snaps = self.snapshots
+        mine = torch.tensor([snaps.level, snaps.last, snaps.first], dtype=torch.int64, device=self.device)
         rows = self._ctl().control_all_gather(mine) if self._ctl().world_size > 1 else [mine]
         level = max(int(r[0]) for r in rows)
         last = min(int(r[1]) for r in rows)
-        points = self.snapshots.common_points(level, last)
+        points = self.snapshots.common_points(level, last, max(int(r[2]) for r in rows))
         if not points:
             return
         facts = torch.tensor([[self.snapshots.points[k].seconds, self.snapshots.points[k].steps] for k in points],

@@ -247,6 +247,15 @@ class Transport:
                  ids: list[int] | None = None) -> None:
         self._open(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), link_model, ids)
 
+    @classmethod
+    def detached(cls, rank: int, world_size: int, link_model: LinkModel | None = None) -> Transport:
+        """A Transport of ``rank`` among ``world_size`` workers in no process group: it names the
+        run's peers and adds up the traffic of the links a process outside the run's group talks
+        through (a worker that joined an asynchronous run again), and starts no exchange itself."""
+        transport = cls.__new__(cls)
+        transport._open(None, rank, world_size, link_model, list(range(world_size)))
+        return transport
+
     def _open(self, process_group: dist.ProcessGroup | None, rank: int, world_size: int,
               link_model: LinkModel | None, ids: list[int] | None) -> None:
         self.group = process_group

@@ -65,6 +65,8 @@ JOINER_KEY = PREFIX + "/joiner/{}"
 ADMIT_KEY = PREFIX + "/admit/{}"
 #: Set by the members once they have stopped stepping: nobody can join any more.
 CLOSED_KEY = PREFIX + "/closed"
+#: An epoch's growth key once an asynchronous member closed the run to joiners (:meth:`Membership.close_growth`).
+CLOSED = "closed"
 #: The environment variable a launcher sets on a worker it starts again after its loss.
 JOIN_ENV = "DISTRAIN_JOIN"
 #: How often a wait polls the store for a membership change (seconds).
@@ -282,10 +284,45 @@ class Membership:
         self.growth = Growth(at, count)
         return self.growth
 
+    def growth_now(self) -> Growth | None:
+        """Asynchronous algorithms, which have no common step: the agreement to admit the workers
+        waiting to join now (None: nobody waits, or the run was closed to joiners at this epoch,
+        :meth:`close_growth`). ``Growth.at`` names the member whose proposal won (the first one
+        that saw the joiners), not a step. One store request while nobody waits."""
+        if self.growth is not None:
+            return self.growth
+        if not self.accepts_joins:
+            return None
+        joins = int(self.store.add(JOINS_KEY, 0))
+        if joins <= self.admitted:
+            return None
+        return self._agree_growth(f"{self.me}:{joins}")
+
+    def close_growth(self) -> Growth | None:
+        """Asynchronous algorithms, before a member stops: close the run to joiners at this epoch,
+        unless the members already agreed to admit some (returned: admit them, then close again at
+        the next epoch). Once closed, every member reads the same answer and the workers still
+        waiting to join are told the run ended (:meth:`enter` raises RunEnded)."""
+        if self.growth is not None:
+            return self.growth
+        growth = self._agree_growth(CLOSED)
+        if growth is None:
+            self.store.set(CLOSED_KEY, "1")
+        return growth
+
+    def _agree_growth(self, proposal: str) -> Growth | None:
+        agreed = self.store.compare_set(self._key("grow"), "", proposal)
+        text = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+        if text == CLOSED:
+            return None
+        at, count = (int(v) for v in text.split(":"))
+        self.growth = Growth(at, count)
+        return self.growth
+
     def grow(self, growth: Growth, steps: int, since: float) -> Change:
         """Admit the joiners of ``growth`` (collective with them): the next epoch's members are
         this one's and then the joiners, each told its epoch; the group is opened again."""
-        joined = [j for j in self._joiners(growth) if j not in self.members]
+        joined = [j for j in self.joiners(growth) if j not in self.members]
         done = self._settle(growth, [*self.members, *joined], steps)
         self._reopen()
         return self._grown(steps, since, joined, done)
@@ -296,11 +333,11 @@ class Membership:
         The next epoch's members are ``live`` (the workers not declared dead, as this process
         sees them) and the joiners, in order of their ids; every proposal names every joiner, and
         the first one is everyone's."""
-        joined = self._joiners(growth)
+        joined = self.joiners(growth)
         done = self._settle(growth, sorted({*live, *joined}), steps)
         return self._grown(steps, since, joined, done)
 
-    def _joiners(self, growth: Growth) -> list[int]:
+    def joiners(self, growth: Growth) -> list[int]:
         """The ids of the joiners ``growth`` admits, once each, in the order they asked."""
         asked = (int(self.store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, growth.count))
         return list(dict.fromkeys(asked))
@@ -322,10 +359,11 @@ class Membership:
         self.changes.append(change)
         return change
 
-    def store_prefix(self, name: str) -> dist.PrefixStore:
-        """The store under this epoch's key ``name``: where processes that all name it meet (e.g.
-        to open a group between the parameter servers and a worker they admitted)."""
-        return dist.PrefixStore(self._key(name), self.store)
+    def store_prefix(self, name: str, epoch: int | None = None, store: dist.Store | None = None) -> dist.PrefixStore:
+        """The store under this epoch's (or ``epoch``'s) key ``name``: where processes that all
+        name it meet (e.g. to open a group between the parameter servers and a worker they
+        admitted); through ``store`` (another client of the same store) if given."""
+        return dist.PrefixStore(self._key(name, epoch), store if store is not None else self.store)
 
     def close(self) -> None:
         """This member has stopped stepping: workers still waiting to join are told the run ended."""
@@ -374,8 +412,8 @@ class Membership:
 def enter_run(cfg: TrainConfig) -> Membership:
     """Join the running elastic job a launcher restarted this process for (its ``RANK`` is the
     worker's id; the store is at ``MASTER_ADDR:MASTER_PORT``): wait to be admitted at a step's end,
-    then open the group with the members (with parameter servers, no group: the caller opens the
-    servers' link, :func:`~distrain.algorithms.parameter_server.servers_link`)."""
+    then open the group with the members (with parameter servers or asynchronous gossip, no group:
+    the servers, or the gossip's peers, open links with it)."""
     from distrain.comm.group import backend_for
 
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -384,9 +422,16 @@ def enter_run(cfg: TrainConfig) -> Membership:
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg.cluster.timeout))
     c = cfg.cluster
-    servers = cfg.algo.algorithm == "ps"  # the servers admit it, over a link of their own (no group to reopen)
-    return Membership.enter(store, int(os.environ.get("RANK", "0")), reopen=not servers, min_workers=c.min_workers,
+    # The servers, or the asynchronous gossip's peers, open links of their own with it: nobody
+    # reopens the run's group.
+    links = cfg.algo.algorithm in LINKED_JOINS
+    return Membership.enter(store, int(os.environ.get("RANK", "0")), reopen=not links, min_workers=c.min_workers,
                             backend=backend_for(cfg), timeout=c.timeout)
+
+
+#: Algorithms whose workers admit a joiner without reopening the run's group: parameter servers
+#: and the asynchronous gossip open links with it.
+LINKED_JOINS = ("ps", "adpsgd", "prague")
 
 
 def _abort(group: dist.ProcessGroup) -> None:

@@ -445,6 +445,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             save(step + 1)
         step += 1
     opt.end()  # parameter servers: this worker's training is over
+    for change in opt.changes[len(changes):]:  # asynchronous gossip: workers that joined while it drained
+        metrics.write({"step": step, **change.record()})
     if opt.membership is not None:
         opt.membership.close()  # a worker started again from now on finds the run over
     wall = time.perf_counter() - start - eval_seconds
@@ -481,7 +483,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                          **({"lost_servers": {str(s): t for s, t in sorted(algorithm.lost_servers.items())}}
                             if algorithm.lost_servers else {})},
                         membership=run.changes, stopped_at_target=stopped_at_target,
-                        workers_at_end=opt.workers if elastic or opt.joins is not None else world - len(lost()),
+                        workers_at_end=opt.workers if elastic or opt.joins is not None
+                        else world - len(lost() if algorithm.synchronous else algorithm.lost_workers),
                         leader=opt.id if opt.changes else None,
                         tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
     if elastic:
