@@ -495,11 +495,14 @@ def check_gossip_rejoin(results: dict[int, dict], victim: int) -> None:
             lost, joined = result["changes"]
             assert (lost["event"], lost["workers"]) == ("lost", [victim]), r
             assert (joined["event"], joined["workers"], joined["members"]) == ("joined", [victim], list(range(WORKERS)))
-    # it trained after it joined, and averaged with the others to the end: its model is theirs
+    # it trained after it joined, and averaged with the others: its model comes near theirs. How near
+    # depends on how many averagings the finished workers made after its last step (timing: 0.011
+    # apart once under load, 1e-6 on a quiet machine); one that never averaged after its steps of
+    # lr 0.1 on unit gradients would stand about 1 apart
     joined_at = results[victim]["changes"][0]["joined_at_step"]
     assert results[victim]["steps"] == max(STEPS, joined_at + 4), (results[victim]["steps"], joined_at)
     survivors = [r for r in range(WORKERS) if r != victim]
-    torch.testing.assert_close(own[victim], own[survivors].mean(0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(own[victim], own[survivors].mean(0), rtol=0, atol=0.1)
 
 
 def test_a_restarted_worker_joins_adpsgd_again(tmp_path: Path):

@@ -146,6 +146,18 @@ def declare_dead(store: dist.Store | None, rank: int) -> None:
         log.debug("could not declare rank %d dead: %s", rank, exc)
 
 
+#: a value no store key holds: compare_set(key, MISSING, MISSING) reads a key without waiting for it
+_MISSING = "\x00missing"
+
+
+def dead_since(store: dist.Store, rank: int) -> float | None:
+    """When process ``rank`` was declared dead (Unix time), or None when it is not (or no longer:
+    a worker started again deletes its mark). One atomic read: a check followed by a get would
+    wait the store's whole timeout for a mark deleted between the two."""
+    value = store.compare_set(DEAD_KEY.format(rank), _MISSING, _MISSING)  # sets nothing
+    return None if value == _MISSING.encode() else float(value.decode())
+
+
 def silent(store: dist.Store, ranks: list[int] | set[int], stale_after: float) -> list[int]:
     """Of ``ranks``: those declared dead, or whose heartbeat is missing or older than
     ``stale_after`` seconds."""
@@ -214,12 +226,7 @@ class Liveness:
     def dead_ranks(self) -> dict[int, float]:
         """Ranks declared dead, with when (Unix time) the first survivor declared them."""
         store = self._client()
-        out = {}
-        for r in range(self.world_size):
-            key = DEAD_KEY.format(r)
-            if store.check([key]):
-                out[r] = float(store.get(key).decode())
-        return out
+        return {r: t for r in range(self.world_size) if (t := dead_since(store, r)) is not None}
 
     def silent(self, ranks: list[int] | set[int]) -> list[int]:
         """Of ``ranks``: those declared dead, or whose heartbeat is missing or stale."""

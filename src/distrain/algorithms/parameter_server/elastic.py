@@ -13,7 +13,7 @@ import torch.distributed as dist
 from distrain.algorithms.parameter_server.settings import PSSettings, elastic_servers
 from distrain.comm.link import LinkTransport, open_link
 from distrain.comm.store_group import StoreGroup
-from distrain.runtime.health import DEAD_KEY, finishers
+from distrain.runtime.health import dead_since, finishers
 from distrain.runtime.membership import JOINS_KEY, RESTARTS_KEY, Membership
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def survivors_transport(store: dist.Store | None, rank: int, world: int,
     if store is None:
         return None, {}
     finished = finishers(store, rank, world, timeout)
-    lost = {r: float(store.get(DEAD_KEY.format(r)).decode()) for r in range(world) if r not in finished}
+    lost = {r: t for r in range(world) if r not in finished and (t := dead_since(store, r)) is not None}
     if not lost and int(store.add(JOINS_KEY, 0)) == 0:
         return None, {}
     return StoreGroup(store, finished, rank, timeout), lost

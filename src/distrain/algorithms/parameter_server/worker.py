@@ -40,7 +40,7 @@ from distrain.compress.momentum_correction import MomentumCorrection
 from distrain.compress.pushes import ShardPush, send_message
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import is_comm_error, store_client
-from distrain.runtime.health import DEAD_KEY, declared_dead
+from distrain.runtime.health import dead_since, declared_dead
 
 log = logging.getLogger(__name__)
 
@@ -398,8 +398,8 @@ class ParameterServer(Algorithm):
         store = self._store_client()
         if store is None:
             return {}
-        new = {r: float(store.get(DEAD_KEY.format(r)).decode()) for r in range(self.num_workers)
-               if r not in self._known_lost and declared_dead(store, r)}
+        new = {r: t for r in range(self.num_workers)
+               if r not in self._known_lost and (t := dead_since(store, r)) is not None}
         self._known_lost.update(new)
         return new
 
