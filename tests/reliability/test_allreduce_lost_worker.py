@@ -177,3 +177,20 @@ def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tm
     assert [line["step"] for line in resumed] == list(range(total + 1, end + 1))
     sent = summary["bytes_sent_per_worker"]  # its own bytes, not a member's (ps: its STOP comes after)
     assert 0 < resumed[-1]["bytes_sent"] <= sent[0] < sent[1]
+
+
+@pytest.mark.slow  # the AD-PSGD join through wrap() (tests/distributed/test_elastic.py) runs in CI
+def test_a_restarted_worker_0_joins_adpsgd_again_and_the_summary_keeps_its_loss(tmp_path):
+    """--algorithm adpsgd --max-restarts 1: worker 0, killed at step 12, starts again and joins; the
+    summary is written by a worker that trained from the start (the first, 1), so it records the
+    loss and the join, and the run ends with four."""
+    run_dir = tmp_path / "run"
+    slow = ",".join(f"{r}:50x" for r in range(4))  # steps of about 50 ms: the run outlasts the restart
+    run = run_cli([*RUN, "--algorithm", "adpsgd", "--max-restarts", "1", "--epochs", "8", "--slow-worker", slow,
+                   "--run-dir", str(run_dir)], DISTRAIN_INJECT_KILL="0:12")
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(c["event"], c["workers"]) for c in summary["membership"]] == [("lost", [0]), ("joined", [0])]
+    assert summary["membership"][1]["members"] == [0, 1, 2, 3]
+    assert summary["workers_at_end"] == 4 and list(summary["lost_workers"]) == ["0"]

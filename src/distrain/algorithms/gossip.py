@@ -50,7 +50,7 @@ from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import WorkerFailure
 from distrain.runtime.health import Liveness
-from distrain.runtime.membership import Change, LeftOut, Membership
+from distrain.runtime.membership import Change, LeftOut, Membership, restarted_workers
 
 log = logging.getLogger(__name__)
 
@@ -688,6 +688,18 @@ class AsyncGossip(Algorithm):
 
     def control_transport(self) -> Transport | None:
         return self.control
+
+    def leads(self, transport: Transport) -> bool:
+        """After a worker joined again the consensus meets in the store over every live worker;
+        the first of them that trained from the run's start writes the summary (its records hold
+        the loss and the join, its counters the whole run), as every worker reads from the store
+        which workers were started again."""
+        control = self.control
+        if not isinstance(control, StoreGroup):
+            return super().leads(transport)
+        restarted = restarted_workers(control.store)
+        first = [m for m in control.members if m not in restarted] or control.members
+        return control.members[control.rank] == first[0]
 
     def _ctl(self) -> Transport:
         assert self.transport is not None

@@ -409,6 +409,11 @@ class Membership:
                                 timeout=datetime.timedelta(seconds=self.timeout))
 
 
+def restarted_workers(store: dist.Store) -> set[int]:
+    """The ids of every worker started again that asked to join the run (admitted or not)."""
+    return {int(store.get(JOINER_KEY.format(n)).decode()) for n in range(int(store.add(JOINS_KEY, 0)))}
+
+
 def enter_run(cfg: TrainConfig) -> Membership:
     """Join the running elastic job a launcher restarted this process for (its ``RANK`` is the
     worker's id; the store is at ``MASTER_ADDR:MASTER_PORT``): wait to be admitted at a step's end,
