@@ -338,20 +338,7 @@ def ps_join_reference(victim: int, at: int, back: int, steps: int, lr: float = 0
 def ps_rejoin(tmp_path: Path, victim: int, at: int, settings: dict) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
     """Two servers, worker ``victim`` killed as step ``at`` begins and started again (--max-restarts
     1): the run's process and every worker's result, once nothing of it is left running."""
-    from tests.reliability.common import kill_tagged, tagged
-
-    tag = f"ps-join-{tmp_path.name}"
-    try:
-        done = launch(tmp_path, victim, at, "rejoin", "--servers", "2", "--max-restarts", "1", settings=settings,
-                      env={**os.environ, "DISTRAIN_TEST_TAG": tag})
-        assert tagged(tag) == []
-    finally:
-        kill_tagged(tag)
-    assert done.returncode == 0, done.stderr
-    assert f"rank {victim} failed: killed by SIGKILL; started again, it joins the others with their state" in done.stderr
-    assert done.stderr.count(f"worker {victim} joined the run at step") == 1
-    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
-    return done, results
+    return restarted_run(tmp_path, victim, at, settings, "--servers", "2")
 
 
 def test_a_restarted_worker_joins_the_parameter_servers_again(tmp_path: Path):
@@ -466,11 +453,19 @@ def test_min_workers_equal_to_workers_stops_asynchronous_gossip(tmp_path: Path):
 def gossip_rejoin(tmp_path: Path, victim: int, settings: dict) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
     """Worker ``victim`` killed as step 3 begins and started again (--max-restarts 1): the run's
     process and every worker's result, once nothing of it is left running."""
+    return restarted_run(tmp_path, victim, 3, settings)
+
+
+def restarted_run(tmp_path: Path, victim: int, at: int, settings: dict,
+                  *flags: str) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
+    """Worker ``victim`` killed as step ``at`` begins and started again (--max-restarts 1; ``flags``
+    for the launcher besides): the run's process, once it said so once and nothing of it is left
+    running, and every worker's result."""
     from tests.reliability.common import kill_tagged, tagged
 
-    tag = f"gossip-join-{tmp_path.name}"
+    tag = f"rejoin-{tmp_path.name}"
     try:
-        done = launch(tmp_path, victim, 3, "rejoin", "--max-restarts", "1", settings=settings,
+        done = launch(tmp_path, victim, at, "rejoin", *flags, "--max-restarts", "1", settings=settings,
                       env={**os.environ, "DISTRAIN_TEST_TAG": tag})
         assert tagged(tag) == []
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,21 @@ def test_rank0_lost_and_the_others_finish(tmp_path):
     assert re.search(r"worker [123]: lost worker\(s\) \[0\] at step 12; 3 workers go on", run.stderr)
 
 
+def check_worker_0_came_back(run_dir: Path, total: int, back: int, processes: int) -> None:
+    """Worker 0, killed at step 12, joined after step ``back`` of ``total``: every worker's last
+    checkpoint holds the same parameters (so none lost or took a step twice), and worker 0's
+    metrics have its first life's steps, then those after its return, and the join."""
+    models = [CheckpointStore(run_dir, r, processes).load(total)["model"] for r in range(4)]
+    for r in (1, 2, 3):
+        for name, tensor in models[0].items():
+            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+    lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    steps = [line["step"] for line in lines if "loss" in line]
+    first_life = [s for s in steps if s <= 12]  # what its first life had flushed before SIGKILL
+    assert steps == [*range(1, len(first_life) + 1), *range(back + 1, total + 1)]
+    assert [line["event"] for line in lines if "event" in line] == ["joined"]
+
+
 @pytest.mark.slow  # the join through wrap() (tests/distributed/test_elastic.py) runs in CI
 def test_a_restarted_worker_joins_and_ends_with_the_same_parameters(tmp_path):
     """--max-restarts 1: worker 0, killed at step 12, starts again, joins the others at a step's end
@@ -58,15 +74,7 @@ def test_a_restarted_worker_joins_and_ends_with_the_same_parameters(tmp_path):
     assert summary["steps_per_worker"] == [total - back, total, total, total]  # its second life's steps
     # the run's wall time is a member's from the start, not the second life's of the worker that joined
     assert summary["wall_time_s"] >= summary["compute_s_per_worker"][1] + summary["exposed_comm_s_per_worker"][1]
-    models = [CheckpointStore(run_dir, r, 4).load(total)["model"] for r in range(4)]
-    for r in (1, 2, 3):
-        for name, tensor in models[0].items():
-            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
-    lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
-    steps = [line["step"] for line in lines if "loss" in line]
-    first_life = [s for s in steps if s <= 12]  # what its first life had flushed before SIGKILL
-    assert steps == [*range(1, len(first_life) + 1), *range(back + 1, total + 1)]
-    assert [line["event"] for line in lines if "event" in line] == ["joined"]
+    check_worker_0_came_back(run_dir, total, back, processes=4)
 
 
 @pytest.mark.slow  # the join through wrap() (tests/distributed/test_elastic.py) runs in CI
@@ -92,15 +100,7 @@ def test_a_restarted_worker_joins_the_parameter_servers_again(tmp_path):
     assert summary["wall_time_s"] >= summary["compute_s_per_worker"][1] + summary["exposed_comm_s_per_worker"][1]
     sent = summary["bytes_sent_per_worker"]
     assert 0 < sent[0] < sent[1] == sent[2] == sent[3]  # every step's push, the joiner's since it joined
-    models = [CheckpointStore(run_dir, r, 6).load(total)["model"] for r in range(4)]
-    for r in (1, 2, 3):
-        for name, tensor in models[0].items():
-            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
-    lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
-    steps = [line["step"] for line in lines if "loss" in line]
-    first_life = [s for s in steps if s <= 12]  # what its first life had flushed before SIGKILL
-    assert steps == [*range(1, len(first_life) + 1), *range(back + 1, total + 1)]
-    assert [line["event"] for line in lines if "event" in line] == ["joined"]
+    check_worker_0_came_back(run_dir, total, back, processes=6)
     for worker in (1, 2, 3):
         lines = [json.loads(line) for line in (run_dir / "metrics" / f"rank{worker}.jsonl").read_text().splitlines()]
         assert [(line["event"], line["workers"]) for line in lines if "event" in line] == [("lost", [0]), ("joined", [0])]

@@ -274,15 +274,8 @@ class Membership:
         round's end too: they and the workers are at most one step apart as well)."""
         if self.growth is not None:
             return self.growth
-        if not self.accepts_joins:
-            return None
-        joins = int(self.store.add(JOINS_KEY, 0))
-        if joins <= self.admitted:
-            return None
-        agreed = self.store.compare_set(self._key("grow"), "", f"{align(steps + 2)}:{joins}")
-        at, count = (int(v) for v in (agreed.decode() if isinstance(agreed, bytes) else str(agreed)).split(":"))
-        self.growth = Growth(at, count)
-        return self.growth
+        joins = self._joins_waiting()
+        return None if joins is None else self._agree_growth(f"{align(steps + 2)}:{joins}")
 
     def growth_now(self) -> Growth | None:
         """Asynchronous algorithms, which have no common step: the agreement to admit the workers
@@ -291,12 +284,16 @@ class Membership:
         that saw the joiners), not a step. One store request while nobody waits."""
         if self.growth is not None:
             return self.growth
+        joins = self._joins_waiting()
+        return None if joins is None else self._agree_growth(f"{self.me}:{joins}")
+
+    def _joins_waiting(self) -> int | None:
+        """How many workers have asked to join so far, when some of them are not admitted yet
+        (None: nobody waits, or this run admits nobody). One store request."""
         if not self.accepts_joins:
             return None
         joins = int(self.store.add(JOINS_KEY, 0))
-        if joins <= self.admitted:
-            return None
-        return self._agree_growth(f"{self.me}:{joins}")
+        return joins if joins > self.admitted else None
 
     def close_growth(self) -> Growth | None:
         """Asynchronous algorithms, before a member stops: close the run to joiners at this epoch,
