@@ -221,3 +221,42 @@ def test_after_a_join_every_worker_trains_on_its_first_shard_again():
         opt = SimpleNamespace(workers=4, ids=[0, 1, 2, 3], id=me, algorithm=ALGORITHMS["ps"])
         sampler, _, global_batch = regroup(cfg, opt, data, schedule)  # type: ignore[arg-type]
         assert sampler.indices.tolist() == first[me].tolist() and global_batch == 32
+
+
+@pytest.mark.parametrize("algorithm,kept", [("allreduce", 6), ("diloco", 4)])
+def test_after_a_loss_the_epoch_under_way_gives_every_sample(algorithm, kept):
+    """Worker 1 is lost when the others had done 6 steps, and they go on from step 7 (they redid
+    the interrupted one): its samples after the steps the model holds (all 6 of all-reduce's; of
+    DiLoCo's, syncing every 4, the first round's 4) are dealt out to the survivors, who finish the
+    epoch (steps 4-7 of 32 samples a worker) before they start the training set split in three."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from distrain.assemble import build_algorithm
+    from distrain.config import TrainConfig
+    from distrain.runtime.membership import Change
+    from distrain.train.loop import replan, split
+
+    cfg = TrainConfig.from_dict({"algorithm": algorithm, "workers": 4, "batch_size": 8, "sync_every": 4})
+    data = TensorDataset(torch.zeros(128, 1), torch.zeros(128, dtype=torch.long))
+    lost = Change(epoch=1, members=[0, 2, 3], lost=[1], steps={0: 6, 2: 6, 3: 6}, at=0.0, seconds=0.0, step=6)
+    samplers, views = {}, []
+    for me in (0, 2, 3):
+        opt = SimpleNamespace(algorithm=build_algorithm(algorithm, cfg), id=me, membership=None, joins=None)
+        assert opt.algorithm.kept_steps(6) == kept
+        plan = replan(cfg, opt, data, None, [lost], 7, 4)  # type: ignore[arg-type]
+        samplers[me] = plan.samplers[me]
+        views.append({m: s.carry.tolist() for m, s in plan.samplers.items()})
+    assert views[0] == views[1] == views[2]  # every survivor makes the same plan
+    first = replan(cfg, SimpleNamespace(algorithm=build_algorithm(algorithm, cfg), id=0, membership=None, joins=None),
+                   data, None, [], 0, 4)  # type: ignore[arg-type]
+    epoch = [i for r in (0, 2, 3) for s in range(4, 7) for i in first.samplers[r].batch(s).tolist()]
+    epoch += [i for s in range(4, kept) for i in first.samplers[1].batch(s).tolist()]
+    epoch += [i for m in (0, 2, 3) for i in samplers[m].carry.tolist()]
+    assert sorted(epoch) == list(range(128))
+    parts = split(cfg, data, 3)
+    for i, m in enumerate((0, 2, 3)):  # then the training set in three
+        s = samplers[m]
+        after = [j for step in range(7, 30) for j in s.batch(step).tolist()][len(s.carry):len(s.carry) + len(parts[i])]
+        assert sorted(after) == sorted(parts[i].tolist())

@@ -246,6 +246,12 @@ class Algorithm:
         default; a round's boundary for algorithms that sync every so many steps)."""
         return proposed
 
+    def kept_steps(self, lost_at: int) -> int:
+        """Of a worker lost when this one had done ``lost_at`` steps, how many the model holds:
+        its samples after them were never learned from, and the survivors train on them (every
+        step's gradient is in the model by default; a round's, only once the round has synced)."""
+        return lost_at
+
     def keeps_local_gradients(self) -> bool:
         """Whether :meth:`local_gradients` has this step's gradients (without copying them)."""
         return False

@@ -370,6 +370,11 @@ class DiLoCo(Algorithm):
         """A worker joins at a round's end, where every member holds the shared parameters."""
         return -(-proposed // self.sync_every) * self.sync_every
 
+    def kept_steps(self, lost_at: int) -> int:
+        """A worker lost in a round (found at its sync, after ``lost_at`` steps) leaves only the
+        rounds before it in the shared parameters."""
+        return max(0, (lost_at - 1) // self.sync_every * self.sync_every)
+
     def replica_state(self) -> list[torch.Tensor]:
         interrupted = torch.zeros(len(self.bounds), dtype=torch.int64)
         interrupted[self._interrupted] = 1

@@ -39,7 +39,7 @@ from distrain.data import (
     load_worker_shards,
     partition_indices,
 )
-from distrain.data.sampler import ShardSampler
+from distrain.data.sampler import DataPlan, ShardSampler
 from distrain.distributed import DistributedOptimizer
 from distrain.emulation import NetworkSettings
 from distrain.errors import ConfigError, DataError
@@ -278,11 +278,23 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                             "from_checkpoint": True})
         if rank == 0 and int(state.get("total_steps", total_steps)) != total_steps:
             log.warning(describe_extension(state, schedule))
+    # After a change of members: every member's samples (the rest of the epoch it interrupted
+    # first), saved with the checkpoints; those back from a checkpoint start on their shard.
+    plan = None
+    if state is not None and PLAN_KEY in state:
+        plan = DataPlan.from_state(state[PLAN_KEY], lambda n: split(cfg, train_set, n), cfg.data.batch_size,
+                                   cfg.run.seed)
+        if back:
+            plan = plan.changed(list(range(world)), start_step, {}, split(cfg, train_set, world))
+        sampler = plan.samplers[rank]
 
     earlier = totals.offsets(transport.world_size)  # for the metrics lines
     if joined is not None:  # where the others are: their step, data split and learning rate
         start_step = opt.steps
-        sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule)
+        if opt.algorithm.synchronous and cfg.data.dataset != "shards":  # the members' plan, from the store
+            plan = DataPlan.from_state(read_plan(joined, joined.epoch), lambda n: split(cfg, train_set, n),
+                                       cfg.data.batch_size, cfg.run.seed)
+        sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule, plan, sampler)
     if rank == 0 and joined is None:
         write_json_atomic(run_dir / "config.json", {
             **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
@@ -309,6 +321,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
             "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(),
                                   lost()).state_dict(),
+            **({PLAN_KEY: plan.state()} if plan is not None else {}),
             # after a loss the set is written by the members at this step (and any servers)
             **({MEMBERS_KEY: [*sorted(opt.ids), *range(world, store.world_size)]}
                if sorted(opt.ids) != list(range(world)) else {}),
@@ -342,12 +355,14 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         """After workers were lost or joined (elastic runs): the new group's objects, the data split
         again, the learning rate scaled, the events in metrics, and where this worker stands (a
         survivor behind one that finished its step or round, or a decentralized one realigned)."""
-        nonlocal algorithm, transport, step, sampler, schedule, global_batch, changes
+        nonlocal algorithm, transport, step, sampler, schedule, global_batch, changes, plan
         if len(opt.changes) == len(changes):
             return
         algorithm, transport = opt.algorithm, opt.transport
         step = opt.steps - 1
-        sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule)
+        if cfg.data.dataset != "shards":  # (shard files: each worker reads its own only)
+            plan = replan(cfg, opt, train_set, plan, opt.changes[len(changes):], opt.steps, world)
+        sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule, plan, sampler)
         for change in opt.changes[len(changes):]:
             metrics.write({"step": step + 1, **change.record()})
         changes = list(opt.changes)
@@ -525,17 +540,60 @@ def loss_quantiles(losses: torch.Tensor) -> list[float]:
     return out
 
 
-def regroup(cfg: TrainConfig, opt: DistributedOptimizer, train_set: Dataset,
-            schedule: LRSchedule) -> tuple[ShardSampler, LRSchedule, int]:
-    """After an elastic run lost workers: the training set split again over the survivors (so
-    every epoch from the next one sees every sample), and the learning rate scaled to the new
-    global batch (linear scaling rule) unless the algorithm's averaging already does."""
-    parts = split(cfg, train_set, opt.workers)
+#: A checkpoint's data plan (:class:`~distrain.data.sampler.DataPlan`), once the members changed.
+PLAN_KEY = "data_plan"
+
+
+def replan(cfg: TrainConfig, opt: DistributedOptimizer, train_set: Dataset, plan: DataPlan | None,
+           changes: list[Any], step: int, world: int) -> DataPlan:
+    """Every member's samples after ``changes`` of the members, the first of them at ``step``.
+
+    Synchronous algorithms: the epoch under way still gives every sample (each survivor keeps
+    what its epoch had left, and what a lost worker had left after the steps the model holds of
+    it is dealt out over the members, see :class:`~distrain.data.sampler.DataPlan`); then the
+    training set is split again over the members. A worker that joins starts on its new shard;
+    the members hand it their plan through the run's store. Asynchronous workers, at no common
+    step, start on their new shards at once."""
+    if plan is None:
+        plan = DataPlan.first(split(cfg, train_set, world), cfg.data.batch_size, cfg.run.seed)
+    synchronous = opt.algorithm.synchronous
+    for change in changes:
+        kept = {w: min(step, opt.algorithm.kept_steps(change.step)) for w in change.lost}
+        plan = plan.changed(change.members, step, kept, split(cfg, train_set, len(change.members)), carry=synchronous)
+        if change.joined and synchronous and opt.id not in change.joined:
+            publish_plan(opt.membership or opt.joins, change.epoch, plan)
+    return plan
+
+
+def publish_plan(membership: Membership | None, epoch: int, plan: DataPlan) -> None:
+    """Hand the members' data plan at the change of ``epoch`` to the workers it admitted (every
+    member writes the same bytes)."""
+    if membership is not None:
+        membership.store_prefix("data", epoch).set("plan", plan.state().numpy().tobytes())
+
+
+def read_plan(membership: Membership, epoch: int) -> torch.Tensor:
+    """The members' data plan at the change of ``epoch`` that admitted this worker (waits for it
+    as long as the store's timeout)."""
+    return torch.frombuffer(bytearray(membership.store_prefix("data", epoch).get("plan")), dtype=torch.long)
+
+
+def regroup(cfg: TrainConfig, opt: DistributedOptimizer, train_set: Dataset, schedule: LRSchedule,
+            plan: DataPlan | None = None, sampler: ShardSampler | None = None) -> tuple[ShardSampler, LRSchedule, int]:
+    """After an elastic run's members changed: this worker's samples (from ``plan``; without
+    one, its shard of the training set split again over the members; shard files: ``sampler``,
+    its own files), and the learning rate scaled to the new global batch (linear scaling rule)
+    unless the algorithm's averaging already does."""
+    if plan is not None:
+        sampler = plan.samplers[opt.id]
+    elif cfg.data.dataset != "shards" or sampler is None:
+        parts = split(cfg, train_set, opt.workers)
+        sampler = ShardSampler(parts[opt.ids.index(opt.id)], cfg.data.batch_size, cfg.run.seed, opt.id)
     if opt.algorithm.rescales_lr:
         schedule, global_batch = lr_schedule(cfg, opt.workers, schedule.warmup_steps, schedule.total_steps)
     else:
         global_batch = opt.workers * cfg.data.batch_size
-    return ShardSampler(parts[opt.ids.index(opt.id)], cfg.data.batch_size, cfg.run.seed, opt.id), schedule, global_batch
+    return sampler, schedule, global_batch
 
 
 def leads(algorithm: Any, transport: Transport) -> bool:
