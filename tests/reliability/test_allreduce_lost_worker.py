@@ -71,6 +71,7 @@ def test_a_restarted_worker_joins_and_ends_with_the_same_parameters(tmp_path):
     assert joined["event"] == "joined" and joined["workers"] == [0] and joined["members"] == [1, 2, 3, 0]
     total, back = summary["steps"], joined["joined_at_step"]
     assert 12 < back < total and summary["workers_at_end"] == 4
+    assert list(summary["joined_workers"]) == list(summary["lost_workers"]) == ["0"]
     assert summary["steps_per_worker"] == [total - back, total, total, total]  # its second life's steps
     # the run's wall time is a member's from the start, not the second life's of the worker that joined
     assert summary["wall_time_s"] >= summary["compute_s_per_worker"][1] + summary["exposed_comm_s_per_worker"][1]
@@ -164,6 +165,7 @@ def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tm
     assert back["event"] == "joined" and back["workers"] == [0] and back["joined_at_step"] == total
     assert back["from_checkpoint"] and back["members"] == [0, 1, 2, 3]
     assert list(summary["lost_workers"]) == ["0"] and summary["workers_at_end"] == 4
+    assert summary["joined_workers"] == {"0": back["unix_time"]}
     assert summary["steps_per_worker"] == [end - total, end, end, end]
     assert summary["segments"] == 2 and summary["resumed_from_step"] == total
     assert summary["wall_time_s"] == pytest.approx(sum(summary["segment_wall_time_s"]))

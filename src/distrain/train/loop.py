@@ -685,6 +685,9 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         # elastic runs: each change of the members (who was lost, who went on, at which step, how
         # long the survivors took to agree and rebuild), and how many workers trained at the end
         "membership": list(membership or []),
+        # elastic runs: workers that joined again (started again live, or back from a checkpoint):
+        # when each last joined (Unix time); a worker in both lists came back after its loss
+        "joined_workers": joined_workers(membership or []),
         "workers_at_end": world if workers_at_end is None else workers_at_end,
         # --stop-at-target: the run ended at the evaluation that reached the target ("steps" are
         # the steps it took, fewer than --epochs plans)
@@ -695,6 +698,15 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         summary["tokens_per_s"] = samples * tokens_per_sample / wall if wall > 0 else None
     write_summary(run_dir / "summary.json", summary)
     return summary
+
+
+def joined_workers(membership: list[dict[str, Any]]) -> dict[str, float]:
+    """Worker id -> when it last joined, from the run's membership records."""
+    out: dict[int, float] = {}
+    for record in membership:
+        if record.get("event") == "joined":
+            out.update(dict.fromkeys(record["workers"], float(record["unix_time"])))
+    return {str(w): t for w, t in sorted(out.items())}
 
 
 def _progress_bar(cfg: TrainConfig, rank: int, total: int, initial: int) -> Any:

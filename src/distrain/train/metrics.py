@@ -39,7 +39,10 @@ field                            kind         meaning
                                               done, ``recovery_s`` after the failure showed
                                               (agreement and the new group), at ``unix_time``
 ``membership``                   run total    (summary) those events, one per change;
-                                              ``workers_at_end``: how many trained last
+                                              ``workers_at_end``: how many trained last;
+                                              ``joined_workers``: id -> Unix time it last
+                                              joined (``"joined"`` events), beside
+                                              ``lost_workers``
 ``lost_servers``                 run total    (summary, parameter servers) servers lost and
                                               taken over by the others: index -> Unix time
 ================================ ============ ================================================
