@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ pytestmark = pytest.mark.timeout(180)
 RUN = [*QUICK, "--workers", "4", "--epochs", "4"]
 
 
-def test_rank0_lost_and_the_others_finish(tmp_path):
-    run, summary = run_losing_worker(tmp_path / "run", RUN, rank=0, step=12)
+def check_rank0_lost(run: Any, summary: dict, run_dir: Path) -> None:
+    """Worker 0, killed at step 12, was left behind: the console, the summary and the survivors'
+    metrics say so, and nobody lost a step or took one twice."""
     assert "worker 0 was killed by SIGKILL; the other workers finished without it" in run.stderr
     [change] = summary["membership"]
     assert change["workers"] == [0] and change["members"] == [1, 2, 3] and change["lost_at_step"] == 12
@@ -32,12 +34,18 @@ def test_rank0_lost_and_the_others_finish(tmp_path):
     assert sent[0] == 0 and sent[1] == sent[2] == sent[3] > 0
     # the survivors' metrics carry the event, once each, on the step after it was redone
     for worker in (1, 2, 3):
-        lines = [json.loads(line) for line in (tmp_path / "run" / "metrics" / f"rank{worker}.jsonl").read_text().splitlines()]
+        lines = [json.loads(line) for line in (run_dir / "metrics" / f"rank{worker}.jsonl").read_text().splitlines()]
         events = [line for line in lines if line.get("event") == "lost"]
         assert len(events) == 1 and events[0]["step"] == 13 and events[0]["workers"] == [0]
         assert [line["step"] for line in lines if "loss" in line] == list(range(1, total + 1))
     # (accuracy against the run without the fault: benchmarks/bench_churn.py, 20 seeds)
     assert re.search(r"worker [123]: lost worker\(s\) \[0\] at step 12; 3 workers go on", run.stderr)
+
+
+@pytest.mark.slow  # CI: the resume test below loses worker 0 the same way first
+def test_rank0_lost_and_the_others_finish(tmp_path):
+    run, summary = run_losing_worker(tmp_path / "run", RUN, rank=0, step=12)
+    check_rank0_lost(run, summary, tmp_path / "run")
 
 
 def check_worker_0_came_back(run_dir: Path, total: int, back: int, processes: int) -> None:
@@ -137,8 +145,9 @@ def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tm
     run_dir = tmp_path / "run"
     args = [*QUICK, *algorithm, "--workers", "4", "--checkpoint-every", "4", "--run-dir", str(run_dir)]
     processes = 4 if "ps" not in algorithm else 6
-    first = run_cli([*args, "--epochs", "1"], DISTRAIN_INJECT_KILL="0:12")
-    assert first.returncode == 0, first.stderr
+    first, summary = run_losing_worker(run_dir, [*args, "--epochs", "1"], rank=0, step=12)
+    if "ps" not in algorithm:  # (parameter-server workers learn of the loss within a second)
+        check_rank0_lost(first, summary, run_dir)
     before = (run_dir / "summary.json").read_text()
     total = json.loads(before)["steps"]
     store = CheckpointStore(run_dir, 1, processes)
