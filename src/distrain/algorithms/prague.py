@@ -19,10 +19,11 @@ reach 95% accuracy in 15 epochs; groups of 2 did).
 Traffic, all through the engine's two Transports (bytes, delays, emulated links), on process
 groups of their own so they never interleave with the main thread's collectives:
 
-- control group: worker -> generator ``[READY | BYE, last ring all-reduce in microseconds,
-  id of the last group it was told, *counts, *done]``; generator -> worker ``[GROUP | STOP, k,
-  *members (padded with -1 to the group size), group id, *counts, *done]`` (int64);
-- data group: the ring all-reduce of the group's models.
+- control group (with a worker that joined again, a link: see below): worker -> generator
+  ``[READY | BYE, last ring all-reduce in microseconds, id of the last group it was told,
+  *counts, *done]``; generator -> worker ``[GROUP | STOP, k, *members (padded with -1 to the
+  group size), group id, *counts, *done]`` (int64);
+- data group (or link): the ring all-reduce of the group's models.
 
 A worker behind a slow link makes every group it is in slow, and the workers in such a group
 are no use to others meanwhile. So the generator also weighs cost: a worker's
@@ -51,11 +52,25 @@ partners, already waiting in the ring, are not left there. Once training was mar
 survivor stops instead of electing anyone. Groups of three or more that contain the lost worker
 can leave a partner waiting for one who never heard of the group until ``--peer-timeout``.
 
+A lost worker that the launcher starts again (``--max-restarts``) joins again, keeping its id
+(see ``rejoin.py``): the members admit it as soon as one of them sees it ask in the store and
+count it training again from then on (its next life in ``done``, named by the admission's epoch,
+at the generator too), so the budget and the shutdown wait for it. It is in neither group the
+others opened (gloo's groups are fixed), so every live member opens two links with it, a gloo
+group of the two over the store (``prague-data``: the models; ``prague-control``: the
+generator's messages), and hands it ``[HELLO, seconds since the start in microseconds, *counts,
+*done]`` and its model on the first; it takes the first model, reads in the store which worker
+generates the groups now (a successor records itself there: worker 0 comes back as an ordinary
+worker), and asks it for groups over their link. A ring with it runs over the links
+(``GroupView``'s routes), each member reaching every other member over the gossip group as
+before; a member told to group with a joiner it has not admitted yet admits it first.
+
 Shutdown: a worker whose budget is used keeps reporting ready (at about one step time) so its
-group partners are not left waiting; once the generator knows every worker is done it answers
-STOP to each (immediately to those waiting), each worker stops and answers BYE, and the
-generator's service thread ends after the last BYE. Then no model changes any more and the loop
-takes the consensus.
+group partners are not left waiting; once the generator knows every worker is done it closes the
+run to joiners (admitting those already agreed on, who are not done: then it goes on grouping)
+and answers STOP to each (immediately to those waiting), each worker stops and answers BYE, and
+the generator's service thread ends after the last BYE. Then no model changes any more and the
+loop takes the consensus.
 
 Example::
 
@@ -63,6 +78,7 @@ Example::
     distrain train --algorithm prague --network slow-link    # the slow link slows one group at a time
     distrain train --algorithm prague --workers 8            # groups of 3
     distrain train --algorithm prague --workers 8 --group-size 4
+    distrain train --algorithm prague --max-restarts 1         # a lost worker joins the run again
 """
 
 from __future__ import annotations
