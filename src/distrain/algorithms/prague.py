@@ -874,8 +874,14 @@ class GroupGossip(GossipEngine):
         data = open_pair(m, epoch, pair, self.rank, n, self.timeout, self.data.link_model, name="prague-data")
         control = open_pair(m, epoch, pair, self.rank, n, self.timeout, self.data.link_model, name="prague-control")
         # A wait on the control link is bounded by us (see Waiter, GOSSIP_BACKSTOP_S): a generator's
-        # receive must not time out while a slow worker trains.
-        control.group._set_default_timeout(timedelta(seconds=GOSSIP_BACKSTOP_S))
+        # receive must not time out while a slow worker trains. (Set once open: opening it is
+        # bounded by the timeout.)
+        set_timeout = getattr(control.group, "_set_default_timeout", None)
+        if set_timeout is not None:
+            set_timeout(timedelta(seconds=GOSSIP_BACKSTOP_S))
+        else:
+            log.warning("worker %d: the control link with worker %d keeps gloo's %g s timeout", self.rank, peer,
+                        self.timeout)
         return data, control
 
     def _hand_over(self, joiner: int, epoch: int) -> None:
