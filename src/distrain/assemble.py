@@ -215,9 +215,6 @@ def _check_adpsgd(config: TrainConfig, name: str) -> None:
 
 def _check_prague(config: TrainConfig, name: str) -> None:
     _check_async_gossip(config, name)
-    if config.cluster.max_restarts:
-        raise ConfigError("--max-restarts", "a lost worker cannot join a prague run again (its group generator "
-                                            "would not group it); use 0, or --algorithm adpsgd")
     g, n = config.gossip.group_size, config.cluster.workers
     if n > 1 and g > n:
         # stacklevel 3: the warning points at the TrainConfig.validate() line that checked the config

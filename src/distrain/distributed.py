@@ -85,7 +85,7 @@ log = logging.getLogger(__name__)
 
 #: Asynchronous algorithms whose workers a launcher can start again: their peers admit them and
 #: hand them a model over links (see :mod:`distrain.algorithms.rejoin`).
-GOSSIP_JOINS = ("adpsgd",)
+GOSSIP_JOINS = ("adpsgd", "prague")
 
 #: The environment variable through which ``distrain launch`` hands its settings (the emulated
 #: network, the number of servers) to ``wrap()`` in every process: a JSON object of setting names.

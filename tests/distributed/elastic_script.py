@@ -59,7 +59,8 @@ def main() -> None:
     final = opt.finish()
     torch.save({"weight": final.weight.detach().clone(), "own": model.weight.detach().clone(),
                 "workers": opt.workers, "ids": opt.ids,
-                "steps": opt.steps, "changes": [c.record() for c in opt.changes]}, out / f"worker{me}.pt")
+                "steps": opt.steps, "changes": [c.record() for c in opt.changes],
+                "rounds": opt.algorithm.metrics().get("gossip_rounds", 0)}, out / f"worker{me}.pt")
 
 
 if __name__ == "__main__":

@@ -78,12 +78,14 @@ def test_progress_headers_merge_by_maximum():
 
 def test_a_worker_that_joins_again_is_not_done_until_it_finishes_its_next_life():
     """Worker 1 is lost (done), then joins again: every worker that merges the news counts it
-    training again, whatever it knew before; its finish ends the run again."""
+    training again, whatever it knew before; its finish ends the run again. Its life is named by
+    the admission's epoch: a member that reads the admission after it merged the news, or after
+    the joiner finished, keeps the joiner's life as it is."""
     a, b = SharedModel(torch.zeros(1), 0, 2), SharedModel(torch.zeros(1), 1, 2)
     a.finish()
     a.mark_lost(1)
     assert a.all_done and a.lost == {1}
-    a.revive(1)
+    a.revive(1, epoch=1)
     assert a.done == [1, 2] and not a.all_done and a.lost == set()
     b.merge(a.progress_header()[:])  # the joiner learns its life from a member's header
     assert b.done == [1, 2] and not b.finished
@@ -91,12 +93,16 @@ def test_a_worker_that_joins_again_is_not_done_until_it_finishes_its_next_life()
     stale.mark_lost(1)  # a member that has not read the admission yet
     stale.merge(a.progress_header())
     assert stale.done[1] == 2 and not stale.all_done
+    stale.revive(1, epoch=1)  # it reads the admission after the news: the same life
+    assert stale.done[1] == 2
     b.finish()
     a.merge(b.progress_header())
     assert a.done == [1, 3] and a.all_done
-    a.mark_lost(1)  # lost again: still done, and a second join is its third life
-    a.revive(1)
-    assert a.done == [1, 4]
+    a.revive(1, epoch=1)  # read late, after the joiner finished: it stays done
+    assert a.done == [1, 3] and a.all_done
+    a.mark_lost(1)  # lost again: still done, and a second join (a later epoch) is its next life
+    a.revive(1, epoch=3)
+    assert a.done == [1, 6] and a.lost == set()
 
 
 def test_a_joiners_snapshots_start_after_it_joined():

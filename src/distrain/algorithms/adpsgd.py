@@ -461,7 +461,7 @@ class PairwiseGossip(GossipEngine):
     def _welcome(self, joiner: int, epoch: int) -> None:
         """``joiner`` was admitted in ``epoch``: it trains again, and a neighbour opens a link with
         it and hands it its model there (on a thread of its own)."""
-        self.state.revive(joiner)
+        self.state.revive(joiner, epoch)
         log.info("worker %d: worker %d joins again", self.transport.rank, joiner)
         if joiner not in self.neighbours:
             return

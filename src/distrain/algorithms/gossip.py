@@ -12,8 +12,8 @@ only by gradient steps).
 Besides the model, a worker knows how many steps each worker has taken and which ones have
 finished training (``counts``, ``done``), as far as the gossip has told it: these travel in the
 fixed-format int64 headers of every exchange and are merged by maximum (``done`` counts a
-worker's lives: even while it trains, odd once it finished or was lost, and one more when it
-joins again, see :meth:`SharedModel.revive`). They drive the budget
+worker's lives: even while it trains, odd once it finished or was lost, and ``2 * epoch`` when it
+joins again, admitted in that membership epoch, see :meth:`SharedModel.revive`). They drive the budget
 (``--budget global`` stops once all workers together have made ``--epochs`` passes over the
 training set) and the shutdown: a worker that has finished keeps averaging until it knows that
 every worker has finished, so the models stop changing everywhere before the final consensus.
@@ -108,7 +108,7 @@ class SharedModel:
         self.lock = threading.Condition()
         self.counts = [0] * world
         #: per worker: even while it trains, odd once it finished or was lost; a worker that joins
-        #: again after its loss starts its next life (one more), so the maximum is always the news
+        #: again after its loss starts its next life (``2 * epoch``), so the maximum is always the news
         self.done = [0] * world
         self.rounds = 0  # averagings this worker took part in
         self.lost: set[int] = set()  # peers this worker found gone (asynchronous runs go on without them)
@@ -171,12 +171,20 @@ class SharedModel:
             self.done[rank] |= 1
             self.lock.notify_all()
 
-    def revive(self, rank: int) -> None:
-        """A lost peer joined again: it trains again (its next life), and nobody is done before
-        it is (or is lost again)."""
+    def revive(self, rank: int, epoch: int) -> None:
+        """A lost peer joined again, admitted in membership ``epoch``: it trains again (its next
+        life, ``2 * epoch``), and nobody is done before it is (or is lost again).
+
+        The life is named by the admission's epoch, which every member agrees on, not counted up
+        here: a member may merge the news from a peer's header before it reads the admission
+        itself, and a second count would start a life the joiner never hears of (it would never be
+        done). Each admission has a larger epoch than the last, so ``2 * epoch`` is above any
+        value of the peer's earlier lives; a late call (after the joiner finished, or was lost
+        again) changes nothing."""
         with self.lock:
-            self.lost.discard(rank)
-            self.done[rank] = (self.done[rank] | 1) + 1
+            self.done[rank] = max(self.done[rank], 2 * epoch)
+            if not self.done[rank] & 1:
+                self.lost.discard(rank)
             self.lock.notify_all()
 
     def finish(self) -> None:

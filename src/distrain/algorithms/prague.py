@@ -19,10 +19,11 @@ reach 95% accuracy in 15 epochs; groups of 2 did).
 Traffic, all through the engine's two Transports (bytes, delays, emulated links), on process
 groups of their own so they never interleave with the main thread's collectives:
 
-- control group: worker -> generator ``[READY | BYE, last ring all-reduce in microseconds,
-  id of the last group it was told, *counts, *done]``; generator -> worker ``[GROUP | STOP, k,
-  *members (padded with -1 to the group size), group id, *counts, *done]`` (int64);
-- data group: the ring all-reduce of the group's models.
+- control group (with a worker that joined again, a link: see below): worker -> generator
+  ``[READY | BYE, last ring all-reduce in microseconds, id of the last group it was told,
+  *counts, *done]``; generator -> worker ``[GROUP | STOP, k, *members (padded with -1 to the
+  group size), group id, *counts, *done]`` (int64);
+- data group (or link): the ring all-reduce of the group's models.
 
 A worker behind a slow link makes every group it is in slow, and the workers in such a group
 are no use to others meanwhile. So the generator also weighs cost: a worker's
@@ -51,11 +52,25 @@ partners, already waiting in the ring, are not left there. Once training was mar
 survivor stops instead of electing anyone. Groups of three or more that contain the lost worker
 can leave a partner waiting for one who never heard of the group until ``--peer-timeout``.
 
+A lost worker that the launcher starts again (``--max-restarts``) joins again, keeping its id
+(see ``rejoin.py``): the members admit it as soon as one of them sees it ask in the store and
+count it training again from then on (its next life in ``done``, named by the admission's epoch,
+at the generator too), so the budget and the shutdown wait for it. It is in neither group the
+others opened (gloo's groups are fixed), so every live member opens two links with it, a gloo
+group of the two over the store (``prague-data``: the models; ``prague-control``: the
+generator's messages), and hands it ``[HELLO, seconds since the start in microseconds, *counts,
+*done]`` and its model on the first; it takes the first model, reads in the store which worker
+generates the groups now (a successor records itself there: worker 0 comes back as an ordinary
+worker), and asks it for groups over their link. A ring with it runs over the links
+(``GroupView``'s routes), each member reaching every other member over the gossip group as
+before; a member told to group with a joiner it has not admitted yet admits it first.
+
 Shutdown: a worker whose budget is used keeps reporting ready (at about one step time) so its
-group partners are not left waiting; once the generator knows every worker is done it answers
-STOP to each (immediately to those waiting), each worker stops and answers BYE, and the
-generator's service thread ends after the last BYE. Then no model changes any more and the loop
-takes the consensus.
+group partners are not left waiting; once the generator knows every worker is done it closes the
+run to joiners (admitting those already agreed on, who are not done: then it goes on grouping)
+and answers STOP to each (immediately to those waiting), each worker stops and answers BYE, and
+the generator's service thread ends after the last BYE. Then no model changes any more and the
+loop takes the consensus.
 
 Example::
 
@@ -63,6 +78,7 @@ Example::
     distrain train --algorithm prague --network slow-link    # the slow link slows one group at a time
     distrain train --algorithm prague --workers 8            # groups of 3
     distrain train --algorithm prague --workers 8 --group-size 4
+    distrain train --algorithm prague --max-restarts 1         # a lost worker joins the run again
 """
 
 from __future__ import annotations
@@ -75,7 +91,9 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -91,6 +109,7 @@ from distrain.algorithms.gossip import (
     Waiter,
     gossip_group,
 )
+from distrain.algorithms.rejoin import POLL_S, Admissions, open_pair
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import WorkerFailure
@@ -99,7 +118,7 @@ from distrain.runtime.health import Liveness
 
 log = logging.getLogger(__name__)
 
-READY, GROUP, STOP, BYE = 1, 2, 3, 4
+READY, GROUP, STOP, BYE, HELLO = 1, 2, 3, 4, 5
 FIRST_GENERATOR = 0  # the rank whose service thread forms the groups until it is lost
 NO_GROUP = -1  # a group id: none yet
 #: How often a waiting worker (and each worker's succession thread) checks whether the
@@ -118,12 +137,18 @@ def group_size_for(requested: int, world: int) -> int:
 
 class GroupView:
     """Members of one group seen as a ring-shaped Transport (what ``comm.ring`` needs): local
-    rank ``i`` is ``members[i]`` of ``transport``'s group, and the traffic is ``transport``'s."""
+    rank ``i`` is ``members[i]`` of ``transport``'s group, and the traffic is ``transport``'s;
+    a member in ``routes`` is reached over its own Transport instead (a link with a worker that
+    joined again, named by run ranks too)."""
 
-    def __init__(self, transport: Transport, members: list[int]) -> None:
+    def __init__(self, transport: Transport, members: list[int], routes: dict[int, Transport] | None = None) -> None:
         self.transport, self.members = transport, members
+        self.routes = routes or {}
         self.rank = members.index(transport.rank)
         self.world_size = len(members)
+
+    def _to(self, member: int) -> Transport:
+        return self.routes.get(member, self.transport)
 
     @property
     def next_rank(self) -> int:
@@ -134,10 +159,10 @@ class GroupView:
         return (self.rank - 1) % self.world_size
 
     def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        return self.transport.send(tensor, self.members[dst])
+        return self._to(self.members[dst]).send(tensor, self.members[dst])
 
     def recv(self, tensor: torch.Tensor, src: int) -> Handle:
-        return self.transport.recv(tensor, self.members[src])
+        return self._to(self.members[src]).recv(tensor, self.members[src])
 
 
 class GroupBoard:
@@ -166,6 +191,20 @@ class GroupBoard:
             return None
         return torch.tensor([int(v) for v in self.store.get(key).decode().split(",")], dtype=torch.int64)
 
+    def forget(self, worker: int) -> None:
+        """A worker that joins again: the answers of its earlier life are void (a successor must
+        not send it into a group whose members have long left)."""
+        self.store.delete_key(f"{self.PREFIX}answer/{worker}")
+
+    def elect(self, rank: int) -> None:
+        """``rank`` generates the groups from now on (read by a worker that joins again)."""
+        self.store.set(self.PREFIX + "generator", str(rank))
+
+    def generator(self) -> int | None:
+        """The last successor elected (None: the first generator still runs)."""
+        key = self.PREFIX + "generator"
+        return int(self.store.get(key).decode()) if self.store.check([key]) else None
+
     def close_training(self) -> None:
         self.store.set(self.PREFIX + "over", "1")
 
@@ -188,13 +227,24 @@ class GroupGenerator:
         rank: the worker it runs on.
         successor: it took over from a lost generator (workers may have missed its answers;
             see :class:`GroupBoard`).
+        route: the Transport to a worker's generator messages (default ``control``; a worker
+            that joined again is reached over a link, see :class:`GroupGossip`).
+
+    Workers that join again (the launcher's ``--max-restarts``): :meth:`revive` counts one as
+    training again and :meth:`listen` hears it; ``close_joins`` (set by the engine when workers
+    may join) closes the run to joiners before the first STOP, admitting those already agreed
+    on, so nobody is stopped while a joiner trains.
     """
 
     def __init__(self, world: int, group_size: int, control: Transport, seed: int = 0, timeout: float = 120.0,
-                 liveness: Liveness | None = None, rank: int = FIRST_GENERATOR, successor: bool = False) -> None:
+                 liveness: Liveness | None = None, rank: int = FIRST_GENERATOR, successor: bool = False,
+                 route: Callable[[int], Transport] | None = None) -> None:
         self.world, self.size, self.rank = world, min(group_size, world), rank
         self.control, self.timeout, self.liveness = control, timeout, liveness
+        self.route = route or (lambda worker: control)
         self.successor = successor
+        self.close_joins: Callable[[], None] | None = None
+        self.joins_closed = False
         self.board = GroupBoard(liveness.another().store) if liveness is not None else None  # used under the lock
         self.checked: set[int] = set()  # workers whose first READY to a successor was checked
         self.lock = threading.Lock()
@@ -211,6 +261,9 @@ class GroupGenerator:
         self.local: queue.Queue[torch.Tensor] = queue.Queue()  # answers to this worker's own worker thread
         self.groups = 0
         self.gids = 0  # group ids: unique over generators (see _answer)
+        # READY / BYE messages of every worker, one receiving thread each (see listen)
+        self.inbox: queue.SimpleQueue[tuple[int, torch.Tensor]] = queue.SimpleQueue()
+        self.listening: dict[int, Transport] = {}  # the Transport each worker is heard on
 
     def inherit(self, counts: list[int], done: list[int], lost: set[int]) -> None:
         """A successor starts from what its worker knows of the progress and the losses."""
@@ -218,6 +271,37 @@ class GroupGenerator:
             self.counts, self.done = list(counts), list(done)
             for r in sorted(lost - {self.rank}):
                 self._drop(r)
+
+    def revive(self, worker: int, epoch: int) -> None:
+        """``worker`` joined again, admitted in membership ``epoch``: it trains again (see
+        :meth:`~distrain.algorithms.gossip.SharedModel.revive`) and is grouped once it is ready."""
+        with self.lock:
+            self.done[worker] = max(self.done[worker], 2 * epoch)
+            if self.done[worker] & 1:
+                return  # a late call: it finished, or was lost again
+            self.lost.discard(worker)
+            self.deaf.discard(worker)
+            self.ring_seconds[worker].clear()
+            self.heard[worker] = time.monotonic()
+        log.info("group generator: worker %d trains again", worker)
+
+    def _all_done(self) -> bool:
+        return all(d & 1 for d in self.done)
+
+    def _answering(self, form: Callable[[], list[tuple[int, torch.Tensor]]]) -> list[tuple[int, torch.Tensor]]:
+        """``form()`` under the lock; when every worker is done and the run is still open to
+        joiners, close it first (outside the lock: an admission revives a worker here) and form
+        again, so that the STOPs go out only once nobody can join."""
+        with self.lock:
+            answers = form()
+            closing = self.close_joins is not None and not self.joins_closed and self._all_done()
+        if not closing:
+            return answers
+        assert self.close_joins is not None
+        self.close_joins()
+        with self.lock:
+            self.joins_closed = True
+            return answers + self._form(time.monotonic())
 
     def _answer(self, kind: int, members: list[int]) -> torch.Tensor:
         padded = members + [-1] * (self.size - len(members))
@@ -235,9 +319,11 @@ class GroupGenerator:
         now = time.monotonic() if now is None else now
         # A worker counts another as done only once it declared it lost (it learns the others'
         # progress from us alone): ask the store which, so it is never grouped again.
-        told = [r for r in range(n) if r != worker and values[2 + n + r] and not self.done[r]] if len(values) == 2 + 2 * n else []
+        told = [r for r in range(n) if r != worker and values[2 + n + r] & 1 and values[2 + n + r] > self.done[r]] \
+            if len(values) == 2 + 2 * n else []
         dead = set(self.liveness.dead_ranks()) & set(told) if told and self.liveness is not None else set()
-        with self.lock:
+
+        def form() -> list[tuple[int, torch.Tensor]]:
             if worker in self.lost:  # back after we gave up on it (stopped, then resumed): it must leave
                 return [(worker, self._answer(STOP, []))]
             if worker in self.ready or worker in self.stopped or len(values) != 2 + 2 * n:
@@ -245,7 +331,7 @@ class GroupGenerator:
             if values[0] > 0:
                 self.ring_seconds[worker].append(values[0] / 1e6)
             self.counts = [max(a, b) for a, b in zip(self.counts, values[2 : 2 + n], strict=True)]
-            self.done = [max(a, min(1, b)) for a, b in zip(self.done, values[2 + n :], strict=True)]
+            self.done = [max(a, b) for a, b in zip(self.done, values[2 + n :], strict=True)]
             for r in dead:
                 self._drop(r)
             if (missed := self._missed(worker, values[1])) is not None:
@@ -255,6 +341,8 @@ class GroupGenerator:
             self.ready_since[worker] = now
             self.heard[worker] = now
             return self._form(now)
+
+        return self._answering(form)
 
     def _missed(self, worker: int, last_gid: int) -> torch.Tensor | None:
         """A successor, at a worker's first READY: the group the lost generator formed for it and
@@ -273,22 +361,26 @@ class GroupGenerator:
 
     def drop(self, worker: int, now: float | None = None) -> list[tuple[int, torch.Tensor]]:
         """``worker`` is gone: never group it or wait for it again. Returns the answers now due."""
-        with self.lock:
+        def form() -> list[tuple[int, torch.Tensor]]:
             self._drop(worker)
             return self._form(time.monotonic() if now is None else now)
+
+        return self._answering(form)
 
     def _drop(self, worker: int) -> None:
         if worker in self.lost:
             return
         self.lost.add(worker)
-        self.done[worker] = 1
+        self.done[worker] |= 1
         if worker in self.ready:
             self.ready.remove(worker)
         log.warning("group generator: lost worker %d; grouping the others without it", worker)
 
     def _form(self, now: float) -> list[tuple[int, torch.Tensor]]:
         """Groups (or STOPs) for the ready workers, as far as they are due (lock held)."""
-        if all(self.done):  # everyone is done: nobody needs a group any more
+        if self._all_done():  # everyone is done: nobody needs a group any more
+            if self.close_joins is not None and not self.joins_closed:
+                return []  # first closed to joiners (see _answering)
             if self.board is not None and not self.stopped:
                 self.board.close_training()  # before the first STOP: no successor is elected from now on
             stop = self._answer(STOP, [])
@@ -330,7 +422,7 @@ class GroupGenerator:
             if worker == self.rank:
                 self.local.put(answer)
             else:
-                handles.append((worker, self.control.send(answer, worker)))
+                handles.append((worker, self.route(worker).send(answer, worker)))
         for worker, handle in handles:
             try:
                 handle.wait()
@@ -351,7 +443,11 @@ class GroupGenerator:
         """The service thread: answer READY messages until every other worker said BYE (or was lost)."""
         others = set(range(self.world)) - {self.rank}
         byes: set[int] = set()
-        inbox = self._listen(others - self.lost) if self.liveness is not None else None
+        inbox = None
+        if self.liveness is not None:
+            inbox = self.inbox
+            for w in sorted(others - self.lost):
+                self.listen(w)
         message = torch.empty(3 + 2 * self.world, dtype=torch.int64)
         try:
             while not others <= byes | self.lost:
@@ -377,28 +473,42 @@ class GroupGenerator:
         log.info("group generator: %d groups of %d; fastest recent ring all-reduce per worker (ms): %s", self.groups,
                  self.size, [round(self.cost(w) * 1e3, 1) for w in range(self.world)])
 
-    def _listen(self, workers: set[int]) -> queue.SimpleQueue[tuple[int, torch.Tensor]]:
-        """One receiving thread per worker, feeding one inbox. (Not an any-source receive: when a
-        sender dies mid-message, gloo can leave such a receive posted, and it swallows the next
-        message of another worker.) A thread whose worker's connection closed just ends; the
-        watch drops the worker once it is silent."""
-        inbox: queue.SimpleQueue[tuple[int, torch.Tensor]] = queue.SimpleQueue()
+    def listen(self, worker: int) -> None:
+        """Hear ``worker`` on a receiving thread of its own, feeding :attr:`inbox`. (Not an
+        any-source receive: when a sender dies mid-message, gloo can leave such a receive posted,
+        and it swallows the next message of another worker.) A thread whose worker's connection
+        closed just ends; the watch drops the worker once it is silent. Called again for a
+        worker that joined again (heard on its link from then on); a second call for the same
+        Transport does nothing."""
+        threading.Thread(target=self._listen, args=(worker,), name=f"distrain-prague-listen-{worker}",
+                         daemon=True).start()
 
-        def listen(worker: int) -> None:
-            try:
-                while True:
-                    message = torch.empty(3 + 2 * self.world, dtype=torch.int64)
-                    self.control.recv(message, worker).wait()
-                    inbox.put((worker, message))
-                    if int(message[0]) == BYE:
-                        return
-            except Exception as exc:  # noqa: BLE001 - a lost worker: the watch drops it
-                self.deaf.add(worker)
-                log.warning("group generator: no more messages from worker %d (%s)", worker, str(exc).strip()[:120])
-
-        for w in sorted(workers):
-            threading.Thread(target=listen, args=(w,), name=f"distrain-prague-listen-{w}", daemon=True).start()
-        return inbox
+    def _listen(self, worker: int) -> None:
+        try:
+            control = self.route(worker)  # a joiner's link may still be opening
+        except Exception as exc:  # noqa: BLE001 - lost meanwhile: the watch drops it
+            log.info("group generator: cannot hear worker %d (%s)", worker, str(exc).strip()[:120])
+            return
+        with self.lock:
+            if self.listening.get(worker) is control:
+                return
+            self.listening[worker] = control
+        try:
+            while True:
+                message = torch.empty(3 + 2 * self.world, dtype=torch.int64)
+                control.recv(message, worker).wait()
+                self.inbox.put((worker, message))
+                if int(message[0]) == BYE:
+                    return
+        except Exception as exc:  # noqa: BLE001 - a lost worker: the watch drops it
+            with self.lock:
+                if self.listening.get(worker) is control:  # not a connection of an earlier life
+                    self.deaf.add(worker)
+            log.warning("group generator: no more messages from worker %d (%s)", worker, str(exc).strip()[:120])
+        finally:
+            with self.lock:
+                if self.listening.get(worker) is control:
+                    del self.listening[worker]
 
     def watch(self) -> None:
         """The generator's second thread: once a second, drop workers declared dead by others,
@@ -426,9 +536,7 @@ class GroupGenerator:
             # eligible: a time, not an event. Without this, ready workers that were not yet
             # eligible when the last READY came would wait for an event that may never come
             # (every other worker waiting too, or lost), until their timeout.
-            with self.lock:
-                answers = self._form(time.monotonic())
-            self.deliver(answers)
+            self.deliver(self._answering(lambda: self._form(time.monotonic())))
 
 
 class GeneratorLost(PeerTimeout):
@@ -450,18 +558,35 @@ class GroupGossip(GossipEngine):
             before its heartbeat is checked.
         liveness: where lost workers are declared and looked up (``None``: a lost worker fails
             the run, as in a synchronous algorithm, and the generator stays on rank 0).
+        admissions: where workers started again ask to join (None: the launcher starts none).
+        entry: this worker joined the run again, admitted in this membership epoch (0: it
+            trained from the start); ``data`` and ``control`` then name its peers only (a
+            detached Transport), every peer is reached over a link (see :meth:`enter`).
+
+    Joins (see the module docstring): a worker that joined again is in neither of the groups
+    the others opened at the start, so each member opens two links with it once it admitted it
+    (a gloo group of the two: the models, and the generator's messages) and hands it its model
+    and what it knows of every worker's progress; a member reaches the joiner over them from
+    then on, and the joiner reaches every member over them.
     """
 
     def __init__(self, state: SharedModel, data: Transport, control: Transport, group_size: int, seed: int = 0,
-                 timeout: float = 120.0, liveness: Liveness | None = None) -> None:
+                 timeout: float = 120.0, liveness: Liveness | None = None, admissions: Admissions | None = None,
+                 entry: int = 0) -> None:
         super().__init__(state)
         self.data, self.control = data, control
-        self.transports = [data, control]
+        self.transports = [data] if data is control else [data, control]
         self.liveness, self.timeout, self.seed = liveness, timeout, seed
         self.rank, n = control.rank, state.world
         self.group_size = group_size
+        self.admissions, self.entry = admissions, entry
+        #: per peer that joined again (or, on a joiner, every peer): the epoch of its admission
+        #: (or of ours) and its data and control links
+        self.links: dict[int, tuple[int, Transport, Transport]] = {}
+        self._opening: set[int] = set()  # peers whose links are being opened
+        self._elect_lock = threading.RLock()  # elections and admissions: a successor sees every revive
         self.generator_rank = FIRST_GENERATOR
-        self.generator = self._generator(successor=False) if self.rank == FIRST_GENERATOR else None
+        self.generator = self._generator(successor=False) if self.rank == FIRST_GENERATOR and not entry else None
         self.size = min(group_size, n)
         self.answer_len = 3 + self.size + 2 * n
         self.sent = torch.empty(state.x.numel(), dtype=state.x.dtype)
@@ -472,12 +597,15 @@ class GroupGossip(GossipEngine):
         self.board = GroupBoard(liveness.store) if liveness is not None else None  # the worker thread's
         self._graveyard: list[torch.Tensor] = []  # buffers of failed rings (see _lose)
         self.waiter = Waiter("distrain-prague-wait") if liveness is not None else None
-        self._elect_lock = threading.Lock()
         self._worker_ended = threading.Event()
 
     def _generator(self, successor: bool) -> GroupGenerator:
-        return GroupGenerator(self.state.world, self.group_size, self.control, self.seed, self.timeout, self.liveness,
-                              rank=self.rank, successor=successor)
+        generator = GroupGenerator(self.state.world, self.group_size, self.control, self.seed, self.timeout,
+                                   self.liveness, rank=self.rank, successor=successor,
+                                   route=lambda worker: self._route(worker)[1])
+        if self.admissions is not None:
+            generator.close_joins = self._close_joins
+        return generator
 
     def _threads(self) -> list[tuple[str, Any]]:
         threads = [("distrain-prague-worker", self._run_worker)]
@@ -485,6 +613,8 @@ class GroupGossip(GossipEngine):
             threads += self._generator_threads(self.generator)
         elif self.liveness is not None:
             threads.append(("distrain-prague-succession", self._watch_generator))
+        if self.admissions is not None:
+            threads.append(("distrain-prague-admit", self._admit_joiners))
         return threads
 
     def _generator_threads(self, generator: GroupGenerator) -> list[tuple[str, Any]]:
@@ -517,7 +647,7 @@ class GroupGossip(GossipEngine):
                 raise WorkerFailure(f"worker {self.rank}: bad group answer {answer.tolist()}")
             self.last_gid = int(answer[2 + self.size])
             try:
-                self._reduce(members)
+                self._reduce(members, {m: self._route(m, poll=True)[0] for m in members if m != self.rank})
             except Exception as exc:
                 self._lose(members, exc)
 
@@ -526,7 +656,7 @@ class GroupGossip(GossipEngine):
         can end); a generator lost meanwhile needs no answer."""
         bye = self.state.progress_header(BYE, 0, NO_GROUP)
         try:
-            self._wait_on(generator, [self.control.send(bye, generator)])
+            self._wait_on(generator, [self._route(generator)[1].send(bye, generator)])
         except Exception as exc:
             if self.liveness is None or not is_comm_error(exc):
                 raise
@@ -548,7 +678,8 @@ class GroupGossip(GossipEngine):
                 return self.generator.ask_local(ready[1:]), generator
             answer = torch.empty(self.answer_len, dtype=torch.int64)
             try:
-                self._wait_on(generator, [self.control.recv(answer, generator), self.control.send(ready, generator)])
+                control = self._route(generator)[1]
+                self._wait_on(generator, [control.recv(answer, generator), control.send(ready, generator)])
                 return answer, generator
             except Exception as exc:
                 if self.liveness is None or not is_comm_error(exc):
@@ -625,6 +756,7 @@ class GroupGossip(GossipEngine):
                     generator = self._generator(successor=True)
                     generator.inherit(self.state.counts, self.state.done, set(dead))
                     self.generator = generator
+                    GroupBoard(live.store).elect(new)  # for workers that join again
                     for name, fn in self._generator_threads(generator):
                         self.spawn(name, fn)
             return new
@@ -656,14 +788,190 @@ class GroupGossip(GossipEngine):
         self._graveyard += [self.sent, self.total]
         self.sent, self.total = torch.empty_like(self.sent), torch.empty_like(self.total)
 
-    def _reduce(self, members: list[int]) -> None:
+    def _reduce(self, members: list[int], routes: dict[int, Transport] | None = None) -> None:
         self.state.read(out=self.sent)
         self.total.copy_(self.sent)
         start = time.perf_counter()
-        ring_all_reduce(GroupView(self.data, members), self.total)  # type: ignore[arg-type]
+        ring_all_reduce(GroupView(self.data, members, routes), self.total)  # type: ignore[arg-type]
         self.last_ring_us = max(1, round((time.perf_counter() - start) * 1e6))
         self.state.mix(self.sent, self.total.div_(len(members)))
         self.groups += 1
+
+    # -- joins: a lost worker started again (see distrain.algorithms.rejoin) --
+
+    def _route(self, peer: int, poll: bool = False) -> tuple[Transport, Transport]:
+        """The data and control Transports to ``peer``: the groups of the run's start, or the links
+        opened when one of us joined again (waiting for them while they open, at most the
+        timeout). ``poll`` (the worker thread only): a group with a joiner this worker has not
+        admitted yet (the generator did, and grouped it) first admits it here."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            with self.state.lock:
+                need = max(self.state.done[peer] // 2, self.entry)  # the epoch of its life, or of ours
+                if need == 0:
+                    return self.data, self.control
+                epoch, data, control = self.links.get(peer, (-1, self.data, self.control))
+                if epoch >= need:
+                    return data, control
+                opening = peer in self._opening
+            if poll and not opening and self.admissions is not None and self.liveness is not None:
+                self.admissions.poll(self._welcome, self._live)
+                with self.state.lock:
+                    opening = peer in self._opening
+            if not opening and peer in self.state.lost:
+                raise PeerTimeout(f"worker {self.rank}: no link with worker {peer}, which is lost")
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"worker {self.rank}: no link with worker {peer} within {self.timeout:g} s")
+            with self.state.lock:
+                self.state.lock.wait(0.05)
+
+    def _live(self) -> list[int]:
+        """The workers not declared dead (for an admission's record)."""
+        assert self.liveness is not None
+        dead = self.liveness.another().dead_ranks()
+        return [r for r in range(self.state.world) if r not in dead]
+
+    def _admit_joiners(self) -> None:
+        """A member's thread: a few times a second, admit the workers that asked to join."""
+        assert self.admissions is not None
+        while not self._worker_ended.wait(POLL_S):
+            self.admissions.steps = self.state.own_steps
+            self.admissions.poll(self._welcome, self._live)
+
+    def _close_joins(self) -> None:
+        """The generator, once every worker is done: admit those already agreed on, then close the
+        run to joiners (a later one is told the run ended)."""
+        assert self.admissions is not None
+        self.admissions.close(self._welcome, self._live)
+
+    def _welcome(self, joiner: int, epoch: int) -> None:
+        """``joiner`` was admitted in ``epoch``: once its dead mark is gone (it took its admission,
+        see Membership.enter; a mark still there would drop it again), it trains again here and at
+        this worker's generator, and a thread of its own opens the links with it and hands it
+        this worker's model."""
+        assert self.liveness is not None
+        live = self.liveness.another()
+        deadline = time.monotonic() + self.timeout
+        while live.is_dead(joiner):
+            if time.monotonic() > deadline:
+                log.warning("worker %d: worker %d was admitted but did not come within %g s", self.rank, joiner,
+                            self.timeout)
+                return
+            time.sleep(0.02)
+        with self._elect_lock:
+            self.state.revive(joiner, epoch)
+            if self.generator is not None:
+                self.generator.revive(joiner, epoch)
+        log.info("worker %d: worker %d joins again", self.rank, joiner)
+        with self.state.lock:
+            self._opening.add(joiner)
+        self.spawn(f"distrain-prague-link-{joiner}", lambda: self._hand_over(joiner, epoch))
+
+    def _open_links(self, peer: int, epoch: int) -> tuple[Transport, Transport]:
+        """The data and control links with ``peer`` (both sides open them in this order)."""
+        assert self.admissions is not None
+        pair, m, n = (self.rank, peer), self.admissions.membership, self.state.world
+        data = open_pair(m, epoch, pair, self.rank, n, self.timeout, self.data.link_model, name="prague-data")
+        control = open_pair(m, epoch, pair, self.rank, n, self.timeout, self.data.link_model, name="prague-control")
+        # A wait on the control link is bounded by us (see Waiter, GOSSIP_BACKSTOP_S): a generator's
+        # receive must not time out while a slow worker trains. (Set once open: opening it is
+        # bounded by the timeout.)
+        set_timeout = getattr(control.group, "_set_default_timeout", None)
+        if set_timeout is not None:
+            set_timeout(timedelta(seconds=GOSSIP_BACKSTOP_S))
+        else:
+            log.warning("worker %d: the control link with worker %d keeps gloo's %g s timeout", self.rank, peer,
+                        self.timeout)
+        return data, control
+
+    def _hand_over(self, joiner: int, epoch: int) -> None:
+        """Open the links with ``joiner``, send it this worker's model and what it knows of every
+        worker's progress (HELLO), and reach it over them from now on."""
+        assert self.liveness is not None
+        live = self.liveness.another()
+        try:
+            data, control = self._open_links(joiner, epoch)
+            hello = self.state.progress_header(HELLO, round((time.perf_counter() - self.t0) * 1e6))
+            model = self.state.read()
+            for tensor in (hello, model):
+                data.send(tensor, joiner).wait()  # bounded: the link's gloo timeout
+            self._linked(joiner, epoch, data, control)
+        except Exception as exc:  # noqa: BLE001 - it died again, or never came
+            self._lose_joiner(joiner, exc, live)
+        finally:
+            with self.state.lock:
+                self._opening.discard(joiner)
+                self.state.lock.notify_all()
+
+    def _linked(self, peer: int, epoch: int, data: Transport, control: Transport) -> None:
+        with self.state.lock:
+            self.links[peer] = (epoch, data, control)
+            self.transports += [data, control]
+            self.state.lock.notify_all()
+        with self._elect_lock:
+            if self.generator is not None:
+                self.generator.listen(peer)
+
+    def _lose_joiner(self, peer: int, exc: BaseException, live: Liveness) -> None:
+        """No link with ``peer``: drop it if it is gone (declared dead, or its heartbeat stopped)."""
+        if not live.silent([peer]):
+            raise exc
+        live.declare_dead(peer)
+        self.state.mark_lost(peer)
+        log.warning("worker %d: lost worker %d while opening links with it (%s); going on without it", self.rank, peer,
+                    str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
+
+    def enter(self, epoch: int) -> None:
+        """This worker joined again, admitted in ``epoch``: open links with every live peer (each
+        opens its side once it admitted it) and take the first model handed over (:attr:`has_model`
+        is set then); ask the generator the survivors elected for groups."""
+        assert self.liveness is not None and self.admissions is not None
+        board = GroupBoard(self.liveness.store)
+        board.forget(self.rank)
+        deadline = time.monotonic() + self.timeout
+        while (generator := board.generator()) in (None, self.rank) and self.rank == FIRST_GENERATOR:
+            if time.monotonic() > deadline:  # the generator was lost with it: the survivors elect another
+                raise WorkerFailure(f"worker {self.rank} joined again, but no other worker took over the groups "
+                                    f"within {self.timeout:g} s")
+            time.sleep(POLL_S)
+        self.generator_rank = FIRST_GENERATOR if generator is None else generator
+        dead = self.liveness.dead_ranks()
+        for r in dead:
+            if r != self.rank:
+                self.state.mark_lost(r)
+        peers = [r for r in range(self.state.world) if r != self.rank and r not in dead]
+        with self.state.lock:
+            self._opening.update(peers)
+        for peer in peers:
+            self.spawn(f"distrain-prague-link-{peer}", lambda peer=peer: self._take_over(peer, epoch))
+
+    def _take_over(self, peer: int, epoch: int) -> None:
+        """Open the links with ``peer`` and receive its HELLO: the first one's model becomes this
+        worker's (and its clock the run's); every one's progress is merged."""
+        assert self.liveness is not None
+        live = self.liveness.another()
+        try:
+            data, control = self._open_links(peer, epoch)
+            hello = torch.empty(2 + 2 * self.state.world, dtype=torch.int64)
+            model = torch.empty_like(self.state.x)
+            for tensor in (hello, model):
+                data.recv(tensor, peer).wait()  # bounded: the link's gloo timeout
+            if int(hello[0]) != HELLO:
+                raise WorkerFailure(f"worker {self.rank}: expected worker {peer}'s model, got message kind {int(hello[0])}")
+            self.state.merge(hello[2:])
+            with self.state.lock:
+                if not self.has_model.is_set():
+                    self.state.x.copy_(model)
+                    self.handed_at = int(hello[1]) / 1e6
+                    self.has_model.set()
+                    log.info("worker %d: took worker %d's model", self.rank, peer)
+            self._linked(peer, epoch, data, control)
+        except Exception as exc:  # noqa: BLE001
+            self._lose_joiner(peer, exc, live)
+        finally:
+            with self.state.lock:
+                self._opening.discard(peer)
+                self.state.lock.notify_all()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -683,13 +991,17 @@ class Prague(AsyncGossip):
     def build_engine(self, transport: Transport) -> GroupGossip:
         g = self.settings
         liveness = self.liveness(transport.world_size)
+        admissions = self.admissions(liveness, transport)
+        size = group_size_for(g.group_size, transport.world_size)
+        if self.entered is not None:  # no group to enter: links with every peer (see GroupGossip.enter)
+            return GroupGossip(self.state, transport, transport, size, seed=g.run.seed, timeout=g.peer_timeout,
+                               liveness=liveness, admissions=admissions, entry=self.entered.epoch)
         # With liveness the control group's waits are bounded by us (see Waiter), gloo's is a backstop.
         data = gossip_group(g.peer_timeout)
         control = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)
         link = transport.link_model
-        size = group_size_for(g.group_size, transport.world_size)
         return GroupGossip(self.state, Transport(data, link_model=link), Transport(control, link_model=link),
-                           size, seed=g.run.seed, timeout=g.peer_timeout, liveness=liveness)
+                           size, seed=g.run.seed, timeout=g.peer_timeout, liveness=liveness, admissions=admissions)
 
     def info(self) -> dict[str, Any]:
         return {"group_size": group_size_for(self.settings.group_size, self.state.world),

@@ -116,14 +116,16 @@ class Admissions:
 
 
 def open_pair(membership: Membership, epoch: int, peers: tuple[int, int], me: int, world: int, timeout: float,
-              link_model: LinkModel | None = None) -> LinkTransport:
-    """The link between the two workers ``peers`` (a member and a worker it admitted in
+              link_model: LinkModel | None = None, name: str = "gossip") -> LinkTransport:
+    """The link ``name`` between the two workers ``peers`` (a member and a worker it admitted in
     ``epoch``), each opening it over the same prefix of the store; blocks until both have, at
-    most ``timeout`` seconds. Local runs listen on the store's address (loopback by default)."""
+    most ``timeout`` seconds. Local runs listen on the store's address (loopback by default).
+    Two workers may open several links, each of its own name (Prague: one for the models, one
+    for the group generator's messages, which must never interleave)."""
     a, b = sorted(peers)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     client = Liveness(host, int(os.environ.get("MASTER_PORT", "0")), world).store  # one per thread that opens a link
-    return open_link(membership.store_prefix(f"gossip/{a}-{b}", epoch, client), [a, b], me, world, timeout,
+    return open_link(membership.store_prefix(f"{name}/{a}-{b}", epoch, client), [a, b], me, world, timeout,
                      link_model, host=host)
 
 
