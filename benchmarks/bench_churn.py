@@ -4,7 +4,7 @@ killed every 30 s with restarts on.
 For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2``,
 ``ps`` (with 2 servers; a worker is killed), ``ps-server`` (ps with 2 servers, one of them
 killed: the other takes over its parameters), ``adpsgd`` and ``prague`` go on too;
-``ps-server`` and ``prague`` take no restarts), on the default
+``ps-server`` takes no restarts: a lost server is not started again), on the default
 job (``distrain train``: MNIST-1D, the CNN, 4 workers) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -65,7 +65,7 @@ EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2")}
 #: Cases that run another algorithm than their name.
 ALGORITHM = {"ps-server": "ps"}
 #: Algorithms whose lost workers are not started again (no kill + restart case).
-NO_RESTARTS = {"ps-server", "prague"}
+NO_RESTARTS = {"ps-server"}
 
 
 def children(pid: int) -> list[int]:

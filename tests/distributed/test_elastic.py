@@ -429,6 +429,7 @@ def test_parameter_servers_take_over_a_lost_server(tmp_path: Path):
     assert not torch.allclose(reference(-1, STEPS), expected, atol=1e-4)  # the reset shows
 
 
+@pytest.mark.slow  # CI: the Prague join test below loses worker 0 the same way first
 def test_asynchronous_gossip_in_a_users_script_goes_on_without_its_generator(tmp_path: Path):
     """Prague through wrap() and distrain launch, worker 0 (which forms the groups at first)
     killed as step 3 begins: worker 1 takes over the groups and the three finish their steps and
