@@ -630,7 +630,8 @@ class DistributedOptimizer:
         """At a step's end: when the members agreed to admit waiting workers after this step,
         open the group with them and hand them this run's state (collective)."""
         assert self.membership is not None
-        growth = self.membership.planned_growth(self.steps, self.algorithm.admission_step)
+        growth = self.membership.planned_growth(self.steps, self.algorithm.admission_step,
+                                                self.algorithm.admission_every)
         if growth is None or growth.at != self.steps:
             return
         since, membership = time.perf_counter(), self.membership

@@ -260,3 +260,17 @@ def test_after_a_loss_the_epoch_under_way_gives_every_sample(algorithm, kept):
         s = samplers[m]
         after = [j for step in range(7, 30) for j in s.batch(step).tolist()][len(s.carry):len(s.carry) + len(parts[i])]
         assert sorted(after) == sorted(parts[i].tolist())
+
+
+def test_members_that_look_every_few_steps_agree_before_any_passes_the_step():
+    """Looking for joiners every 8 steps: the first member to see one (at step 16) proposes step
+    24; one a step behind learns it at 16, one a step ahead at 24 itself, and none looks between."""
+    store = dist.HashStore()
+    store.set(RESTARTS_KEY, "1")
+    members = [Membership(store, [0, 1, 2], me) for me in range(3)]
+    store.add(JOINS_KEY, 1)
+    assert members[0].planned_growth(15, every=8) is None  # not a step to look at
+    assert members[0].planned_growth(16, every=8) == Growth(24, 1)
+    assert members[1].planned_growth(16, every=8) == Growth(24, 1)
+    assert members[2].planned_growth(17, every=8) is None and members[2].planned_growth(23, every=8) is None
+    assert members[2].planned_growth(24, every=8) == Growth(24, 1)

@@ -154,6 +154,10 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: float,
     return buckets
 
 
+#: Steps between the members' looks for workers waiting to join (elastic runs with restarts).
+ADMISSION_EVERY = 8
+
+
 class AllReduce(Algorithm):
     """Average gradients over all workers each step (the DDP / C-PSGD baseline)."""
 
@@ -166,6 +170,12 @@ class AllReduce(Algorithm):
 
     def __init__(self, settings: AllReduceSettings) -> None:
         super().__init__(settings, settings.compression)
+
+    @property
+    def admission_every(self) -> int:
+        """The members look for joiners every 8 steps: one store request every step was about a
+        sixth of a small model's step with restarts on; a joiner waits at most 16 steps more."""
+        return ADMISSION_EVERY
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)

@@ -246,6 +246,12 @@ class Algorithm:
         default; a round's boundary for algorithms that sync every so many steps)."""
         return proposed
 
+    @property
+    def admission_every(self) -> int:
+        """Elastic runs: the members look for workers waiting to join every this many steps (one
+        store request each time; they are admitted that many steps later, or more)."""
+        return 1
+
     def kept_steps(self, lost_at: int) -> int:
         """Of a worker lost when this one had done ``lost_at`` steps, how many the model holds:
         its samples after them were never learned from, and the survivors train on them (every

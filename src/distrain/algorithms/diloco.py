@@ -370,6 +370,11 @@ class DiLoCo(Algorithm):
         """A worker joins at a round's end, where every member holds the shared parameters."""
         return -(-proposed // self.sync_every) * self.sync_every
 
+    @property
+    def admission_every(self) -> int:
+        """Joiners enter at a round's end only: the members look for them once a round."""
+        return self.sync_every
+
     def kept_steps(self, lost_at: int) -> int:
         """A worker lost in a round (found at its sync, after ``lost_at`` steps) leaves only the
         rounds before it in the shared parameters."""

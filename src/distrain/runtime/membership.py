@@ -263,19 +263,24 @@ class Membership:
 
     # -- growing: workers that join ---------------------------------------------------------------
 
-    def planned_growth(self, steps: int, align: Callable[[int], int] = int) -> Growth | None:
+    def planned_growth(self, steps: int, align: Callable[[int], int] = int, every: int = 1) -> Growth | None:
         """At a step's end, with ``steps`` completed: when the members admit the workers waiting to
-        join (None: nobody waits). One store request per step while workers may join.
+        join (None: nobody waits). One store request every ``every`` steps while workers may join.
 
-        The first member to see a joiner proposes ``steps + 2`` (compare-and-set: one proposal
-        wins), or the first step count after it that ``align`` allows (an outer round's end).
-        Synchronous members are at most one step apart and each asks at every step's end, so none
-        has passed the agreed step when it learns it (synchronous parameter servers ask at every
-        round's end too: they and the workers are at most one step apart as well)."""
+        The first member to see a joiner proposes ``steps + max(2, every)`` (compare-and-set: one
+        proposal wins), or the first step count after it that ``align`` allows (an outer round's
+        end). Synchronous members are at most one step apart and each asks at every ``every``-th
+        step's end (the same step counts for all), so none has passed the agreed step when it
+        learns it: one a step ahead of the proposer asks next at the agreed step itself
+        (synchronous parameter servers ask at every round's end too: they and the workers are at
+        most one step apart as well). A store request costs about a millisecond on a busy host, a
+        fifth of a small model's step: ``every`` spares it where a join may wait a few steps more."""
         if self.growth is not None:
             return self.growth
+        if steps % every:
+            return None
         joins = self._joins_waiting()
-        return None if joins is None else self._agree_growth(f"{align(steps + 2)}:{joins}")
+        return None if joins is None else self._agree_growth(f"{align(steps + max(2, every))}:{joins}")
 
     def growth_now(self) -> Growth | None:
         """Asynchronous algorithms, which have no common step: the agreement to admit the workers
