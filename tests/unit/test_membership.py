@@ -274,3 +274,24 @@ def test_members_that_look_every_few_steps_agree_before_any_passes_the_step():
     assert members[1].planned_growth(16, every=8) == Growth(24, 1)
     assert members[2].planned_growth(17, every=8) is None and members[2].planned_growth(23, every=8) is None
     assert members[2].planned_growth(24, every=8) == Growth(24, 1)
+
+
+def test_a_users_shard_after_a_loss_is_the_split_over_the_members():
+    """wrap()'s shard() splits over the members at the time of the call: after worker 1 was lost,
+    the three survivors' shards (by their new ranks) are the training set split three ways."""
+    from torch.utils.data import TensorDataset
+
+    from distrain.config import TrainConfig
+    from distrain.distributed import DistributedOptimizer
+    from distrain.train.loop import split
+
+    cfg = TrainConfig.from_dict({"workers": 4, "batch_size": 8})
+    data = TensorDataset(torch.zeros(120, 1), torch.zeros(120, dtype=torch.long))
+    seen = []
+    for rank in range(3):  # ids 0, 2, 3 after the loss
+        opt = DistributedOptimizer.__new__(DistributedOptimizer)
+        opt.config, opt.rank, opt.workers, opt.steps_per_epoch, opt.total_steps = cfg, rank, 3, 5, 20
+        part = opt.shard(data).indices
+        assert part == split(cfg, data, 3)[rank].tolist() and opt.total_steps == 20
+        seen += part
+    assert sorted(seen) == list(range(120))
