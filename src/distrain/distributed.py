@@ -61,9 +61,8 @@ from distrain.algorithms.parameter_server import (
     ParameterServer,
     admissions,
     server_optimizer,
-    servers_link,
 )
-from distrain.assemble import build_algorithm, ps_settings, serve, survives
+from distrain.assemble import build_algorithm, serve, survives
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
@@ -82,10 +81,6 @@ from distrain.runtime.membership import (
 )
 
 log = logging.getLogger(__name__)
-
-#: Asynchronous algorithms whose workers a launcher can start again: their peers admit them and
-#: hand them a model over links (see :mod:`distrain.algorithms.rejoin`).
-GOSSIP_JOINS = ("adpsgd", "prague")
 
 #: The environment variable through which ``distrain launch`` hands its settings (the emulated
 #: network, the number of servers) to ``wrap()`` in every process: a JSON object of setting names.
@@ -309,37 +304,28 @@ class DistributedOptimizer:
         #: the group of some of the processes that this optimizer trains in (``wrap(process_group=)``),
         #: else None (the default group)
         self.process_group = process_group
-        # A worker that joins a run with parameter servers talks to them over a link they open with
-        # it (nobody reopens the run's group), where it keeps its rank in the run.
-        to_servers = config.algo.algorithm == "ps" and joined is not None
-        # A worker that joins an asynchronous gossip run again: its peers open links with it.
-        to_peers = config.algo.algorithm in GOSSIP_JOINS and joined is not None
+        self.algorithm = build_algorithm(config.algo.algorithm, config)
         # A worker keeps its emulated device and links by its id, whatever its rank; in a group of
         # some of the processes, by its rank in that group.
-        processes = config.cluster.workers + (config.ps.servers if to_servers else 0)
-        me, world = (joined.me, processes) if joined is not None else (None, None)
+        me, world = (joined.me, self.algorithm.processes(config.cluster.workers)) if joined is not None else (None, None)
         if process_group is not None:
             me, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.emulation = Emulation.from_config(config.network, me, world, seed=config.run.seed,
                                                workers=config.cluster.workers, workers_per_node=config.algo.workers_per_node)
-        if to_servers:
+        # A worker that joins again either enters the members' new group (synchronous elastic
+        # algorithms) or trains over links its peers open with it (the parameter servers,
+        # asynchronous gossip): the algorithm says which.
+        link = self.algorithm.joiner_transport(joined, self.emulation.link_model) if joined is not None else None
+        if link is not None:
             assert joined is not None
-            self.transport: Transport = servers_link(joined, joined.me, joined.me, ps_settings(config),
-                                                     self.emulation.link_model)
-            self.rank, self.workers = joined.members.index(joined.me), len(joined.members)
-        elif to_peers:
-            assert joined is not None  # its rank stays its id: asynchronous gossip never renumbers
-            self.transport = Transport.detached(joined.me, config.cluster.workers, self.emulation.link_model)
-            self.rank, self.workers = joined.me, len(joined.members)
+            self.transport: Transport = link[0]
+            self.rank, self.workers = link[1], len(joined.members)
         else:
             self.transport = Transport(process_group, link_model=self.emulation.link_model,
                                        ids=joined.members if joined else None)
             self.rank, self.workers = self.transport.rank, dist.get_world_size(workers_group)
         if broadcast and joined is None:
             _broadcast_from_rank0(model, workers_group)
-        self.algorithm = build_algorithm(config.algo.algorithm, config)
-        if to_peers:
-            self.algorithm.entered = joined  # type: ignore[attr-defined]
         self.algorithm.setup(model, optimizer, self.transport)
         self.params = [p for p in model.parameters() if p.requires_grad]
         #: the workers' ids (their ranks when the run started) in rank order; an elastic run
@@ -348,8 +334,8 @@ class DistributedOptimizer:
         self.id = joined.me if joined is not None else self.rank
         #: parameter servers that admit workers started again (the servers hand them the
         #: parameters; the workers only record the change): where this worker learns of joins
-        self.joins = joined if to_servers else self._server_admissions()
-        self.membership = None if to_servers or to_peers else joined or self._elastic_membership()
+        self.joins = self._server_admissions(joined)
+        self.membership = None if link is not None else joined or self._elastic_membership()
         if self.membership is not None:
             self.algorithm.keep_local = True
             watch_waits(self.membership.changed)  # this thread's waits leave as soon as a survivor flags a loss
@@ -375,11 +361,8 @@ class DistributedOptimizer:
         self._forward_hook = model.register_forward_pre_hook(self._forward_started, prepend=True)
         self._final: torch.nn.Module | None = None
         if joined is not None:  # the members wait in their step's end for this worker to take their state
-            if to_servers:  # the servers hand it their parameters
-                assert isinstance(self.algorithm, ParameterServer)
+            if link is not None:  # the servers hand it their parameters, or a neighbour its model
                 self.steps = self.algorithm.join()
-            elif to_peers:  # a neighbour hands it its model over their link
-                self.steps = self.algorithm.join()  # type: ignore[attr-defined]
             else:
                 self._take_state(0)
             self.changes.append(self._joined_change(joined))
@@ -391,12 +374,15 @@ class DistributedOptimizer:
         members, steps = joined._members_of(joined.epoch)
         return Change(joined.epoch, members, [], steps, time.time(), 0.0, self.steps, joined=[joined.me])
 
-    def _server_admissions(self) -> Membership | None:
+    def _server_admissions(self, joined: Membership | None) -> Membership | None:
         """Where workers started again ask to join, in an elastic parameter-server run whose
-        launcher starts lost workers again (None otherwise)."""
+        launcher starts lost workers again (None otherwise); a worker that joined goes on with
+        the admissions that let it in (``joined``)."""
         algorithm = self.algorithm
         if not isinstance(algorithm, ParameterServer) or not algorithm.survives(algorithm.settings):
             return None
+        if joined is not None:
+            return joined
         return admissions(store_client(self.config.cluster.timeout), self.ids, self.id, algorithm.settings)
 
     def _elastic_membership(self) -> Membership | None:
@@ -615,7 +601,7 @@ class DistributedOptimizer:
         in (its gossip threads admit them, see :mod:`distrain.algorithms.rejoin`) become records;
         the loss of each joiner is recorded first. The members then are the workers not declared
         dead and the joiners, in order of their ids."""
-        for change in getattr(self.algorithm, "newly_joined", list)():
+        for change in self.algorithm.newly_joined():
             missed = [i for i in self.ids if i not in change.members or i in change.joined]
             if missed:
                 members = [i for i in self.ids if i not in missed]

@@ -246,6 +246,29 @@ class Algorithm:
         default; a round's boundary for algorithms that sync every so many steps)."""
         return proposed
 
+    def processes(self, workers: int) -> int:
+        """The run's processes for ``workers`` training workers (parameter servers add theirs)."""
+        return workers
+
+    def joiner_transport(self, joined: Any, link_model: Any = None) -> tuple[Transport, int] | None:
+        """A worker started again and admitted (``joined``, its
+        :class:`~distrain.runtime.membership.Membership`), before :meth:`setup`: the Transport it
+        trains over and its rank there, when its peers open links with it (then :meth:`join`
+        takes their state over them); None (the default): the members open a new group with it
+        and hand it their state there, as for synchronous elastic algorithms."""
+        return None
+
+    def join(self) -> int:
+        """After :meth:`setup`, on a worker whose :meth:`joiner_transport` gave its links: take a
+        live peer's state over them; returns the step count this worker goes on from."""
+        raise NotImplementedError(f"{self.name}: no join over links")
+
+    def newly_joined(self) -> list[Any]:
+        """Asynchronous algorithms: the admissions of workers started again that this worker took
+        part in since the last call (:class:`~distrain.runtime.membership.Change` each); the
+        synchronous ones admit joiners through the optimizer's membership instead."""
+        return []
+
     @property
     def admission_every(self) -> int:
         """Elastic runs: the members look for workers waiting to join every this many steps (one

@@ -512,9 +512,16 @@ class AsyncGossip(Algorithm):
     synchronous = False
     survives_lost_workers = True  # the others drop a lost worker and finish (see the engines)
     settings: GossipSettings
-    #: Set on a worker started again after its loss, before :meth:`setup`: its admission (it
-    #: takes a peer's model over links in :meth:`join`, never entering the run's groups).
+    #: Set on a worker started again after its loss, before :meth:`setup` (by
+    #: :meth:`joiner_transport`): its admission (it takes a peer's model over links in
+    #: :meth:`join`, never entering the run's groups).
     entered: Membership | None = None
+
+    def joiner_transport(self, joined: Membership, link_model: Any = None) -> tuple[Transport, int]:
+        """A worker started again keeps its id as its rank (asynchronous gossip never renumbers);
+        its neighbours open links with it (see :mod:`distrain.algorithms.rejoin`)."""
+        self.entered = joined
+        return Transport.detached(joined.me, self.settings.run.workers, link_model), joined.me
 
     @classmethod
     def survives(cls, settings: GossipSettings) -> bool:

@@ -13,7 +13,11 @@ import torch
 
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.algorithms.hierarchical import NodeGroups
-from distrain.algorithms.parameter_server.elastic import LOST_CHECK_S, survivors_transport
+from distrain.algorithms.parameter_server.elastic import (
+    LOST_CHECK_S,
+    servers_link,
+    survivors_transport,
+)
 from distrain.algorithms.parameter_server.layout import (
     ShardLayout,
     gather_ranges,
@@ -59,6 +63,15 @@ class ParameterServer(Algorithm):
     @classmethod
     def survives(cls, settings: PSSettings) -> bool:
         return elastic_servers(settings)
+
+    def processes(self, workers: int) -> int:
+        return workers + self.settings.servers
+
+    def joiner_transport(self, joined: Any, link_model: Any = None) -> tuple[Transport, int]:
+        """A worker started again talks to the servers over a link they open with it (nobody
+        reopens the run's group), where it keeps its rank in the run; its rank among the
+        training workers is its place in the members."""
+        return servers_link(joined, joined.me, joined.me, self.settings, link_model), joined.members.index(joined.me)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
