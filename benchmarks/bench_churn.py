@@ -64,6 +64,8 @@ TIMEOUT_S = 600
 EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2")}
 #: Cases that run another algorithm than their name.
 ALGORITHM = {"ps-server": "ps"}
+#: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
+STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
 NO_RESTARTS = {"ps-server"}
 
@@ -132,7 +134,8 @@ def train(run_dir: Path, algorithm: str, seed: int, *flags: str, env: dict | Non
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     return {"returncode": proc.returncode, "hung": hung, "left_running": left, "command_wall_s": wall,
-            "summary": summary, "stderr_tail": stderr.strip().splitlines()[-3:], "kills": kills}
+            "summary": summary, "stderr_tail": stderr.strip().splitlines()[-3:], "kills": kills,
+            "stderr": stderr}
 
 
 def useful_samples(summary: dict, batch: int) -> float:
@@ -157,6 +160,7 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
     out = train(run_dir, algorithm, seed, *flags,
                 env={"DISTRAIN_INJECT_KILL": f"{victim}:{step}", "DISTRAIN_INJECT_MARK": str(mark)})
     summary = out.pop("summary")
+    stderr = out.pop("stderr")
     killed_at = float(mark.read_text().split()[0]) if mark.is_file() else None
     lost = [c for c in (summary or {}).get("membership", []) if c["event"] == "lost"]
     if not lost and summary and summary.get("lost_workers"):  # no membership change: the servers lost it
@@ -175,6 +179,8 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
     want = WORKERS if restart or algorithm == "ps-server" else WORKERS - 1
     row["passed"] = (out["returncode"] == 0 and not out["hung"] and not out["left_running"]
                      and row["lost"] == [victim] and row["workers_at_end"] == want)
+    if not row["passed"]:  # the whole story of a failure (its warnings, every worker's last word)
+        row["stderr_lines"] = [line.replace(str(tmp), "<tmp>") for line in stderr.strip().splitlines()[-STDERR_LINES:]]
     return row
 
 
