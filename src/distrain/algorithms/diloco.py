@@ -372,8 +372,11 @@ class DiLoCo(Algorithm):
 
     @property
     def admission_every(self) -> int:
-        """Joiners enter at a round's end only: the members look for them once a round."""
-        return self.sync_every
+        """Joiners enter at a round's end only: the members look for them four times a round,
+        so one that asks in the first three quarters of a round enters at its end (looking once
+        a round let it wait up to two, and short runs ended first: bench_churn's restart case
+        failed 8 of 20 against 4 when looking every step)."""
+        return max(1, self.sync_every // 4)
 
     def kept_steps(self, lost_at: int) -> int:
         """A worker lost in a round (found at its sync, after ``lost_at`` steps) leaves only the
