@@ -190,14 +190,16 @@ def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tm
     assert 0 < resumed[-1]["bytes_sent"] <= sent[0] < sent[1]
 
 
-@pytest.mark.slow  # the AD-PSGD join through wrap() (tests/distributed/test_elastic.py) runs in CI
-def test_a_restarted_worker_0_joins_adpsgd_again_and_the_summary_keeps_its_loss(tmp_path):
-    """--algorithm adpsgd --max-restarts 1: worker 0, killed at step 12, starts again and joins; the
-    summary is written by a worker that trained from the start (the first, 1), so it records the
-    loss and the join, and the run ends with four."""
+@pytest.mark.slow  # the AD-PSGD and Prague joins through wrap() (tests/distributed/test_elastic.py) run in CI
+@pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])
+def test_a_restarted_worker_0_joins_asynchronous_gossip_again_and_the_summary_keeps_its_loss(tmp_path, algorithm):
+    """--algorithm adpsgd or prague --max-restarts 1: worker 0 (Prague's first group generator),
+    killed at step 12, starts again and joins (Prague: worker 1 takes over the groups, and worker
+    0 is grouped again); the summary is written by a worker that trained from the start (the
+    first, 1), so it records the loss and the join, and the run ends with four."""
     run_dir = tmp_path / "run"
     slow = ",".join(f"{r}:50x" for r in range(4))  # steps of about 50 ms: the run outlasts the restart
-    run = run_cli([*RUN, "--algorithm", "adpsgd", "--max-restarts", "1", "--epochs", "8", "--slow-worker", slow,
+    run = run_cli([*RUN, "--algorithm", algorithm, "--max-restarts", "1", "--epochs", "8", "--slow-worker", slow,
                    "--run-dir", str(run_dir)], DISTRAIN_INJECT_KILL="0:12")
     assert run.returncode == 0, run.stderr
     assert run.orphans == []
@@ -205,26 +207,9 @@ def test_a_restarted_worker_0_joins_adpsgd_again_and_the_summary_keeps_its_loss(
     assert [(c["event"], c["workers"]) for c in summary["membership"]] == [("lost", [0]), ("joined", [0])]
     assert summary["membership"][1]["members"] == [0, 1, 2, 3]
     assert summary["workers_at_end"] == 4 and list(summary["lost_workers"]) == ["0"]
-
-
-@pytest.mark.slow  # the Prague join through wrap() (tests/distributed/test_elastic.py) runs in CI
-def test_a_restarted_worker_0_joins_prague_again_and_the_summary_keeps_its_loss(tmp_path):
-    """--algorithm prague --max-restarts 1: worker 0, which forms the groups at first, killed at
-    step 12; worker 1 takes over the groups, worker 0 starts again, joins, and is grouped again;
-    the summary is written by worker 1 (it trained from the start), with the loss and the join, and
-    the run ends with four."""
-    run_dir = tmp_path / "run"
-    slow = ",".join(f"{r}:50x" for r in range(4))  # steps of about 50 ms: the run outlasts the restart
-    run = run_cli([*RUN, "--algorithm", "prague", "--max-restarts", "1", "--epochs", "8", "--slow-worker", slow,
-                   "--run-dir", str(run_dir)], DISTRAIN_INJECT_KILL="0:12")
-    assert run.returncode == 0, run.stderr
-    assert run.orphans == []
-    assert "worker 1 forms the groups from now on" in run.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert [(c["event"], c["workers"]) for c in summary["membership"]] == [("lost", [0]), ("joined", [0])]
-    assert summary["membership"][1]["members"] == [0, 1, 2, 3]
-    assert summary["workers_at_end"] == 4 and list(summary["lost_workers"]) == ["0"]
-    lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
-    assert [line["event"] for line in lines if "event" in line] == ["joined"]
-    back = next(i for i, line in enumerate(lines) if "event" in line)
-    assert max(line.get("groups", 0) for line in lines[back:]) >= 1  # grouped again (counted from its return)
+    if algorithm == "prague":
+        assert "worker 1 forms the groups from now on" in run.stderr
+        lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+        assert [line["event"] for line in lines if "event" in line] == ["joined"]
+        back = next(i for i, line in enumerate(lines) if "event" in line)
+        assert max(line.get("groups", 0) for line in lines[back:]) >= 1  # grouped again (counted from its return)

@@ -170,7 +170,6 @@ class PairwiseGossip(GossipEngine):
         self.waiter = Waiter("distrain-adpsgd-wait") if liveness is not None else None
         self.admissions = admissions
         self.links: dict[int, Transport] = {}  # peers that joined again (or, joining, every peer): their link
-        self._opening: set[int] = set()  # links being opened (with a joiner, or by a joiner)
         self.inbox: queue.SimpleQueue[tuple[int, Message, threading.Event]] = queue.SimpleQueue()  # passive
 
     def _messages(self) -> tuple[Message, Message]:
@@ -490,9 +489,7 @@ class PairwiseGossip(GossipEngine):
         except Exception as exc:  # noqa: BLE001 - it died again, or never came
             self._lose_joiner(joiner, exc, live)
         finally:
-            with self.state.lock:
-                self._opening.discard(joiner)
-                self.state.lock.notify_all()
+            self._opened(joiner)
 
     def _linked(self, peer: int, link: Transport) -> None:
         """The link with ``peer`` is open: gossip with it over the link from now on."""
@@ -506,15 +503,6 @@ class PairwiseGossip(GossipEngine):
                 self._calling.add(peer)
                 self._start_listening(peer)
             self.state.lock.notify_all()
-
-    def _lose_joiner(self, peer: int, exc: BaseException, live: Liveness) -> None:
-        """No link with ``peer``: drop it if it is gone (declared dead, or its heartbeat stopped)."""
-        if not live.silent([peer]):
-            raise exc
-        live.declare_dead(peer)
-        self.state.mark_lost(peer)
-        log.warning("worker %d: lost worker %d while opening a link with it (%s); going on without it",
-                    self.transport.rank, peer, str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
 
     def enter(self, epoch: int) -> None:
         """This worker joined again, admitted in ``epoch``: open a link with every live neighbour
@@ -543,20 +531,12 @@ class PairwiseGossip(GossipEngine):
             if hello.kind != HELLO:
                 raise WorkerFailure(f"worker {self.transport.rank}: expected worker {peer}'s model, got message "
                                     f"kind {hello.kind}")
-            self.state.merge(hello.header[2:])
-            with self.state.lock:
-                if not self.has_model.is_set():
-                    self.state.x.copy_(hello.body)
-                    self.handed_at = int(hello.header[1]) / 1e6
-                    self.has_model.set()
-                    log.info("worker %d: took worker %d's model", self.transport.rank, peer)
+            self._take_handed(peer, hello.header, hello.body)
             self._linked(peer, link)
         except Exception as exc:  # noqa: BLE001
             self._lose_joiner(peer, exc, live)
         finally:
-            with self.state.lock:
-                self._opening.discard(peer)
-                self.state.lock.notify_all()
+            self._opened(peer)
 
 
 @dataclass(frozen=True, kw_only=True)

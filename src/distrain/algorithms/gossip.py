@@ -258,6 +258,35 @@ class GossipEngine:
         self.t0 = time.perf_counter()  # the run's common start, for a worker that joins (set by the algorithm)
         self.has_model = threading.Event()  # joining: a peer handed this worker its model
         self.handed_at = 0.0  # joining: the seconds since the start of the peer that handed it
+        self._opening: set[int] = set()  # peers whose links are being opened (with a joiner, or by one)
+
+    def _take_handed(self, peer: int, header: torch.Tensor, model: torch.Tensor) -> None:
+        """Joining: ``peer`` handed this worker ``model`` after ``header`` ``[HELLO, its seconds
+        since the start in microseconds, *counts, *done]``; merge the progress, and take the first
+        model handed over (with its clock)."""
+        self.state.merge(header[2:])
+        with self.state.lock:
+            if not self.has_model.is_set():
+                self.state.x.copy_(model)
+                self.handed_at = int(header[1]) / 1e6
+                self.has_model.set()
+                log.info("worker %d: took worker %d's model", self.state.rank, peer)
+
+    def _lose_joiner(self, peer: int, exc: BaseException, live: Liveness) -> None:
+        """No link with ``peer``: drop it if it is gone (declared dead, or its heartbeat stopped),
+        else raise ``exc``."""
+        if not live.silent([peer]):
+            raise exc
+        live.declare_dead(peer)
+        self.state.mark_lost(peer)
+        log.warning("worker %d: lost worker %d while opening links with it (%s); going on without it",
+                    self.state.rank, peer, str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
+
+    def _opened(self, peer: int) -> None:
+        """The links with ``peer`` are open, or failed: nobody waits for them any more."""
+        with self.state.lock:
+            self._opening.discard(peer)
+            self.state.lock.notify_all()
 
     def enter(self, epoch: int) -> None:
         """This worker joined the run again, admitted in ``epoch``: start taking a peer's model

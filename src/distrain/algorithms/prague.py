@@ -583,7 +583,6 @@ class GroupGossip(GossipEngine):
         #: per peer that joined again (or, on a joiner, every peer): the epoch of its admission
         #: (or of ours) and its data and control links
         self.links: dict[int, tuple[int, Transport, Transport]] = {}
-        self._opening: set[int] = set()  # peers whose links are being opened
         self._elect_lock = threading.RLock()  # elections and admissions: a successor sees every revive
         self.generator_rank = FIRST_GENERATOR
         self.generator = self._generator(successor=False) if self.rank == FIRST_GENERATOR and not entry else None
@@ -899,9 +898,7 @@ class GroupGossip(GossipEngine):
         except Exception as exc:  # noqa: BLE001 - it died again, or never came
             self._lose_joiner(joiner, exc, live)
         finally:
-            with self.state.lock:
-                self._opening.discard(joiner)
-                self.state.lock.notify_all()
+            self._opened(joiner)
 
     def _linked(self, peer: int, epoch: int, data: Transport, control: Transport) -> None:
         with self.state.lock:
@@ -911,15 +908,6 @@ class GroupGossip(GossipEngine):
         with self._elect_lock:
             if self.generator is not None:
                 self.generator.listen(peer)
-
-    def _lose_joiner(self, peer: int, exc: BaseException, live: Liveness) -> None:
-        """No link with ``peer``: drop it if it is gone (declared dead, or its heartbeat stopped)."""
-        if not live.silent([peer]):
-            raise exc
-        live.declare_dead(peer)
-        self.state.mark_lost(peer)
-        log.warning("worker %d: lost worker %d while opening links with it (%s); going on without it", self.rank, peer,
-                    str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
 
     def enter(self, epoch: int) -> None:
         """This worker joined again, admitted in ``epoch``: open links with every live peer (each
@@ -958,20 +946,12 @@ class GroupGossip(GossipEngine):
                 data.recv(tensor, peer).wait()  # bounded: the link's gloo timeout
             if int(hello[0]) != HELLO:
                 raise WorkerFailure(f"worker {self.rank}: expected worker {peer}'s model, got message kind {int(hello[0])}")
-            self.state.merge(hello[2:])
-            with self.state.lock:
-                if not self.has_model.is_set():
-                    self.state.x.copy_(model)
-                    self.handed_at = int(hello[1]) / 1e6
-                    self.has_model.set()
-                    log.info("worker %d: took worker %d's model", self.rank, peer)
+            self._take_handed(peer, hello, model)
             self._linked(peer, epoch, data, control)
         except Exception as exc:  # noqa: BLE001
             self._lose_joiner(peer, exc, live)
         finally:
-            with self.state.lock:
-                self._opening.discard(peer)
-                self.state.lock.notify_all()
+            self._opened(peer)
 
 
 @dataclass(frozen=True, kw_only=True)

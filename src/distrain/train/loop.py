@@ -282,8 +282,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # first), saved with the checkpoints; those back from a checkpoint start on their shard.
     plan = None
     if state is not None and PLAN_KEY in state:
-        plan = DataPlan.from_state(state[PLAN_KEY], lambda n: split(cfg, train_set, n), cfg.data.batch_size,
-                                   cfg.run.seed)
+        plan = plan_of(cfg, train_set, state[PLAN_KEY])
         if back:
             plan = plan.changed(list(range(world)), start_step, {}, split(cfg, train_set, world))
         sampler = plan.samplers[rank]
@@ -292,8 +291,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     if joined is not None:  # where the others are: their step, data split and learning rate
         start_step = opt.steps
         if opt.algorithm.synchronous and cfg.data.dataset != "shards":  # the members' plan, from the store
-            plan = DataPlan.from_state(read_plan(joined, joined.epoch), lambda n: split(cfg, train_set, n),
-                                       cfg.data.batch_size, cfg.run.seed)
+            plan = plan_of(cfg, train_set, read_plan(joined, joined.epoch))
         sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule, plan, sampler)
     if rank == 0 and joined is None:
         write_json_atomic(run_dir / "config.json", {
@@ -563,6 +561,11 @@ def replan(cfg: TrainConfig, opt: DistributedOptimizer, train_set: Dataset, plan
         if change.joined and synchronous and opt.id not in change.joined:
             publish_plan(opt.membership or opt.joins, change.epoch, plan)
     return plan
+
+
+def plan_of(cfg: TrainConfig, train_set: Dataset, state: torch.Tensor) -> DataPlan:
+    """The data plan ``state`` holds (a checkpoint's, or the members' read from the store)."""
+    return DataPlan.from_state(state, lambda n: split(cfg, train_set, n), cfg.data.batch_size, cfg.run.seed)
 
 
 def publish_plan(membership: Membership | None, epoch: int, plan: DataPlan) -> None:
