@@ -231,8 +231,9 @@ class OptimConfig:
     lr: float = _opt(0.1, "learning rate for --reference-batch samples per step")
     momentum: float = _opt(0.9, "momentum (sgd, lars); beta1 for adam")
     weight_decay: float = _opt(0.0, "L2 weight decay")
-    lr_scaling: bool = _opt(True, "linear scaling rule: lr x global batch / --reference-batch")
-    reference_batch: int = _opt(64, "global batch size at which --lr applies unscaled")
+    lr_scaling: bool = _opt(True, "linear scaling rule: lr x global batch / --reference-batch "
+                             "(diloco: x one worker's batch, the samples of an inner step)")
+    reference_batch: int = _opt(64, "samples per optimizer step at which --lr applies unscaled")
     warmup_epochs: float = _opt(1.0, "epochs of linear warm-up from --lr to the scaled lr (0 = none)")
     lr_decay: str = _opt("cosine", "decay after warm-up", ("cosine", "step", "none"))
 

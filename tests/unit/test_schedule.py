@@ -308,3 +308,24 @@ def test_lars_state_dict_round_trip():
         opt.step()
     for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+# --- lr_schedule: the samples of one optimizer step -----------------------------------------------
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_diloco_scales_its_inner_steps_for_one_workers_batch(workers):
+    """All-reduce's step averages the workers' gradients (the global batch); DiLoCo's inner
+    optimizer steps on each worker's own batch, so its rate is one worker's and stays the same
+    when the members change. torchft's DiLoCo and LocalSGD baselines step the same way."""
+    from distrain.baselines import build_peer
+    from distrain.config import TrainConfig
+    from distrain.train.loop import lr_schedule
+
+    cfg = TrainConfig(lr=0.1, batch_size=32, reference_batch=64)
+    synced, global_batch = lr_schedule(cfg, workers, 10, 100)
+    assert global_batch == workers * 32 and synced.peak_lr == pytest.approx(0.1 * workers * 32 / 64)
+    cfg = TrainConfig(algorithm="diloco", lr=0.1, batch_size=32, reference_batch=64)
+    local, global_batch = lr_schedule(cfg, workers, 10, 100)
+    assert global_batch == workers * 32 and local.peak_lr == pytest.approx(0.1 * 32 / 64)
+    assert build_peer("torchft-diloco").local_steps and build_peer("torchft-localsgd").local_steps
+    assert not build_peer("ddp").local_steps

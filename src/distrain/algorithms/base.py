@@ -134,6 +134,10 @@ class Algorithm:
     #: scaling rule); False where the algorithm's own averaging already scales it (parameter
     #: servers divide the survivors' gradients by ``--workers``).
     rescales_lr: bool = True
+    #: Whether the optimizer steps on each worker's own batch, the averaging coming later
+    #: (DiLoCo's inner steps): the linear scaling rule then applies to the local batch, and the
+    #: learning rate does not change with the members.
+    local_steps: bool = False
     #: Set by the driver of an elastic run: keep this worker's own gradients of the step in
     #: flight where averaging overwrites them before ``after_backward`` (see ``local_gradients``).
     keep_local: bool = False

@@ -150,6 +150,8 @@ class DiLoCo(Algorithm):
     name = "diloco"
     replicated = False  # the workers' models part between syncs
     compresses = True  # the pseudo-gradient
+    local_steps = True  # the inner optimizer's learning rate is scaled for the local batch
+    rescales_lr = False  # ... so it does not change with the members
     # Elastic (one fragment, no overlap, no compression, a fixed H): a sync a lost peer
     # interrupted is redone over the survivors with their own pseudo-gradients (the inner steps
     # are local), and a worker that joins enters at a round's end.

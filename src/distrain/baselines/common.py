@@ -81,6 +81,9 @@ class Peer:
     option_help: str | None = None
     #: Whether the worker wraps the model in DDP (False: the peer communicates on its own).
     uses_ddp = True
+    #: Whether the optimizer steps on each worker's own gradients, the models averaged later
+    #: (the linear scaling rule then applies to one worker's batch, as for distrain's diloco).
+    local_steps = False
 
     def __init__(self, option: str | None = None) -> None:
         if option is not None and self.option_help is None:
@@ -180,7 +183,8 @@ def train_peer(cfg: TrainConfig, run_dir: str | Path, peer: Peer) -> dict[str, A
     model = DDP(module, **ddp_buckets(cfg)) if peer.uses_ddp else module
 
     o = cfg.optim
-    schedule, global_batch = lr_schedule(cfg, world, round(o.warmup_epochs * steps_per_epoch), total_steps)
+    schedule, global_batch = lr_schedule(cfg, world, round(o.warmup_epochs * steps_per_epoch), total_steps,
+                                         local_steps=peer.local_steps)
     peak = schedule.peak_lr
     optimizer = build_optimizer(o.optimizer, module.parameters(), lr=peak, momentum=o.momentum, weight_decay=o.weight_decay)
     peer.register(model, optimizer, meter, cfg, steps_per_epoch, total_steps)

@@ -74,6 +74,7 @@ class TorchftPeer(Peer):
 
     option_help = "inner steps between syncs (H), an integer >= 1"
     uses_ddp = False
+    local_steps = True  # H steps on each replica's own batches, then the sync
 
     def __init__(self, option: str | None = None) -> None:
         super().__init__(option)

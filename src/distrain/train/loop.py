@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from distrain.algorithms import ALGORITHMS
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data import (
@@ -114,12 +115,18 @@ def split(cfg: TrainConfig, train_set: Dataset, workers: int) -> list[np.ndarray
     return partition_indices(labels, workers, d.partition, alpha=d.dirichlet_alpha, seed=cfg.run.seed)
 
 
-def lr_schedule(cfg: TrainConfig, workers: int, warmup_steps: int, total_steps: int) -> tuple[LRSchedule, int]:
-    """The learning-rate schedule for ``workers`` workers (the linear scaling rule on their global
-    batch, with warm-up and decay), and that global batch."""
+def lr_schedule(cfg: TrainConfig, workers: int, warmup_steps: int, total_steps: int,
+                local_steps: bool | None = None) -> tuple[LRSchedule, int]:
+    """The learning-rate schedule for ``workers`` workers, with warm-up and decay, and their
+    global batch. The linear scaling rule applies to the samples of one optimizer step: the
+    global batch, or one worker's batch where the optimizer steps on each worker's own gradients
+    before any averaging (``local_steps``; by default the algorithm's, e.g. DiLoCo's inner steps)."""
     o = cfg.optim
     global_batch = workers * cfg.data.batch_size
-    peak = scaled_lr(o.lr, global_batch, o.reference_batch, enabled=o.lr_scaling)
+    if local_steps is None:
+        local_steps = ALGORITHMS[cfg.algo.algorithm].local_steps
+    step_batch = cfg.data.batch_size if local_steps else global_batch
+    peak = scaled_lr(o.lr, step_batch, o.reference_batch, enabled=o.lr_scaling)
     return LRSchedule(peak_lr=peak, base_lr=min(o.lr, peak), warmup_steps=warmup_steps, total_steps=total_steps,
                       decay=o.lr_decay), global_batch
 
