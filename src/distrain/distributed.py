@@ -346,7 +346,8 @@ class DistributedOptimizer:
         # so do elastic survivors (distrain's own loop stamps one for every algorithm).
         wants_heartbeat = not self.algorithm.synchronous or self.membership is not None
         world = dist.get_world_size() if joined is None else self.config.cluster.workers
-        self._heartbeat = start_heartbeat(self.id, world) if heartbeat and wants_heartbeat else None
+        self._heartbeat = start_heartbeat(self.id, world, ceiling=config.cluster.timeout) \
+            if heartbeat and wants_heartbeat else None
         self.steps = 0
         self.compute_seconds = self.exposed_seconds = 0.0  # summed over this worker's steps
         #: compute seconds of the last step (forward and backward, without network waits, with
@@ -479,6 +480,8 @@ class DistributedOptimizer:
         self.compute_seconds += compute
         self.exposed_seconds += blocked_seconds() - blocked_before  # every network wait of the step
         self._forward_at, self._last_step_end = None, time.perf_counter()
+        if self._heartbeat is not None:
+            self._heartbeat.progress()
 
     def _update(self, ctx: StepContext) -> None:
         self.algorithm.after_backward(ctx)

@@ -133,6 +133,26 @@ def test_a_hung_worker_is_found_by_its_silence_and_left_behind(tmp_path):
     assert summary["workers_at_end"] == 3
 
 
+def test_a_stuck_worker_stops_vouching_for_itself_and_is_left_behind_long_before_the_timeout(tmp_path):
+    """Worker 2's training thread blocks at step 12 (a deadlock: its heartbeat thread runs on,
+    its connections stay open). Once the thread has stood still past its deadline (the floor,
+    1 s here, over steps of milliseconds), its heartbeat stops; the others find it silent, go
+    on without it and finish, long before the 60 s --timeout would have ended their wait."""
+    run_dir = tmp_path / "run"
+    mark = tmp_path / "wedged-at"
+    run = run_cli([*RUN, "--timeout", "60", "--run-dir", str(run_dir)], DISTRAIN_INJECT_WEDGE="2:12:600",
+                  DISTRAIN_INJECT_MARK=str(mark), DISTRAIN_STUCK_FLOOR_S="1")
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    assert "worker 2: its training thread has stood still for" in run.stderr and "<injected wedge>" in run.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    [change] = summary["membership"]
+    assert change["workers"] == [2] and change["members"] == [0, 1, 3] and change["lost_at_step"] == 12
+    wedged_at = float(mark.read_text().split()[0])
+    assert change["unix_time"] - wedged_at < 10.0  # 1 s still, 3 s of stale heartbeat, then the agreement
+    assert summary["workers_at_end"] == 3 and run.wall < 60  # the command too: nobody waited for the timeout
+
+
 @pytest.mark.parametrize("algorithm", [
     ["--algorithm", "allreduce"],
     pytest.param(["--algorithm", "ps", "--servers", "2"], marks=pytest.mark.slow),

@@ -91,3 +91,112 @@ def test_after_a_join_the_run_closes_over_the_store():
     store.add(JOINS_KEY, 1)
     group, lost = survivors_transport(store, 0, 2, timeout=5)
     assert group is not None and group.members == [0, 1] and lost == {}
+
+
+# --- a live process whose training thread is stuck ------------------------------------------------
+
+def test_the_stuck_deadline_follows_the_measured_step_times_between_floor_and_ceiling(monkeypatch):
+    from distrain.runtime import health
+
+    monkeypatch.setattr(health, "STUCK_FLOOR_S", 30.0)
+    assert health.stuck_deadline([0.01] * (health.STUCK_MIN_STEPS - 1), ceiling=120.0) == 120.0  # not measured yet
+    assert health.stuck_deadline([0.01] * 100, ceiling=120.0) == 30.0  # fast steps: the floor
+    steps = [1.0] * 99 + [5.0]  # one slow step in a hundred sets the 99th percentile
+    assert health.stuck_deadline(steps, ceiling=120.0) == health.STUCK_FACTOR * 5.0
+    assert health.stuck_deadline([20.0] * 10, ceiling=120.0) == 120.0  # never past --timeout
+
+
+def _watch_thread(target, monkeypatch, seconds: float = 1.5) -> float:
+    """Run ``target`` in a thread, watched with a floor of 0.2 s after measured fast steps, and
+    return the longest time the watch found it stuck."""
+    import threading
+    import time
+
+    from distrain.runtime import health
+
+    monkeypatch.setattr(health, "STUCK_FLOOR_S", 0.2)
+    started = threading.Event()
+
+    def run():
+        started.set()
+        target(seconds)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    started.wait(5)
+    watch = health.StuckWatch(thread.ident, ceiling=60.0)
+    watch.steps.extend([0.001] * 10)
+    longest = 0.0
+    while thread.is_alive():
+        longest = max(longest, watch.stuck_for())
+        time.sleep(0.05)
+    thread.join()
+    return longest
+
+
+def test_a_thread_blocked_outside_any_wait_is_stuck(monkeypatch):
+    import threading
+
+    stuck = _watch_thread(lambda s: threading.Event().wait(s), monkeypatch)  # a lock that is never released
+    assert stuck > 0.2
+
+
+def test_a_thread_running_python_or_waiting_in_distrain_is_not_stuck(monkeypatch):
+    """An evaluation loop runs Python (its place moves); distrain's own waits (here: for peers
+    that never finish, polling the store) have deadlines of their own."""
+    import time
+
+    from distrain.errors import WorkerFailure
+    from distrain.runtime.health import finishers
+
+    def busy(seconds):
+        end, total = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            total += sum(range(100))
+
+    def waits_for_peers(seconds):
+        try:
+            finishers(dist.HashStore(), 0, 2, timeout=seconds)
+        except WorkerFailure:
+            pass
+
+    assert _watch_thread(busy, monkeypatch) == 0.0
+    assert _watch_thread(waits_for_peers, monkeypatch) == 0.0
+
+
+def test_a_stuck_thread_stops_its_heartbeat_and_starts_it_again_when_it_moves(monkeypatch):
+    import threading
+    import time
+
+    from distrain.runtime import health
+
+    monkeypatch.setattr(health, "STUCK_FLOOR_S", 0.3)
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    release, made = threading.Event(), threading.Event()
+    beats: list[Heartbeat] = []
+
+    def worker():  # the watched thread: makes its heartbeat, steps, then blocks until released
+        beats.append(Heartbeat("127.0.0.1", port, rank=1, world_size=2, interval=0.1, ceiling=60.0).start())
+        for _ in range(10):
+            beats[0].progress()
+        made.set()
+        release.wait(30)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    assert made.wait(10)
+    other = Heartbeat("127.0.0.1", port, rank=0, world_size=2, interval=0.1).start()
+    try:
+        assert other.wait_for_suspects(patience=10) == [1]  # worker 1 is alive, but stuck: silent
+        assert beats[0].stuck
+        release.set()
+        thread.join(5)
+        deadline = time.monotonic() + 10
+        while other.suspects() and time.monotonic() < deadline:  # its thread ended: nothing stuck, it stamps again
+            time.sleep(0.05)
+        assert other.suspects() == [] and not beats[0].stuck
+    finally:
+        other.stop()
+        beats[0].stop()
+    del master

@@ -8,6 +8,9 @@ Fault injection for tests (environment variables, read by every worker):
                                        (not after a torchrun restart)
     DISTRAIN_INJECT_STOP='RANK:STEP'   that process stops itself with SIGSTOP at that step (a hang;
                                        the test sends SIGCONT)
+    DISTRAIN_INJECT_WEDGE='RANK:STEP:S' that worker's training thread blocks for S seconds at that
+                                       step, in a call of no library (a deadlock; its heartbeat
+                                       thread goes on)
     DISTRAIN_INJECT_MARK=PATH          where the injected fault writes its time and process id
 """
 
@@ -121,14 +124,15 @@ def store_client(timeout: float = 10.0) -> dist.TCPStore | None:
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 
 
-def start_heartbeat(rank: int | None = None, world: int | None = None) -> Heartbeat | None:
+def start_heartbeat(rank: int | None = None, world: int | None = None, ceiling: float | None = None) -> Heartbeat | None:
     """Stamp liveness in the rendezvous store as ``rank`` of ``world`` (default: this process's
-    place in the default group; none for a single process)."""
+    place in the default group; none for a single process). With ``ceiling`` (``--timeout``),
+    only while the calling thread is not stuck (see :class:`~distrain.runtime.health.StuckWatch`)."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     world = dist.get_world_size() if world is None else world
     if not host or not port or world == 1:
         return None
-    return Heartbeat(host, int(port), dist.get_rank() if rank is None else rank, world).start()
+    return Heartbeat(host, int(port), dist.get_rank() if rank is None else rank, world, ceiling=ceiling).start()
 
 
 def announce_failure(store: dist.Store | None, message: str) -> None:
@@ -212,17 +216,31 @@ def injected_nan(rank: int, step: int) -> bool:
     return _injected("DISTRAIN_INJECT_NAN", rank, step)
 
 
+def _mark_injected() -> None:
+    mark = os.environ.get("DISTRAIN_INJECT_MARK")  # when it happened (and who), for tests
+    if mark:
+        atomic_write(mark, f"{time.time()!r} {os.getpid()}".encode())  # whole, or not there
+
+
+#: A blocking call compiled outside distrain's files: to the stuck watch it is a library call
+#: that never returns, not one of distrain's waits.
+_WEDGE = compile("threading.Event().wait(seconds)", "<injected wedge>", "eval")
+
+
 def maybe_injected_kill(rank: int, step: int) -> None:
     """Fault injection for tests: DISTRAIN_INJECT_KILL='rank:step' kills this process outright;
-    DISTRAIN_INJECT_STOP='rank:step' stops it (SIGSTOP) until someone sends SIGCONT."""
+    DISTRAIN_INJECT_STOP='rank:step' stops it (SIGSTOP) until someone sends SIGCONT;
+    DISTRAIN_INJECT_WEDGE='rank:step:seconds' blocks the calling thread for that long."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("DISTRAIN_JOIN"):
         return  # a worker started again after its loss is not killed twice
     for variable, sig in (("DISTRAIN_INJECT_KILL", signal.SIGKILL), ("DISTRAIN_INJECT_STOP", signal.SIGSTOP)):
         if _injected(variable, rank, step):
-            mark = os.environ.get("DISTRAIN_INJECT_MARK")  # when it happened (and who), for tests
-            if mark:
-                atomic_write(mark, f"{time.time()!r} {os.getpid()}".encode())  # whole, or not there
+            _mark_injected()
             os.kill(os.getpid(), sig)
+    wedge = os.environ.get("DISTRAIN_INJECT_WEDGE", "").split(":")
+    if len(wedge) == 3 and (int(wedge[0]), int(wedge[1])) == (rank, step):
+        _mark_injected()
+        eval(_WEDGE, {"threading": threading, "seconds": float(wedge[2])})  # noqa: S307 - our own constant code
 
 
 class FaultWatch:
@@ -240,16 +258,27 @@ class FaultWatch:
             watch.close()
     """
 
-    def __init__(self, rank: int, role: str = "worker", world: int | None = None) -> None:
+    def __init__(self, rank: int, role: str = "worker", world: int | None = None, timeout: float | None = None) -> None:
         self.rank, self.role = rank, role
-        self.step = 0
+        self._step = 0
         self.stop = StopRequest().install()
         self.store: dist.Store | None = None
         try:
             self.store = store_client()  # made now, while the store is surely up; reused
         except Exception as exc:  # noqa: BLE001 - then no stop agreement or failure notes
             log.warning("no rendezvous store for stop requests and failure notes: %s", exc)
-        self.heartbeat = start_heartbeat(rank, world)
+        self.heartbeat = start_heartbeat(rank, world, ceiling=timeout)
+
+    @property
+    def step(self) -> int:
+        """The step under way (set by the loop as it goes: each new one is measured)."""
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        if step != self._step and self.heartbeat is not None:
+            self.heartbeat.progress()
+        self._step = step
 
     def explain(self, exc: BaseException) -> BaseException:
         """The exception to raise in place of ``exc``: lost peers named, own failures announced."""

@@ -5,15 +5,27 @@ seconds from a daemon thread, through a store client of its own. When a collecti
 ("connection closed by peer", or the process-group timeout), the survivor reads the stamps: a
 rank whose stamp is older than a few intervals (or missing) is the suspect. If the store itself
 is gone, its host (rank 0 for local runs) is the suspect.
+
+A live process can still be stuck: a deadlock, a call into a library that never returns. The
+heartbeat vouches for its training thread only while that thread moves (:class:`StuckWatch`):
+once the thread has stood at one place outside distrain's and torch.distributed's own waits for
+longer than a deadline derived from its measured step times (:func:`stuck_deadline`; ``--timeout``
+the ceiling), the stamps stop, and the others find the worker silent as they would a stopped one.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import sys
+import sysconfig
 import threading
 import time
+import traceback
 from datetime import timedelta
+from pathlib import Path
+from types import FrameType
 
 import torch.distributed as dist
 
@@ -22,6 +34,118 @@ from distrain.errors import WorkerFailure
 log = logging.getLogger(__name__)
 
 KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/heartbeat/{}"  # per torchrun attempt
+
+
+#: A thread that stood still this long at least counts as stuck: no step of a healthy run spends
+#: that long in one call outside a wait (the deadline is longer where its steps are slow).
+STUCK_FLOOR_S = float(os.environ.get("DISTRAIN_STUCK_FLOOR_S", "30"))
+#: ... or this many times the 99th percentile of its measured step times, if that is longer.
+STUCK_FACTOR = 10.0
+#: CPU seconds a thread must have used since it was last seen at a place to count as moving (a
+#: Python loop is often seen at the same instruction, where it lets other threads run).
+CPU_MOVES_S = 0.001
+#: Step times measured before the deadline follows them (until then it is the ceiling).
+STUCK_MIN_STEPS = 5
+_DISTRAIN_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def stuck_deadline(step_seconds: list[float] | collections.deque[float], ceiling: float) -> float:
+    """Seconds a training thread may stand still outside a wait: ``STUCK_FACTOR`` times the 99th
+    percentile of its measured step times, at least ``STUCK_FLOOR_S``, at most ``ceiling``
+    (``--timeout``); the ceiling until ``STUCK_MIN_STEPS`` steps were measured."""
+    if len(step_seconds) < STUCK_MIN_STEPS:
+        return ceiling
+    ordered = sorted(step_seconds)
+    q99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return min(ceiling, max(STUCK_FLOOR_S, STUCK_FACTOR * q99))
+
+
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+
+
+def in_a_wait(frame: FrameType) -> bool:
+    """Whether a thread whose innermost Python frame is ``frame`` waits in distrain's or
+    torch.distributed's code, where waits on others have deadlines of their own: the first frame
+    outward that is not the standard library's (a lock, a queue, a sleep) decides."""
+    f: FrameType | None = frame
+    while f is not None and f.f_code.co_filename.startswith(_STDLIB_DIR) and "-packages" not in f.f_code.co_filename:
+        f = f.f_back
+    if f is None:
+        return False
+    name = f.f_code.co_filename
+    return name.startswith(_DISTRAIN_DIR) or _DISTRIBUTED in name
+
+
+class StuckWatch:
+    """Whether a thread (the training loop's) has stood still outside a wait for too long.
+
+    Sampled from another thread (the heartbeat's): the watched thread's innermost Python frame
+    and the instruction in it. A thread that runs Python (an evaluation loop, data loading)
+    moves between samples; one inside a long call (a forward pass, a checkpoint write) stands
+    still for as long as the call takes; one waiting in distrain or torch.distributed is not
+    watched (those waits have deadlines of their own and name the peer they wait for).
+
+    Args:
+        ident: the watched thread (``threading.get_ident()`` there).
+        ceiling: the longest deadline, ``--timeout``.
+
+    Example::
+
+        watch = StuckWatch(threading.get_ident(), ceiling=120.0)
+        watch.progress()            # the watched thread, at the end of every step
+        watch.stuck_for()           # another thread: 0.0, or how long the thread stood past its deadline
+    """
+
+    def __init__(self, ident: int, ceiling: float) -> None:
+        self.ident, self.ceiling = ident, ceiling
+        self.steps: collections.deque[float] = collections.deque(maxlen=200)  # seconds of the last steps
+        self._last_progress: float | None = None
+        self._place: tuple[int, int, float] | None = None
+        self._since = time.monotonic()
+        try:  # the thread's CPU time: a thread that computes moves even where its place looks the same
+            self._clock: int | None = time.pthread_getcpuclockid(ident)
+        except (AttributeError, OSError):  # not on this platform: its place alone
+            self._clock = None
+
+    def progress(self) -> None:
+        """A step ended (called by the watched thread): its time joins the measurements."""
+        now = time.monotonic()
+        if self._last_progress is not None:
+            self.steps.append(now - self._last_progress)
+        self._last_progress = now
+
+    def deadline(self) -> float:
+        return stuck_deadline(self.steps, self.ceiling)
+
+    def frame(self) -> FrameType | None:
+        return sys._current_frames().get(self.ident)
+
+    def stuck_for(self) -> float:
+        """Seconds the watched thread has stood at one place outside a wait, if that is longer
+        than its deadline; else 0.0 (also once the thread has ended)."""
+        frame, now = self.frame(), time.monotonic()
+        if frame is None or in_a_wait(frame):
+            self._place, self._since = None, now
+            return 0.0
+        cpu = self._cpu()
+        place = (id(frame), frame.f_lasti, cpu)
+        if self._place is None or place[:2] != self._place[:2] or cpu - self._place[2] > CPU_MOVES_S:
+            self._place, self._since = place, now
+            return 0.0
+        still = now - self._since
+        return still if still > self.deadline() else 0.0
+
+    def _cpu(self) -> float:
+        try:
+            return time.clock_gettime(self._clock) if self._clock is not None else 0.0
+        except OSError:  # the thread ended
+            return 0.0
+
+    def where(self) -> str:
+        """The watched thread's stack, innermost last (for the warning that it is stuck)."""
+        frame = self.frame()
+        return "".join(traceback.format_stack(frame, limit=8)).rstrip() if frame is not None else "(ended)"
 
 
 class Heartbeat:
@@ -41,10 +165,15 @@ class Heartbeat:
         beat.stop()
     """
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, interval: float = 1.0) -> None:
+    def __init__(self, host: str, port: int, rank: int, world_size: int, interval: float = 1.0,
+                 ceiling: float | None = None) -> None:
         self.host, self.port = host, port
         self.rank, self.world_size = rank, world_size
         self.interval = interval
+        #: with ``ceiling`` (``--timeout``): the thread that made this heartbeat is watched, and the
+        #: stamps stop while it is stuck (see :class:`StuckWatch`)
+        self.watch = StuckWatch(threading.get_ident(), ceiling) if ceiling is not None else None
+        self.stuck = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._query: dist.TCPStore | None = None  # made while the store is surely up; reused
@@ -64,11 +193,31 @@ class Heartbeat:
         self._thread.start()
         return self
 
+    def progress(self) -> None:
+        """A step of the watched thread ended (its duration sets the stuck deadline)."""
+        if self.watch is not None:
+            self.watch.progress()
+
+    def _vouch(self) -> bool:
+        """Whether to stamp now: not while the watched thread is stuck (said once, with where)."""
+        still = self.watch.stuck_for() if self.watch is not None else 0.0
+        if still and not self.stuck:
+            assert self.watch is not None
+            log.warning("worker %d: its training thread has stood still for %.0f s outside any wait (deadline "
+                        "%.1f s: %g x its 99th-percentile step time, at least %g s, at most --timeout); it "
+                        "stops stamping its heartbeat and the others go on without it. The thread is at:\n%s",
+                        self.rank, still, self.watch.deadline(), STUCK_FACTOR, STUCK_FLOOR_S, self.watch.where())
+        elif not still and self.stuck:
+            log.warning("worker %d: its training thread moves again", self.rank)
+        self.stuck = bool(still)
+        return not self.stuck
+
     def _run(self) -> None:
         try:
             store = self._client()
             while not self._stop.is_set():
-                store.set(KEY.format(self.rank), repr(time.time()))
+                if self._vouch():
+                    store.set(KEY.format(self.rank), repr(time.time()))
                 self._stop.wait(self.interval)
         except Exception as exc:  # the store's host went away; suspects() will say so
             self._store_lost = True

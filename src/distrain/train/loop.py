@@ -199,7 +199,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     # once its data and model are ready.
     joining = bool(os.environ.get(JOIN_ENV)) and not dist.is_initialized()
     rank = int(os.environ.get("RANK", "0")) if joining else dist.get_rank()
-    watch = FaultWatch(rank, world=cfg.cluster.workers if joining else None)
+    watch = FaultWatch(rank, world=cfg.cluster.workers if joining else None, timeout=cfg.cluster.timeout)
     task = build_task(cfg.data.task_name(), loss_fn)
     return watch.run(_train, cfg, Path(run_dir), watch, model_fn, train_set, test_set, task, workers_group, joining)
 

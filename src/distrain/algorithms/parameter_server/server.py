@@ -428,7 +428,7 @@ def serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.opti
     these from a run's config.
     """
 
-    watch = FaultWatch(dist.get_rank(), role="server")
+    watch = FaultWatch(dist.get_rank(), role="server", timeout=settings.run.timeout)
     watch.run(_serve, settings, run_dir, like, emulation, gather_totals, watch)
 
 
