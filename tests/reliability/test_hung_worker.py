@@ -64,3 +64,34 @@ def test_a_hung_adpsgd_worker_is_dropped_and_leaves_when_it_resumes(tmp_path, vi
     assert all(summary["steps_per_worker"][r] > 100 for r in survivors), summary["steps_per_worker"]
     assert summary["final_test_accuracy"] > 0.9
     finite_final_models(run_dir, survivors)
+
+
+def test_a_stuck_adpsgd_worker_is_dropped_by_those_it_holds_up_and_leaves_when_it_moves_again(tmp_path):
+    """Worker 2 (active: it calls 1 and 3) alive but with its training thread blocked (its
+    heartbeat thread runs on): past its stuck deadline (1 s here) its heartbeat stops, its passive
+    peers find their caller silent and drop it, and when the thread moves again it finds itself
+    left behind and leaves with one line. (A stuck passive worker holds nobody up: its gossip
+    thread answers its callers, who go on averaging with it; it trains on when it moves.)"""
+    victim = 2
+    tag, mark, run_dir = uuid.uuid4().hex, tmp_path / "wedged-at", tmp_path / "run"
+    proc = start_cli([*QUICK, "--algorithm", "adpsgd", "--topology", "bipartite", "--workers", "4", "--num-samples",
+                      "9600", "--budget", "time", "--time-budget", str(BUDGET_S), "--run-dir", str(run_dir)], tag,
+                     DISTRAIN_INJECT_WEDGE=f"{victim}:30:{HANG_S}", DISTRAIN_INJECT_MARK=str(mark),
+                     DISTRAIN_STUCK_FLOOR_S="1")
+    try:
+        out, err = proc.communicate(timeout=BUDGET_S + 180)
+        orphans = tagged(tag)
+    finally:
+        proc.kill()
+        kill_tagged(tag)
+    assert proc.returncode == 0, err
+    assert orphans == []
+    assert f"worker {victim}: its training thread has stood still for" in err
+    line = f"worker {victim} was silent past --peer-timeout and its peers went on without it; leaving"
+    assert f"worker {victim} failed: {line}; the other workers finished without it" in err, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["lost_workers"]) == [str(victim)]
+    assert summary["lost_workers"][str(victim)] - injected_at(mark) <= 15
+    survivors = [r for r in range(4) if r != victim]
+    assert all(summary["steps_per_worker"][r] > 100 for r in survivors), summary["steps_per_worker"]
+    finite_final_models(run_dir, survivors)
