@@ -200,3 +200,41 @@ def test_a_stuck_thread_stops_its_heartbeat_and_starts_it_again_when_it_moves(mo
         other.stop()
         beats[0].stop()
     del master
+
+
+def test_a_store_request_that_fails_does_not_stop_the_heartbeat(monkeypatch):
+    """One stamp fails (a store slow to answer on a loaded host): the heartbeat tries again
+    with a new client and the worker never looks silent. Before, the first failure ended the
+    stamps for good, and 3 s later every peer took the live worker for dead."""
+    import time
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    made = {"clients": 0}
+    real_client = Heartbeat._client
+
+    class Flaky:
+        def __init__(self, store):
+            self.store = store
+
+        def set(self, key, value):
+            raise RuntimeError("timed out")
+
+    def client(self):
+        made["clients"] += 1
+        store = real_client(self)
+        return Flaky(store) if made["clients"] == 2 else store  # the thread's first client fails once
+
+    monkeypatch.setattr(Heartbeat, "_client", client)
+    beat = Heartbeat("127.0.0.1", port, rank=1, world_size=2, interval=0.05).start()
+    other = Heartbeat("127.0.0.1", port, rank=0, world_size=2, interval=0.05)
+    try:
+        deadline = time.monotonic() + 10
+        while made["clients"] < 3 and time.monotonic() < deadline:  # the failed client was replaced
+            time.sleep(0.01)
+        assert made["clients"] >= 3
+        time.sleep(0.5)  # let more stamps than the staleness window pass: not a synchronisation
+        assert other.suspects(stale_after=0.3) == []  # worker 1 stamps on (a stopped one would be stale)
+    finally:
+        beat.stop()
+    del master

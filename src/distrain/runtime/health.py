@@ -148,6 +148,10 @@ class StuckWatch:
         return "".join(traceback.format_stack(frame, limit=8)).rstrip() if frame is not None else "(ended)"
 
 
+#: Seconds the store may fail every request before the heartbeat takes its host for gone.
+STORE_LOST_S = 10.0
+
+
 class Heartbeat:
     """Stamp this worker's liveness in the store; find ranks that stopped stamping.
 
@@ -213,15 +217,26 @@ class Heartbeat:
         return not self.stuck
 
     def _run(self) -> None:
-        try:
-            store = self._client()
-            while not self._stop.is_set():
+        """Stamp every interval. A request that fails (a store slow to answer on a loaded host)
+        is tried again with a new client: only a store unreachable for ``STORE_LOST_S`` stops the
+        stamps, which would otherwise make a live worker look dead to everyone 3 s later."""
+        store: dist.TCPStore | None = None
+        failing_since: float | None = None
+        while not self._stop.is_set():
+            try:
+                store = store if store is not None else self._client()
                 if self._vouch():
                     store.set(KEY.format(self.rank), repr(time.time()))
-                self._stop.wait(self.interval)
-        except Exception as exc:  # the store's host went away; suspects() will say so
-            self._store_lost = True
-            log.debug("heartbeat stopped: %s", exc)
+                failing_since = None
+            except Exception as exc:  # noqa: BLE001 - tried again, until the store is surely gone
+                store, now = None, time.monotonic()
+                failing_since = failing_since if failing_since is not None else now
+                if now - failing_since > STORE_LOST_S:  # the store's host went away; suspects() will say so
+                    self._store_lost = True
+                    log.debug("heartbeat stopped: %s", exc)
+                    return
+                log.debug("heartbeat: a stamp failed, trying again: %s", exc)
+            self._stop.wait(self.interval)
 
     def suspects(self, stale_after: float | None = None) -> list[int]:
         """Ranks whose stamp is missing or older than ``stale_after`` seconds (default 3 intervals)."""
