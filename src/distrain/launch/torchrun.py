@@ -59,8 +59,10 @@ def run_torchrun_worker(cfg: TrainConfig, *, summary_everywhere: bool = False,
     if hosted_elsewhere:  # the torchrun agent (or rank 0) hosts the store
         wait_for_master(addr, port, cfg.cluster.timeout)
     # The agent's store outlives a restart: each attempt meets under its own prefix, or a
-    # restarted worker could read the addresses of the attempt before and connect to nobody.
-    store = dist.PrefixStore(f"distrain/attempt-{attempt}", store_of(addr, port, cfg.cluster.timeout, host=not hosted_elsewhere))
+    # restarted worker could read the addresses of the attempt before and connect to nobody. An
+    # elastic job (--nnodes MIN:MAX) that a node joins restarts its workers without counting a
+    # restart: the world size tells that attempt from the one before.
+    store = dist.PrefixStore(f"distrain/attempt-{attempt}-{world}", store_of(addr, port, cfg.cluster.timeout, host=not hosted_elsewhere))
     init_group(cfg, rank, world, store=store)
     try:
         run_dir = _shared_run_dir(cfg)

@@ -120,7 +120,8 @@ def write_summary(path: str | Path, summary: dict[str, Any]) -> bool:
     """Write ``summary.json`` atomically, unless a resumed run would replace a better one.
 
     A resumed run (``segments`` above 1) never replaces a summary that covers more training
-    steps, or as many with a final accuracy where the new one has none: e.g. one resumed from
+    steps (every worker's; the furthest step where the number of workers changed), or as many
+    with a final accuracy where the new one has none: e.g. one resumed from
     an earlier checkpoint and stopped before reaching the step the recorded result has. Returns
     whether the file was written.
     """
@@ -142,8 +143,16 @@ def _steps(summary: dict[str, Any]) -> int:
     return int(sum(summary.get("steps_per_worker") or [0]))
 
 
+def _furthest(summary: dict[str, Any]) -> int:
+    return int(max(summary.get("steps_per_worker") or [0]))
+
+
 def _covers_more(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    if _steps(old) != _steps(new):
+    if len(old.get("steps_per_worker") or []) != len(new.get("steps_per_worker") or []):
+        # resumed with another number of workers: the run that got further covers more
+        if _furthest(old) != _furthest(new):
+            return _furthest(old) > _furthest(new)
+    elif _steps(old) != _steps(new):
         return _steps(old) > _steps(new)
     return old.get("final_test_accuracy") is not None and _finite(new.get("final_test_accuracy")) is None
 
