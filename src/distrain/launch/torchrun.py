@@ -18,6 +18,7 @@ from distrain.launch.common import (
     claim_run_dir,
     configure_worker_logging,
     default_run_dir,
+    die_with_parent,
     run_role,
     server_count,
     wait_for_master,
@@ -46,6 +47,10 @@ def run_torchrun_worker(cfg: TrainConfig, *, summary_everywhere: bool = False,
     """Train as the worker torchrun made this process; returns the summary on rank 0 (on every
     rank with ``summary_everywhere``: a script running the same code on each rank reads it)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts its workers in sessions of their own: one whose agent was killed (its
+        # node lost) would train on with the others, who could never go on without it
+        die_with_parent(os.getppid())
     configure_worker_logging(rank)
     check_device(cfg, processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world - server_count(cfg)))
