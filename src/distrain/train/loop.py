@@ -726,8 +726,9 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         # elastic runs: each change of the members (who was lost, who went on, at which step, how
         # long the survivors took to agree and rebuild), and how many workers trained at the end
         "membership": list(membership or []),
-        # elastic runs: workers that joined again (started again live, or back from a checkpoint):
-        # when each last joined (Unix time); a worker in both lists came back after its loss
+        # elastic runs: workers that joined again (started again live, or back from a checkpoint,
+        # or added by a resume with more workers): when each last joined (Unix time); a worker
+        # in both lists came back after its loss
         "joined_workers": joined_workers(membership or []),
         "workers_at_end": world if workers_at_end is None else workers_at_end,
         # --stop-at-target: the run ended at the evaluation that reached the target ("steps" are

@@ -37,11 +37,16 @@ field                            kind         meaning
                                               survivor redid without ``workers`` (their ids);
                                               ``members`` went on from ``lost_at_step`` steps
                                               done, ``recovery_s`` after the failure showed
-                                              (agreement and the new group), at ``unix_time``
+                                              (agreement and the new group), at ``unix_time``;
+                                              ``"resized"`` on the line of the step a run
+                                              resumed with another number of workers went on
+                                              from (``workers_before``, ``members``, ``left``,
+                                              ``joined``, ``resized_at_step``)
 ``membership``                   run total    (summary) those events, one per change;
                                               ``workers_at_end``: how many trained last;
                                               ``joined_workers``: id -> Unix time it last
-                                              joined (``"joined"`` events), beside
+                                              joined (``"joined"`` events, and
+                                              ``joined`` of ``"resized"`` ones), beside
                                               ``lost_workers``
 ``lost_servers``                 run total    (summary, parameter servers) servers lost and
                                               taken over by the others: index -> Unix time
