@@ -17,11 +17,13 @@ import torch
 
 from distrain.data import batches_of, labels_of, load_dataset
 from distrain.data.sampler import ShardSampler
+from distrain.errors import CheckpointError
 from distrain.launch import launch_local
 from distrain.models import build_model
 from distrain.optim.optimizers import build_optimizer
 from distrain.runtime.checkpoint import CheckpointStore
 from distrain.train.loop import PLAN_KEY, plan_of, split
+from distrain.train.resume import check_worker_count, epoch_workers
 from tests.conftest import small_config
 from tests.reliability.common import cli_env, kill_tagged, tagged
 
@@ -134,3 +136,21 @@ def test_an_algorithm_that_cannot_change_the_worker_count_is_refused_before_any_
     assert "--algorithm dpsgd cannot change the number of workers on resume (only allreduce" in line
     assert "resume with --workers 3" in line
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == files
+
+
+def test_which_runs_can_change_the_number_of_workers() -> None:
+    """Flat all-reduce can; hierarchical all-reduce, shard files and every other algorithm cannot;
+    the same number always can. The run's epochs stay those of its first workers."""
+    state = {"world_size": 4}
+    check_worker_count(state, "allreduce", 3)
+    check_worker_count(state, "allreduce", 6)
+    for algorithm in ("dpsgd", "d2", "diloco", "ps", "adpsgd", "prague"):
+        check_worker_count(state, algorithm, 4)
+        with pytest.raises(CheckpointError, match=f"--algorithm {algorithm} cannot change the number of workers"):
+            check_worker_count(state, algorithm, 3)
+    with pytest.raises(CheckpointError, match="--workers-per-node"):
+        check_worker_count(state, "allreduce", 2, workers_per_node=2)
+    with pytest.raises(CheckpointError, match="--dataset shards"):
+        check_worker_count(state, "allreduce", 2, dataset="shards")
+    assert epoch_workers(None, 3) == 3 and epoch_workers(state, 3) == 4
+    assert epoch_workers({"world_size": 3, "epoch_workers": 4}, 2) == 4
