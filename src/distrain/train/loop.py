@@ -16,6 +16,7 @@ The process group must already exist (launchers create it; see ``distrain.launch
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -235,6 +236,11 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     saved_world = saved_workers(state, world) if state is not None else world
     resized = saved_world != world
     first_world = epoch_workers(state, world)
+    if joining:  # the members may keep the length their run's first workers planned (a resized resume)
+        first_world, recorded = recorded_epochs(run_dir, world)
+        if first_world != world and recorded:
+            steps_per_epoch = recorded
+            total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
     if state is not None:
         check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm)
         check_worker_count(state, cfg.algo.algorithm, world, workers_per_node=cfg.algo.workers_per_node,
@@ -333,6 +339,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     if rank == 0 and joined is None:
         write_json_atomic(run_dir / "config.json", {
             **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+            EPOCH_WORKERS_KEY: first_world,
             "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": resume_step,
             "algorithm_info": algorithm.info(), "network_bits_per_s": NetworkSettings.from_config(cfg.network).bits_per_s(),
             "model_parameters": count_parameters(model),
@@ -546,6 +553,16 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     if stop_at is not None:
         raise Interrupted(step)
     return summary
+
+
+def recorded_epochs(run_dir: Path, world: int) -> tuple[int, int | None]:
+    """The number of workers whose global batch sets the run's steps per epoch and those steps,
+    as the members' config.json records them (``(world, None)`` where it does not say)."""
+    try:
+        recorded = json.loads((run_dir / "config.json").read_text())
+        return int(recorded.get(EPOCH_WORKERS_KEY, world)), int(recorded["steps_per_epoch"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return world, None
 
 
 def reached_anywhere(opt: DistributedOptimizer, reached: bool) -> bool:
