@@ -570,3 +570,24 @@ def test_sigkill_during_saves_always_leaves_a_complete_checkpoint(tmp_path: Path
         _assert_same(state, reference)
     # The kills must land during writes, or the test proves nothing about atomicity.
     assert killed_mid_write >= 5, killed_mid_write
+
+
+def test_a_set_is_read_with_the_number_of_processes_that_wrote_it(tmp_path: Path) -> None:
+    """A run resumed with another number of workers: a set of 4 files naming set_size 4 is complete
+    for a store of 2 or of 6 (and one of 3 files of it is not); a newer set written over an
+    unfinished one by fewer workers counts with theirs."""
+    for rank in (3, 2, 1, 0):
+        CheckpointStore(tmp_path, rank, 4).save(8, {"step": 8, "rank": rank, "set_size": 4})
+    for world in (2, 6):
+        store = CheckpointStore(tmp_path, world - 1, world)
+        assert store.latest_complete() == 8 and store.members(8) == [0, 1, 2, 3]
+    assert CheckpointStore(tmp_path, 5, 6).source(8) == 0 and CheckpointStore(tmp_path, 1, 2).source(8) == 1
+    for rank in (2, 1, 0):  # worker 3 died before writing step 16
+        CheckpointStore(tmp_path, rank, 4).save(16, {"step": 16, "rank": rank, "set_size": 4})
+    assert CheckpointStore(tmp_path, 0, 2).latest_complete() == 8
+    stale = CheckpointStore(tmp_path, 0, 2).rank_file(16, 2)
+    os.utime(stale, (1, 1))  # written long before the 2 workers' files of the same step
+    for rank in (1, 0):
+        CheckpointStore(tmp_path, rank, 2, keep=10).save(16, {"step": 16, "rank": rank, "set_size": 2})
+    assert CheckpointStore(tmp_path, 0, 2).latest_complete() == 16
+    assert CheckpointStore(tmp_path, 0, 2).members(16) == [0, 1]

@@ -71,3 +71,22 @@ def test_totals_row_lengths_must_match() -> None:
     earlier = RunTotals().plus(_row(1, 1.0, [0, 1], [0, 1]), 0.0, None)
     with pytest.raises(ValueError, match="5 values"):
         earlier.total_row([0.0] * 5)
+
+
+def test_a_summary_of_fewer_workers_that_got_further_replaces_a_run_of_more(tmp_path) -> None:
+    """Resumed with another number of workers, the furthest step decides, not every worker's sum."""
+    path = tmp_path / "summary.json"
+    write_summary(path, {"steps_per_worker": [40, 40, 40, 40], "final_test_accuracy": 0.9, "segments": 1})
+    assert write_summary(path, {"steps_per_worker": [30, 30], "final_test_accuracy": 0.8, "segments": 2}) is False
+    assert write_summary(path, {"steps_per_worker": [50, 50], "final_test_accuracy": 0.9, "segments": 2}) is True
+
+
+def test_totals_resized_keep_each_peers_bytes_and_fold_those_of_peers_gone() -> None:
+    """Worker 1 of 4 goes on in a run of 2: its bytes to workers 2 and 3 move to its own column."""
+    earlier = RunTotals().plus(_row(10, 2.0, [0, 5, 7, 11], [1, 0, 3, 4]), 0.5, None)
+    resized = earlier.resized(2, me=1)
+    assert resized.row == [10, 160, 2.0, *resized.row[3:5], 0, 5 + 7 + 11, 1, 0 + 3 + 4, resized.row[-1]]
+    assert sum(resized.row[5:7]) == sum(earlier.row[5:9]) and len(resized.row) == 6 + 2 * 2
+    grown = earlier.resized(6, me=5)
+    assert grown.row[5:11] == earlier.row[5:9] + [0, 0] and len(grown.row) == 6 + 2 * 6
+    assert earlier.resized(4, me=0) is earlier

@@ -36,17 +36,21 @@ def preflight(cfg: TrainConfig, train_set: Any = None) -> None:
 
 
 def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
-    """The checkpoint --resume points at exists, is intact, and was written by this model,
-    algorithm and number of workers (rank 0's file, or its first member's, stands for the set);
-    returns its state, or None when the run starts afresh."""
+    """The checkpoint --resume points at exists, is intact, and was written by this model and
+    algorithm, and by this number of workers unless the algorithm can change it (rank 0's file,
+    or its first member's, stands for the set); returns its state, or None when the run starts
+    afresh."""
     from distrain.runtime.checkpoint import CheckpointStore, check_compatible
+    from distrain.train.resume import check_worker_count
 
     store = CheckpointStore(run_dir, 0, nprocs)
     step = store.resolve(cfg.run.resume)
     if step is None:
         return None
     state = store.load(step, store.source(step))
-    check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=cfg.cluster.workers)
+    check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm)
+    check_worker_count(state, cfg.algo.algorithm, cfg.cluster.workers, workers_per_node=cfg.algo.workers_per_node,
+                       dataset=cfg.data.dataset)
     return state
 
 

@@ -18,6 +18,7 @@ from distrain.launch.common import (
     claim_run_dir,
     configure_worker_logging,
     default_run_dir,
+    die_with_parent,
     run_role,
     server_count,
     wait_for_master,
@@ -46,6 +47,10 @@ def run_torchrun_worker(cfg: TrainConfig, *, summary_everywhere: bool = False,
     """Train as the worker torchrun made this process; returns the summary on rank 0 (on every
     rank with ``summary_everywhere``: a script running the same code on each rank reads it)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts its workers in sessions of their own: one whose agent was killed (its
+        # node lost) would train on with the others, who could never go on without it
+        die_with_parent(os.getppid())
     configure_worker_logging(rank)
     check_device(cfg, processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world - server_count(cfg)))
@@ -59,8 +64,10 @@ def run_torchrun_worker(cfg: TrainConfig, *, summary_everywhere: bool = False,
     if hosted_elsewhere:  # the torchrun agent (or rank 0) hosts the store
         wait_for_master(addr, port, cfg.cluster.timeout)
     # The agent's store outlives a restart: each attempt meets under its own prefix, or a
-    # restarted worker could read the addresses of the attempt before and connect to nobody.
-    store = dist.PrefixStore(f"distrain/attempt-{attempt}", store_of(addr, port, cfg.cluster.timeout, host=not hosted_elsewhere))
+    # restarted worker could read the addresses of the attempt before and connect to nobody. An
+    # elastic job (--nnodes MIN:MAX) that a node joins restarts its workers without counting a
+    # restart: the world size tells that attempt from the one before.
+    store = dist.PrefixStore(f"distrain/attempt-{attempt}-{world}", store_of(addr, port, cfg.cluster.timeout, host=not hosted_elsewhere))
     init_group(cfg, rank, world, store=store)
     try:
         run_dir = _shared_run_dir(cfg)

@@ -77,14 +77,14 @@ class RunData:
 
     def membership_events(self) -> list[tuple[str, dict[str, Any]]]:
         """Each change of members in ``summary.json``'s ``membership`` (elastic runs), as
-        ``(event, metrics line)``: ``"lost"`` or ``"joined"``, and the first step's line (any
+        ``(event, metrics line)``: ``"lost"``, ``"joined"`` or ``"resized"``, and the first step's line (any
         worker's; worker 0 may be the one lost) at or after the step it happened at, which gives
         its time and epoch. A change after the last recorded step is left out."""
         lines = sorted((int(m["step"]), r, m) for r, ms in self.metrics.items() for m in ms
                        if "step" in m and "time" in m and "event" not in m)
         out = []
         for change in self.summary.get("membership") or []:
-            step = change.get("lost_at_step", change.get("joined_at_step"))
+            step = change.get("lost_at_step", change.get("joined_at_step", change.get("resized_at_step")))
             line = next((m for s, _, m in lines if step is not None and s >= int(step)), None)
             if line is not None:
                 out.append((str(change["event"]), line))

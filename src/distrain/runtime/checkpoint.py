@@ -18,7 +18,8 @@ In a multi-worker run every rank writes its own file of a step's *set*::
     <run_dir>/checkpoints/step-00001200/rank-0001.pt
 
 There is no barrier between ranks here, so a set counts as complete once all ``world_size`` rank
-files exist and pass their checksum. Ranks are expected to save the same steps in increasing
+files exist and pass their checksum (the ``set_size`` its files name, where a run resumed with
+another number of workers reads a set its first workers wrote). Ranks are expected to save the same steps in increasing
 order; that is what lets rank 0 prune old sets without coordination.
 
 An elastic run that lost workers goes on with fewer: its files then name the workers that write
@@ -62,12 +63,17 @@ WORLD_SIZE_KEY = "world_size"
 #: The entry naming the ranks whose files make up a step's set, where not every rank writes one
 #: (an elastic run after losing workers); absent: every rank of ``world_size``.
 MEMBERS_KEY = "members"
+#: The entry giving how many processes write a step's set (workers and any servers), where a
+#: run may be resumed with another number of them: the set is then read with its writers'
+#: count, not the reader's. Absent (files of earlier versions): the reader's ``world_size``.
+SET_SIZE_KEY = "set_size"
 
 # Exactly the types torch.load(weights_only=True) rebuilds without extra allow-listing; exact type
 # checks, because subclasses (numpy.float64 is a float, namedtuples are tuples) pickle as their
 # own class and would only fail later, at load time.
 _SCALAR_TYPES = (str, int, float, bool, complex, bytes, type(None), torch.dtype, torch.device)
 _STEP_DIR = re.compile(r"step-(\d+)")
+_RANK_FILE = re.compile(r"rank-(\d+)\.pt")
 
 
 class OldCheckpointFormat(CheckpointError):
@@ -356,7 +362,8 @@ class CheckpointStore:
 
     def members(self, step: int) -> list[int]:
         """The ranks whose files make up ``step``'s set: those its files name (an elastic run that
-        had lost workers when it saved), else every rank."""
+        had lost workers when it saved), else every rank of the run that wrote it (its files'
+        ``set_size``, which a run resumed with another number of workers differs from)."""
         if step not in self._members:  # a set's files, written once, keep naming the same members
             self._members[step] = self._inspect(step)[0]
         return self._members[step]
@@ -479,16 +486,23 @@ class CheckpointStore:
         members, the one that names fewest wins: a process that had not yet heard of a loss when
         it saved names the lost one too (the others must include every member it names)."""
         named: dict[Path, list[int]] = {}
-        present = [r for r in range(self.world_size) if self.rank_file(step, r).exists()]
+        sizes: list[tuple[float, int]] = []  # (when written, the set size it names)
+        present = self._ranks_in(step)
         for rank in present:
             path = self.rank_file(step, rank)
             try:
-                members = load_checkpoint(path).get(MEMBERS_KEY)
+                state = load_checkpoint(path)
             except CheckpointError as exc:
                 return list(range(self.world_size)), exc
+            members = state.get(MEMBERS_KEY)
             if members is not None:
                 named[path] = sorted(int(m) for m in members)
-        expected = min(named.values(), key=len) if named else list(range(self.world_size))
+            if isinstance(state.get(SET_SIZE_KEY), int):
+                sizes.append((path.stat().st_mtime, int(state[SET_SIZE_KEY])))
+        # the newest file's count: files a run of another size left in a set it never finished
+        # are older than those of the run that wrote the set again
+        size = max(sizes)[1] if sizes else self.world_size
+        expected = min(named.values(), key=len) if named else list(range(size))
         for path, members in named.items():
             if not set(expected) <= set(members):
                 return expected, CheckpointError(f"checkpoint {path} names members {members}, another file of "
@@ -500,6 +514,14 @@ class CheckpointStore:
                 except CheckpointError as exc:
                     return expected, exc
         return expected, None
+
+    def _ranks_in(self, step: int) -> list[int]:
+        """The ranks that have a file in ``step``'s directory (of any run size)."""
+        try:
+            names = [entry.name for entry in self.step_dir(step).iterdir()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(int(m.group(1)) for m in map(_RANK_FILE.fullmatch, names) if m)
 
     def _step_from_path(self, path: Path) -> int:
         if path.is_file():

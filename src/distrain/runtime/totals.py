@@ -62,6 +62,25 @@ class RunTotals:
         return RunTotals(row, self.eval_s, self.time_to_target_s, list(self.segment_wall_s), list(self.changes),
                          dict(self.lost_workers))
 
+    def resized(self, peers: int, me: int) -> RunTotals:
+        """The totals of process ``me`` once the run goes on with ``peers`` processes (resumed with
+        another number of workers): the counters of peers still in the run stay in their columns;
+        bytes exchanged with processes no longer in it are counted in this process's own column
+        (it sends nothing to itself), so its totals stay whole."""
+        old = (len(self.row) - 6) // 2
+        if not self.row or old == peers:
+            return self
+
+        def fold(columns: list[float]) -> list[float]:
+            out = [0.0] * peers
+            for i, value in enumerate(columns):
+                out[i if i < peers else me] += value
+            return out
+
+        head, sent, received, tail = self.row[:5], self.row[5 : 5 + old], self.row[5 + old : 5 + 2 * old], self.row[5 + 2 * old :]
+        return RunTotals([*head, *fold(sent), *fold(received), *tail], self.eval_s, self.time_to_target_s,
+                         list(self.segment_wall_s), list(self.changes), dict(self.lost_workers))
+
     @property
     def wall_s(self) -> float:
         """Training time of the earlier segments (the offset of this segment's clock)."""

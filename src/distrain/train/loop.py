@@ -16,6 +16,7 @@ The process group must already exist (launchers create it; see ``distrain.launch
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -49,6 +50,7 @@ from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
 from distrain.runtime.checkpoint import (
     MEMBERS_KEY,
+    SET_SIZE_KEY,
     CheckpointStore,
     check_compatible,
     planned_steps,
@@ -73,10 +75,14 @@ from distrain.train.metrics import (
     write_summary,
 )
 from distrain.train.resume import (
+    EPOCH_WORKERS_KEY,
     already_finished,
     check_epoch_length,
+    check_worker_count,
     describe_extension,
+    epoch_workers,
     rng_state,
+    saved_workers,
     set_rng_state,
 )
 
@@ -224,8 +230,24 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # that joins a running job takes a member's state.
     source = store.source(resume_step) if resume_step is not None else None
     state = store.load(resume_step, source) if resume_step is not None else None
+    # Another number of workers than wrote the checkpoint (--workers, torchrun's WORLD_SIZE): the
+    # run goes on as after a change of its members at the checkpoint's step, with the length in
+    # steps its first workers planned (an elastic run that lost a worker keeps it too).
+    saved_world = saved_workers(state, world) if state is not None else world
+    resized = saved_world != world
+    first_world = epoch_workers(state, world)
+    if joining:  # the members may keep the length their run's first workers planned (a resized resume)
+        first_world, recorded = recorded_epochs(run_dir, world)
+        if first_world != world and recorded:
+            steps_per_epoch = recorded
+            total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
     if state is not None:
-        check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, world_size=world)
+        check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm)
+        check_worker_count(state, cfg.algo.algorithm, world, workers_per_node=cfg.algo.workers_per_node,
+                           dataset=cfg.data.dataset)
+        if first_world != world:
+            steps_per_epoch = max(1, sum(s["size"] for s in shards) // (first_world * cfg.data.batch_size))
+            total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
         check_epoch_length(state, steps_per_epoch)
         if int(state["step"]) >= total_steps:  # nothing left to train: touch nothing
             return already_finished(run_dir, state) if rank == 0 else None
@@ -268,18 +290,31 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_step = opt.steps = int(state["step"])
-        if source == rank:
+        if source == rank and not resized:
             algorithm.load_state_dict(state["algorithm"])
             if "rng" in state:
                 set_rng_state(state["rng"])
             log.info("worker %d resumed from step %d", rank, start_step)
         else:  # its own error-feedback residuals (and random streams) start afresh
             algorithm.load_state_dict({k: v for k, v in state["algorithm"].items() if k not in algorithm.own_state})
-            totals = totals.for_another_worker()
-            log.warning("worker %d was lost before the checkpoint of step %d; it resumes from worker %d's state",
-                        rank, start_step, source)
-        back = [w for w in range(world) if w not in store.members(start_step)]
-        if back:
+            if source != rank:
+                totals = totals.for_another_worker()
+            if resized:
+                totals = totals.resized(transport.world_size, rank)
+                if rank == 0:
+                    log.warning("the checkpoint of step %d was written by %d workers; %d go on from it (the rest "
+                                "of its epoch dealt out over them, the learning rate scaled to their global batch)",
+                                start_step, saved_world, world)
+            else:
+                log.warning("worker %d was lost before the checkpoint of step %d; it resumes from worker %d's state",
+                            rank, start_step, source)
+        before = store.members(start_step)
+        back = [w for w in range(world) if w not in before]
+        if resized:
+            resumed.append({"event": "resized", "workers_before": saved_world, "members": list(range(world)),
+                            "left": [w for w in before if w >= world], "joined": back, "resized_at_step": start_step,
+                            "unix_time": time.time(), "recovery_s": 0.0, "from_checkpoint": True})
+        elif back:
             resumed.append({"event": "joined", "workers": back, "members": list(range(world)),
                             "joined_at_step": start_step, "unix_time": time.time(), "recovery_s": 0.0,
                             "from_checkpoint": True})
@@ -288,9 +323,10 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # After a change of members: every member's samples (the rest of the epoch it interrupted
     # first), saved with the checkpoints; those back from a checkpoint start on their shard.
     plan = None
-    if state is not None and PLAN_KEY in state:
-        plan = plan_of(cfg, train_set, state[PLAN_KEY])
-        if back:
+    if state is not None and (PLAN_KEY in state or resized):
+        plan = (plan_of(cfg, train_set, state[PLAN_KEY]) if PLAN_KEY in state
+                else DataPlan.first(split(cfg, train_set, saved_world), cfg.data.batch_size, cfg.run.seed))
+        if back or resized:
             plan = plan.changed(list(range(world)), start_step, {}, split(cfg, train_set, world))
         sampler = plan.samplers[rank]
 
@@ -303,6 +339,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     if rank == 0 and joined is None:
         write_json_atomic(run_dir / "config.json", {
             **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+            EPOCH_WORKERS_KEY: first_world,
             "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": resume_step,
             "algorithm_info": algorithm.info(), "network_bits_per_s": NetworkSettings.from_config(cfg.network).bits_per_s(),
             "model_parameters": count_parameters(model),
@@ -324,6 +361,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "algorithm": algorithm.state_dict(),
             "step": step, "model_name": cfg.model.model, "algorithm_name": cfg.algo.algorithm, "world_size": world,
             "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
+            SET_SIZE_KEY: store.world_size, **({EPOCH_WORKERS_KEY: first_world} if first_world != world else {}),
             "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(),
                                   lost()).state_dict(),
             **({PLAN_KEY: plan.state()} if plan is not None else {}),
@@ -517,6 +555,16 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     return summary
 
 
+def recorded_epochs(run_dir: Path, world: int) -> tuple[int, int | None]:
+    """The number of workers whose global batch sets the run's steps per epoch and those steps,
+    as the members' config.json records them (``(world, None)`` where it does not say)."""
+    try:
+        recorded = json.loads((run_dir / "config.json").read_text())
+        return int(recorded.get(EPOCH_WORKERS_KEY, world)), int(recorded["steps_per_epoch"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return world, None
+
+
 def reached_anywhere(opt: DistributedOptimizer, reached: bool) -> bool:
     """Whether any worker's evaluation reached the target (the one that evaluates knows;
     collective: every worker calls it at the same step)."""
@@ -695,8 +743,9 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
         # elastic runs: each change of the members (who was lost, who went on, at which step, how
         # long the survivors took to agree and rebuild), and how many workers trained at the end
         "membership": list(membership or []),
-        # elastic runs: workers that joined again (started again live, or back from a checkpoint):
-        # when each last joined (Unix time); a worker in both lists came back after its loss
+        # elastic runs: workers that joined again (started again live, or back from a checkpoint,
+        # or added by a resume with more workers): when each last joined (Unix time); a worker
+        # in both lists came back after its loss
         "joined_workers": joined_workers(membership or []),
         "workers_at_end": world if workers_at_end is None else workers_at_end,
         # --stop-at-target: the run ended at the evaluation that reached the target ("steps" are
@@ -716,6 +765,8 @@ def joined_workers(membership: list[dict[str, Any]]) -> dict[str, float]:
     for record in membership:
         if record.get("event") == "joined":
             out.update(dict.fromkeys(record["workers"], float(record["unix_time"])))
+        elif record.get("event") == "resized":  # resumed with more workers, or a lost one back
+            out.update(dict.fromkeys(record["joined"], float(record["unix_time"])))
     return {str(w): t for w, t in sorted(out.items())}
 
 

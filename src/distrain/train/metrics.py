@@ -37,11 +37,16 @@ field                            kind         meaning
                                               survivor redid without ``workers`` (their ids);
                                               ``members`` went on from ``lost_at_step`` steps
                                               done, ``recovery_s`` after the failure showed
-                                              (agreement and the new group), at ``unix_time``
+                                              (agreement and the new group), at ``unix_time``;
+                                              ``"resized"`` on the line of the step a run
+                                              resumed with another number of workers went on
+                                              from (``workers_before``, ``members``, ``left``,
+                                              ``joined``, ``resized_at_step``)
 ``membership``                   run total    (summary) those events, one per change;
                                               ``workers_at_end``: how many trained last;
                                               ``joined_workers``: id -> Unix time it last
-                                              joined (``"joined"`` events), beside
+                                              joined (``"joined"`` events, and
+                                              ``joined`` of ``"resized"`` ones), beside
                                               ``lost_workers``
 ``lost_servers``                 run total    (summary, parameter servers) servers lost and
                                               taken over by the others: index -> Unix time
@@ -120,7 +125,8 @@ def write_summary(path: str | Path, summary: dict[str, Any]) -> bool:
     """Write ``summary.json`` atomically, unless a resumed run would replace a better one.
 
     A resumed run (``segments`` above 1) never replaces a summary that covers more training
-    steps, or as many with a final accuracy where the new one has none: e.g. one resumed from
+    steps (every worker's; the furthest step where the number of workers changed), or as many
+    with a final accuracy where the new one has none: e.g. one resumed from
     an earlier checkpoint and stopped before reaching the step the recorded result has. Returns
     whether the file was written.
     """
@@ -142,8 +148,16 @@ def _steps(summary: dict[str, Any]) -> int:
     return int(sum(summary.get("steps_per_worker") or [0]))
 
 
+def _furthest(summary: dict[str, Any]) -> int:
+    return int(max(summary.get("steps_per_worker") or [0]))
+
+
 def _covers_more(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    if _steps(old) != _steps(new):
+    if len(old.get("steps_per_worker") or []) != len(new.get("steps_per_worker") or []):
+        # resumed with another number of workers: the run that got further covers more
+        if _furthest(old) != _furthest(new):
+            return _furthest(old) > _furthest(new)
+    elif _steps(old) != _steps(new):
         return _steps(old) > _steps(new)
     return old.get("final_test_accuracy") is not None and _finite(new.get("final_test_accuracy")) is None
 

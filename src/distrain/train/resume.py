@@ -27,8 +27,63 @@ import torch
 
 from distrain.errors import CheckpointError
 from distrain.optim.schedule import LRSchedule
+from distrain.runtime.checkpoint import WORLD_SIZE_KEY
 
 log = logging.getLogger(__name__)
+
+
+#: Algorithms whose runs can be resumed with another number of workers: every worker holds the
+#: same model and optimizer state at a checkpoint, and one group spans them all (flat: not
+#: ``--workers-per-node``), so any member's file serves any new worker.
+RESIZABLE = ("allreduce",)
+#: The checkpoint entry giving the number of workers whose global batch sets the run's steps per
+#: epoch (its first workers'); absent: the checkpoint's ``world_size``.
+EPOCH_WORKERS_KEY = "epoch_workers"
+
+
+def saved_workers(state: dict[str, Any], default: int) -> int:
+    """How many workers wrote ``state``'s set (``default`` where it does not say)."""
+    saved = state.get(WORLD_SIZE_KEY)
+    return default if saved is None else int(saved)
+
+
+def epoch_workers(state: dict[str, Any] | None, world: int) -> int:
+    """The number of workers whose global batch sets the run's steps per epoch: its first
+    workers' (``world`` for a new run)."""
+    if state is None:
+        return world
+    return int(state.get(EPOCH_WORKERS_KEY, saved_workers(state, world)))
+
+
+def check_worker_count(state: dict[str, Any], algorithm: str, world: int, *, workers_per_node: int = 0,
+                       dataset: str = "") -> None:
+    """Refuse resuming with ``world`` workers a checkpoint written by another number, unless the
+    algorithm can change it (:data:`RESIZABLE`, flat, not ``--dataset shards``: a worker reads
+    its own shard files, so the samples a worker had left cannot be dealt to the others).
+
+    Raises:
+        CheckpointError: one line with both numbers, the setting that stands in the way and
+            which algorithms can change the worker count on resume.
+
+    Example::
+
+        check_worker_count(state, "allreduce", world=3)   # a checkpoint of 4 workers: accepted
+    """
+    saved = saved_workers(state, world)
+    if saved == world:
+        return
+    if algorithm not in RESIZABLE:
+        why = f"--algorithm {algorithm} cannot"
+    elif workers_per_node:
+        why = "--workers-per-node (hierarchical) cannot"
+    elif dataset == "shards":
+        why = "--dataset shards (each worker reads its own files) cannot"
+    else:
+        return
+    raise CheckpointError(
+        f"checkpoint was written by {saved} workers; this run has {world}, and {why} change the number of "
+        f"workers on resume (only {', '.join(RESIZABLE)}, flat, can): resume with --workers {saved}"
+    )
 
 
 def check_epoch_length(state: dict[str, Any], steps_per_epoch: int) -> None:

@@ -387,7 +387,7 @@ class ShardServer:
     def save(self, step: int) -> None:
         if self.run_dir is None:
             return
-        from distrain.runtime.checkpoint import MEMBERS_KEY, CheckpointStore
+        from distrain.runtime.checkpoint import MEMBERS_KEY, SET_SIZE_KEY, CheckpointStore
 
         world = self.transport.world_size
         store = CheckpointStore(self.run_dir, self.transport.rank, world)
@@ -395,7 +395,7 @@ class ShardServer:
         members = [r for r in range(world) if r not in self.lost_pushers]
         store.save(step, {"shard": self.shard.data, "optimizer": self.optimizer.state_dict(), "step": step,
                           "model_name": self.settings.model, "algorithm_name": "ps",
-                          "world_size": world, "steps_per_epoch": self.steps_per_epoch,
+                          "world_size": world, SET_SIZE_KEY: world, "steps_per_epoch": self.steps_per_epoch,
                           "total_steps": self.total_steps, "totals": self.totals().state_dict(),
                           **({MEMBERS_KEY: members} if self.lost_pushers else {})})
 
