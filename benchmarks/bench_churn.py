@@ -35,7 +35,13 @@ per-pair ratios, with min and max. Target: at least 0.85.
     python benchmarks/bench_churn.py --part goodput --algorithms allreduce,diloco
     python benchmarks/bench_churn.py --seeds 2 --goodput-repeats 1 --goodput-epochs 40 --kill-every 10   # a quick look
 
-Writes ``benchmarks/results/churn.json`` (kills) and ``benchmarks/results/churn_goodput.json``.
+Run-to-run spread (``--part noise``): each seed's fault-free run twice. Asynchronous algorithms
+(``adpsgd``, ``prague``) do not repeat themselves (the order of their exchanges follows the
+timing), so their own spread bounds how close a kill run can come to "the" fault-free run:
+reported as the second run minus the first (median, min, max) and how many are within 1 point.
+
+Writes ``benchmarks/results/churn.json`` (kills), ``benchmarks/results/churn_goodput.json`` and
+``benchmarks/results/churn_noise.json`` (``--noise-out``).
 """
 
 from __future__ import annotations
@@ -201,7 +207,8 @@ def main() -> None:
     parser.add_argument("--goodput-repeats", type=int, default=3)
     parser.add_argument("--goodput-epochs", type=float, default=80)
     parser.add_argument("--kill-every", type=float, default=30.0)
-    parser.add_argument("--part", choices=("kill", "goodput", "all"), default="all")
+    parser.add_argument("--part", choices=("kill", "goodput", "noise", "all"), default="all")
+    parser.add_argument("--noise-out", type=Path, default=RESULTS / "churn_noise.json")
     parser.add_argument("--out", type=Path, default=RESULTS / "churn.json")
     parser.add_argument("--goodput-out", type=Path, default=RESULTS / "churn_goodput.json")
     args = parser.parse_args()
@@ -209,17 +216,40 @@ def main() -> None:
     result: dict = {"workers": WORKERS, "seeds": args.seeds, "cpus": os.cpu_count(), "algorithms": {}}
     goodput: dict = {"workers": WORKERS, "epochs": args.goodput_epochs, "kill_every_s": args.kill_every,
                      "cpus": os.cpu_count(), "algorithms": {}}
+    noise: dict = {"workers": WORKERS, "seeds": args.seeds, "cpus": os.cpu_count(), "algorithms": {}}
     with tempfile.TemporaryDirectory(prefix="bench_churn-") as tmp_name:
         tmp = Path(tmp_name)
         for algorithm in args.algorithms.split(","):
-            if args.part != "goodput":
+            if args.part in ("kill", "all"):
                 kill_part(tmp, algorithm, args.seeds, result)
-            if args.part != "kill":
+            if args.part in ("goodput", "all"):
                 goodput_part(tmp, algorithm, args, goodput)
-    if args.part != "goodput":
+            if args.part == "noise":
+                noise_part(tmp, algorithm, args.seeds, noise)
+    if args.part in ("kill", "all"):
         print(f"wrote {write_result(args.out, result)}")
-    if args.part != "kill":
+    if args.part in ("goodput", "all"):
         print(f"wrote {write_result(args.goodput_out, goodput)}")
+    if args.part == "noise":
+        print(f"wrote {write_result(args.noise_out, noise)}")
+
+
+def noise_part(tmp: Path, algorithm: str, seeds: int, noise: dict) -> None:
+    """Each seed's fault-free run twice: how far apart the same run ends by itself."""
+    rows = []
+    for seed in range(seeds):
+        pair = []
+        for repeat in range(2):
+            run = train(tmp / f"{algorithm}-{seed}-noise-{repeat}", algorithm, seed, *epochs(algorithm))
+            assert run["returncode"] == 0 and run["summary"] is not None, run["stderr_tail"]
+            pair.append(run["summary"]["final_test_accuracy"])
+        rows.append({"seed": seed, "first": pair[0], "second": pair[1], "second_minus_first": pair[1] - pair[0]})
+        print(f"{algorithm} seed {seed} fault-free twice: {pair[0]} {pair[1]}", flush=True)
+    gaps = [r["second_minus_first"] for r in rows]
+    noise["algorithms"][algorithm] = {"epochs": EPOCHS.get(algorithm, "default"), "second_minus_first": spread(gaps),
+                                      "within_1_point": sum(abs(g) <= 0.01 for g in gaps), "runs": rows}
+    print(f"{algorithm}: fault-free twins within 1 point {noise['algorithms'][algorithm]['within_1_point']}/{seeds}",
+          flush=True)
 
 
 def kill_part(tmp: Path, algorithm: str, seeds: int, result: dict) -> None:
