@@ -19,23 +19,24 @@ from distrain.data import batches_of, labels_of, load_dataset
 from distrain.data.sampler import ShardSampler
 from distrain.errors import CheckpointError
 from distrain.launch import launch_local
+from distrain.launch.checks import check_resume
 from distrain.models import build_model
 from distrain.optim.optimizers import build_optimizer
 from distrain.runtime.checkpoint import CheckpointStore
 from distrain.train.loop import PLAN_KEY, plan_of, split
-from distrain.train.resume import check_worker_count, epoch_workers
+from distrain.train.resume import at_round_end, check_worker_count, epoch_workers, resize_setting
 from tests.conftest import small_config
 from tests.reliability.common import cli_env, kill_tagged, tagged
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def _keep_only(run_dir: Path, step: int) -> None:
-    """Pretend the run died right after the checkpoint of ``step``: delete every other set and
-    the summary."""
+def _keep_only(run_dir: Path, *steps: int) -> None:
+    """Pretend the run died right after the checkpoint of the last of ``steps``: delete every
+    other set and the summary."""
     (run_dir / "summary.json").unlink()
     for step_dir in (run_dir / "checkpoints").iterdir():
-        if step_dir.name != f"step-{step:08d}":
+        if step_dir.name not in {f"step-{step:08d}" for step in steps}:
             shutil.rmtree(step_dir)
 
 
@@ -112,6 +113,102 @@ def test_resume_with_fewer_workers_is_the_checkpoint_stepped_with_the_new_worker
     assert [(line["event"], line["step"]) for line in lines if "event" in line] == [("resized", 14)]
 
 
+def test_diloco_resumed_with_fewer_workers_from_a_round_end_is_the_checkpoint_stepped_in_rounds_of_the_new_workers(tmp_path):
+    """3 DiLoCo workers (H 4) save every 7 steps of 40 (20 an epoch); the run dies after step 35,
+    in the middle of a round, with the sets of steps 28 (a round's end) and 35 kept. Resumed with
+    2 workers and --resume auto, it goes on from step 28: the newest set saved at a round's end
+    (the mid-round one alone, or named, is refused in one line). The 2 workers' parameters at
+    step 40 are those of the checkpoint's shared parameters and outer momentum after three rounds
+    computed here: each worker's 4 inner steps from the checkpoint's model with its own file's
+    inner optimizer (the learning rate of one worker's batch, as before), then the outer Nesterov
+    step on their averaged pseudo-gradients. The rest of the interrupted epoch is dealt out over
+    the 2 workers (every sample once) and the summary records the change."""
+    run_dir = tmp_path / "run"
+    diloco = {"algorithm": "diloco", "sync_every": 4}
+    first = small_config(str(run_dir), workers=3, epochs=2, checkpoint_every=7, **diloco)
+    launch_local(first)
+    _keep_only(run_dir, 28, 35)
+    checkpoints = [CheckpointStore(run_dir, 0, 3).load(28, r) for r in range(3)]
+    assert at_round_end(checkpoints[0]) and not at_round_end(CheckpointStore(run_dir, 0, 3).load(35))
+    shared = checkpoints[0]["algorithm"]["shared"]
+    for checkpoint in checkpoints:  # a round's end: every worker holds the shared parameters
+        assert torch.equal(torch.cat([t.reshape(-1) for t in checkpoint["model"].values()]), shared)
+
+    cfg = small_config(str(run_dir), workers=2, epochs=2, checkpoint_every=7, resume="auto", **diloco)
+    with pytest.raises(CheckpointError, match="written by 3 workers in the middle of a DiLoCo round .* resume with "
+                                              "--workers 3, or 2 from a set saved at a round's end"):
+        check_resume(small_config(str(run_dir), workers=2, resume="35", **diloco), run_dir, 2)
+    (run_dir / "checkpoints" / "step-00000028").rename(tmp_path / "aside")
+    with pytest.raises(CheckpointError, match="middle of a DiLoCo round"):  # no set of a round's end kept
+        check_resume(cfg, run_dir, 2)
+    (tmp_path / "aside").rename(run_dir / "checkpoints" / "step-00000028")
+    assert check_resume(cfg, run_dir, 2)["step"] == 28
+
+    summary = launch_local(cfg)
+    assert summary["steps"] == 40 and summary["resumed_from_step"] == 28
+    assert summary["workers"] == 2 and summary["workers_at_end"] == 2
+    [change] = summary["membership"]
+    assert change["event"] == "resized" and change["workers_before"] == 3 and change["members"] == [0, 1]
+    assert change["left"] == [2] and change["joined"] == [] and change["resized_at_step"] == 28
+    assert summary["steps_per_worker"] == [40, 40] and summary["segments"] == 2
+    ends = [CheckpointStore(run_dir, r, 2).load(40) for r in range(2)]
+
+    # Every sample of the interrupted epoch (steps 20 to 39 of the 3 workers) once.
+    train_set, _ = load_dataset("synthetic", num_samples=cfg.data.num_samples, seed=cfg.run.seed)
+    parts = split(first, train_set, 3)
+    taken = [torch.cat([ShardSampler(parts[r], 16, cfg.run.seed, r).batch(s) for s in range(20, 28)]) for r in range(3)]
+    plan = plan_of(cfg, train_set, ends[0][PLAN_KEY])
+    assert plan.members == [0, 1] and torch.equal(plan.state(), ends[1][PLAN_KEY])
+    left = sum(len(p) for p in parts) - 3 * 8 * 16  # 576 samples, 288 for each new worker: 18 steps
+    assert [len(plan.samplers[w].carry) for w in (0, 1)] == [left // 2, left // 2]
+    rest = [torch.cat([plan.samplers[w].batch(s) for s in range(28, 28 + left // 32)]) for w in (0, 1)]
+    epoch = torch.cat([*taken, *rest])
+    assert torch.equal(torch.sort(epoch).values, torch.arange(len(train_set))), "every sample of the epoch once"
+
+    # The reference: three rounds of the 2 workers from the checkpoint, computed here.
+    torch.set_num_threads(cfg.run.threads)
+    sample_shape = tuple(batches_of(train_set, torch.tensor([0]))[0].shape[1:])
+    num_classes = int(labels_of(train_set).max()) + 1
+    o, outer = cfg.optim, cfg.outer
+    lr = o.lr * 16 / o.reference_batch  # inner steps: one worker's batch, whatever the number of workers
+    models, optimizers = [], []
+    for w in (0, 1):
+        model = build_model("mlp", sample_shape, num_classes, width=32, depth=2)
+        model.load_state_dict(checkpoints[w]["model"])
+        optimizer = build_optimizer(o.optimizer, model.parameters(), lr=lr, momentum=o.momentum,
+                                    weight_decay=o.weight_decay)
+        optimizer.load_state_dict(checkpoints[w]["optimizer"])
+        models.append(model)
+        optimizers.append(optimizer)
+    shared, buffer = shared.clone(), checkpoints[0]["algorithm"]["buffer"].clone()
+    assert bool(checkpoints[0]["algorithm"]["has_buffer"].all())
+    mu = outer.outer_momentum
+    for start in (28, 32, 36):
+        for model, optimizer, w in zip(models, optimizers, (0, 1), strict=True):
+            for step in range(start, start + 4):
+                x, y = batches_of(train_set, plan.samplers[w].batch(step))
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y, reduction="none").mean().backward()
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+        deltas = [shared - torch.cat([p.detach().reshape(-1) for p in model.parameters()]) for model in models]
+        delta = (deltas[0] + deltas[1]) / 2
+        buffer = buffer * mu + delta
+        shared = shared - outer.outer_lr * (delta + mu * buffer)
+        for model in models:
+            torch.nn.utils.vector_to_parameters(shared.clone(), model.parameters())  # (takes views)
+    for end in ends:
+        torch.testing.assert_close(end["algorithm"]["shared"], shared, rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.cat([t.reshape(-1) for t in end["model"].values()]), shared, rtol=0, atol=1e-6)
+
+    lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
+    assert [line["step"] for line in steps] == list(range(1, 41))
+    assert [line["lr"] for line in steps] == pytest.approx([lr] * 40)
+    assert [(line["event"], line["step"]) for line in lines if "event" in line] == [("resized", 28)]
+
+
 def test_an_algorithm_that_cannot_change_the_worker_count_is_refused_before_any_worker_starts(tmp_path):
     """A D-PSGD checkpoint set of 3 workers resumed with 2: one line naming --workers and the
     algorithms that can, exit 2, and the run directory untouched."""
@@ -139,12 +236,30 @@ def test_an_algorithm_that_cannot_change_the_worker_count_is_refused_before_any_
 
 
 def test_which_runs_can_change_the_number_of_workers() -> None:
-    """Flat all-reduce can; hierarchical all-reduce, shard files and every other algorithm cannot;
-    the same number always can. The run's epochs stay those of its first workers."""
+    """Flat all-reduce can; DiLoCo can from a set saved at a round's end, in its elastic
+    configuration (one fragment, no overlap, no compression, a fixed H); hierarchical
+    all-reduce, shard files and every other algorithm cannot; the same number always can. The
+    run's epochs stay those of its first workers."""
     state = {"world_size": 4}
     check_worker_count(state, "allreduce", 3)
     check_worker_count(state, "allreduce", 6)
-    for algorithm in ("dpsgd", "d2", "diloco", "ps", "adpsgd", "prague"):
+    synced = {"inner_steps": 8, "synced_at": torch.tensor([8]), "pending": [],
+              "interrupted": torch.zeros(0, dtype=torch.int64)}
+    round_end = {"world_size": 4, "step": 8, "algorithm": synced}
+    check_worker_count(round_end, "diloco", 3)
+    check_worker_count(round_end, "diloco", 6, setting=resize_setting(small_config("", algorithm="diloco")))
+    with pytest.raises(CheckpointError, match="step 10 was written by 4 workers in the middle of a DiLoCo round"):
+        check_worker_count({**round_end, "step": 10, "algorithm": {**synced, "inner_steps": 10}}, "diloco", 3)
+    for settings, flag in [({"sync_every": "auto"}, "--sync-every auto"), ({"fragments": 2}, "--fragments 2"),
+                           ({"fragments": 2, "overlap_steps": 1}, "--fragments 2"),
+                           ({"overlap_steps": 1}, "--overlap-steps 1"), ({"compress": "int8"}, "--compress int8")]:
+        setting = resize_setting(small_config("", algorithm="diloco", **settings))
+        assert setting == flag
+        check_worker_count(round_end, "diloco", 4, setting=setting)
+        with pytest.raises(CheckpointError, match=f"--algorithm diloco with {flag} cannot change the number of "
+                                                  "workers on resume .*diloco with one fragment, no overlap"):
+            check_worker_count(round_end, "diloco", 3, setting=setting)
+    for algorithm in ("dpsgd", "d2", "ps", "adpsgd", "prague"):
         check_worker_count(state, algorithm, 4)
         with pytest.raises(CheckpointError, match=f"--algorithm {algorithm} cannot change the number of workers"):
             check_worker_count(state, algorithm, 3)

@@ -41,16 +41,16 @@ def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any]
     or its first member's, stands for the set); returns its state, or None when the run starts
     afresh."""
     from distrain.runtime.checkpoint import CheckpointStore, check_compatible
-    from distrain.train.resume import check_worker_count
+    from distrain.train.resume import check_worker_count, resize_setting, resume_point
 
     store = CheckpointStore(run_dir, 0, nprocs)
-    step = store.resolve(cfg.run.resume)
+    step = resume_point(store, cfg.run.resume, cfg.cluster.workers, cfg.algo.algorithm)
     if step is None:
         return None
     state = store.load(step, store.source(step))
     check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm)
     check_worker_count(state, cfg.algo.algorithm, cfg.cluster.workers, workers_per_node=cfg.algo.workers_per_node,
-                       dataset=cfg.data.dataset)
+                       dataset=cfg.data.dataset, setting=resize_setting(cfg))
     return state
 
 

@@ -81,6 +81,8 @@ from distrain.train.resume import (
     check_worker_count,
     describe_extension,
     epoch_workers,
+    resize_setting,
+    resume_point,
     rng_state,
     saved_workers,
     set_rng_state,
@@ -225,7 +227,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # --- resume: the checkpoint this worker continues from, if any ------------------------------
     servers = cfg.ps.servers if cfg.algo.algorithm == "ps" else 0
     store = CheckpointStore(run_dir, rank, world + servers if joining else dist.get_world_size())  # servers save their shards too
-    resume_step = store.resolve(cfg.run.resume) if not joining else None  # a joiner takes live state
+    # a joiner takes live state
+    resume_step = (None if joining else
+                   resume_point(store, cfg.run.resume, world, cfg.algo.algorithm, warn=rank == 0))
     # A worker lost before that checkpoint has no file in it: it starts from a member's, as one
     # that joins a running job takes a member's state.
     source = store.source(resume_step) if resume_step is not None else None
@@ -244,7 +248,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     if state is not None:
         check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm)
         check_worker_count(state, cfg.algo.algorithm, world, workers_per_node=cfg.algo.workers_per_node,
-                           dataset=cfg.data.dataset)
+                           dataset=cfg.data.dataset, setting=resize_setting(cfg))
         if first_world != world:
             steps_per_epoch = max(1, sum(s["size"] for s in shards) // (first_world * cfg.data.batch_size))
             total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
@@ -303,8 +307,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                 totals = totals.resized(transport.world_size, rank)
                 if rank == 0:
                     log.warning("the checkpoint of step %d was written by %d workers; %d go on from it (the rest "
-                                "of its epoch dealt out over them, the learning rate scaled to their global batch)",
-                                start_step, saved_world, world)
+                                "of its epoch dealt out over them%s)", start_step, saved_world, world,
+                                ", the learning rate scaled to their global batch" if algorithm.rescales_lr else "")
             else:
                 log.warning("worker %d was lost before the checkpoint of step %d; it resumes from worker %d's state",
                             rank, start_step, source)

@@ -27,18 +27,23 @@ import torch
 
 from distrain.errors import CheckpointError
 from distrain.optim.schedule import LRSchedule
-from distrain.runtime.checkpoint import WORLD_SIZE_KEY
+from distrain.runtime.checkpoint import WORLD_SIZE_KEY, CheckpointStore
 
 log = logging.getLogger(__name__)
 
 
 #: Algorithms whose runs can be resumed with another number of workers: every worker holds the
 #: same model and optimizer state at a checkpoint, and one group spans them all (flat: not
-#: ``--workers-per-node``), so any member's file serves any new worker.
-RESIZABLE = ("allreduce",)
+#: ``--workers-per-node``), so any member's file serves any new worker. DiLoCo's workers hold
+#: the same model only at a round's end (after its sync), and the shared parameters and outer
+#: state only where a round is one sync of the whole model at a fixed H (its elastic
+#: configuration, :func:`resize_setting`): its sets saved there serve any number of workers.
+RESIZABLE = ("allreduce", "diloco")
 #: The checkpoint entry giving the number of workers whose global batch sets the run's steps per
 #: epoch (its first workers'); absent: the checkpoint's ``world_size``.
 EPOCH_WORKERS_KEY = "epoch_workers"
+#: What a resizable algorithm needs, for the refusals
+_RESIZABLE_WHEN = "allreduce, flat, and diloco with one fragment, no overlap, no compression and a fixed --sync-every"
 
 
 def saved_workers(state: dict[str, Any], default: int) -> int:
@@ -55,11 +60,76 @@ def epoch_workers(state: dict[str, Any] | None, world: int) -> int:
     return int(state.get(EPOCH_WORKERS_KEY, saved_workers(state, world)))
 
 
+def resize_setting(cfg: Any) -> str:
+    """The setting of ``cfg`` (a TrainConfig) that keeps its algorithm from changing the number of
+    workers on resume, as a flag (``""``: none): DiLoCo's outside its elastic configuration.
+
+    Example::
+
+        resize_setting(cfg)   # "--fragments 4" for diloco with four fragments
+    """
+    if cfg.algo.algorithm != "diloco":
+        return ""
+    o, spec = cfg.outer, str(cfg.compress.compress).strip()
+    if str(o.sync_every) == "auto":
+        return "--sync-every auto"
+    if o.fragments != 1:
+        return f"--fragments {o.fragments}"
+    if o.overlap_steps:
+        return f"--overlap-steps {o.overlap_steps}"
+    if spec != "none":
+        return f"--compress {spec}"
+    return ""
+
+
+def at_round_end(state: dict[str, Any]) -> bool:
+    """Whether a DiLoCo checkpoint was saved where every worker holds the shared parameters: its
+    last inner step synced every fragment and no exchange is pending (a round's end, the run's
+    last step, or a stop, which syncs what moved)."""
+    algo = state.get("algorithm") or {}
+    if "inner_steps" not in algo or "synced_at" not in algo:
+        return False
+    inner = int(algo["inner_steps"])
+    interrupted = algo.get("interrupted")
+    return (all(int(s) == inner for s in algo["synced_at"].tolist()) and not algo.get("pending")
+            and (interrupted is None or len(interrupted) == 0))
+
+
+def resume_point(store: CheckpointStore, resume: str, world: int, algorithm: str, *, warn: bool = False) -> int | None:
+    """The step of the set a run of ``world`` workers resumes from (see :meth:`CheckpointStore.resolve`): with ``--resume auto``, a DiLoCo run whose newest complete set
+    was written by another number of workers in the middle of a round (the workers' models then
+    differ) takes the newest complete set that can serve it: one saved at a round's end, or by
+    ``world`` workers. None such: the newest, which :func:`check_worker_count` refuses.
+    ``warn``: say so in the log when an older set is taken.
+
+    Example::
+
+        step = resume_point(store, "auto", world=2, algorithm="diloco")
+    """
+    newest = store.resolve(resume)
+    if newest is None or algorithm != "diloco" or resume.strip().lower() != "auto":
+        return newest
+    for step in [s for s in reversed(store.steps()) if s <= newest]:
+        try:
+            store.resolve(str(step))  # complete and intact
+        except CheckpointError:  # resolve("auto") skipped it too
+            continue
+        state = store.load(step, store.source(step))
+        if saved_workers(state, world) == world or at_round_end(state):
+            if step != newest and warn:
+                log.warning("the newest checkpoint (step %d) was saved in the middle of a DiLoCo round by %d workers; "
+                            "%d workers resume from step %d, the newest saved at a round's end", newest,
+                            saved_workers(store.load(newest, store.source(newest)), world), world, step)
+            return step
+    return newest
+
+
 def check_worker_count(state: dict[str, Any], algorithm: str, world: int, *, workers_per_node: int = 0,
-                       dataset: str = "") -> None:
+                       dataset: str = "", setting: str = "") -> None:
     """Refuse resuming with ``world`` workers a checkpoint written by another number, unless the
     algorithm can change it (:data:`RESIZABLE`, flat, not ``--dataset shards``: a worker reads
-    its own shard files, so the samples a worker had left cannot be dealt to the others).
+    its own shard files, so the samples a worker had left cannot be dealt to the others; not
+    with ``setting``, see :func:`resize_setting`; DiLoCo: a set saved at a round's end).
 
     Raises:
         CheckpointError: one line with both numbers, the setting that stands in the way and
@@ -74,15 +144,24 @@ def check_worker_count(state: dict[str, Any], algorithm: str, world: int, *, wor
         return
     if algorithm not in RESIZABLE:
         why = f"--algorithm {algorithm} cannot"
+    elif setting:
+        why = f"--algorithm {algorithm} with {setting} cannot"
     elif workers_per_node:
         why = "--workers-per-node (hierarchical) cannot"
     elif dataset == "shards":
         why = "--dataset shards (each worker reads its own files) cannot"
+    elif algorithm == "diloco" and not at_round_end(state):
+        raise CheckpointError(
+            f"checkpoint of step {state.get('step')} was written by {saved} workers in the middle of a DiLoCo round "
+            f"(their models differ there); this run has {world}: resume with --workers {saved}, or {world} from a set "
+            "saved at a round's end (--resume auto takes the newest kept; --checkpoint-every a multiple of "
+            "--sync-every saves them)"
+        )
     else:
         return
     raise CheckpointError(
         f"checkpoint was written by {saved} workers; this run has {world}, and {why} change the number of "
-        f"workers on resume (only {', '.join(RESIZABLE)}, flat, can): resume with --workers {saved}"
+        f"workers on resume (only {_RESIZABLE_WHEN} can): resume with --workers {saved}"
     )
 
 
