@@ -53,7 +53,8 @@ def test_killed_worker_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
             torch.testing.assert_close(got["model"][name], tensor, rtol=0, atol=0, msg=name)
 
 
-def _agent(run_dir, endpoint: str, run_id: str, nproc: int, host: bool, tag: str, log) -> subprocess.Popen:  # noqa: ANN001
+def _agent(run_dir, endpoint: str, run_id: str, nproc: int, host: bool, tag: str, log,  # noqa: ANN001
+           algorithm: tuple[str, ...] = ()) -> subprocess.Popen:
     """One node of an elastic torchrun job (--nnodes 1:2) in its own session (``host``: it holds
     the rendezvous store). A dead node is seen within 2 s (keep-alives every second); a round
     completes when both nodes joined, or 5 s after the first. Each round's rank 0 worker hosts the
@@ -64,18 +65,21 @@ def _agent(run_dir, endpoint: str, run_id: str, nproc: int, host: bool, tag: str
            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
            "--rdzv-conf", conf, "--monitor-interval", "0.5", "-m", "distrain", "train", *QUICK, "--epochs", "4",
            "--latency", "5ms", "--checkpoint-every", "20", "--resume", "auto", "--timeout", "60",
-           "--run-dir", str(run_dir)]
+           "--run-dir", str(run_dir), *algorithm]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=cli_env(tag, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
 
 
 @pytest.mark.slow  # two torchrun agents, a node lost, a new rendezvous: about a minute
-def test_an_elastic_job_that_loses_a_node_resumes_with_the_workers_left(tmp_path):
+@pytest.mark.parametrize("algorithm", [(), ("--algorithm", "diloco", "--sync-every", "10")],
+                         ids=["allreduce", "diloco"])
+def test_an_elastic_job_that_loses_a_node_resumes_with_the_workers_left(tmp_path, algorithm):
     """torchrun --nnodes 1:2: node A (2 workers) and node B (1 worker) train together; once a
     checkpoint set of the 3 is complete, node B is killed outright (its agent's process group;
     its worker dies with its agent). A's agent restarts its workers alone with WORLD_SIZE 2, they
     resume from the 3 workers' checkpoint and train to the end of the 3 workers' plan: summary.json
-    records the change, both end with the same parameters, nothing is left running."""
+    records the change, both end with the same parameters, nothing is left running. DiLoCo
+    (H 10, a set every 20 steps: each at a round's end) the same."""
     run_dir = tmp_path / "run"
     port, run_id = free_port(), uuid.uuid4().hex
     endpoint = f"127.0.0.1:{port}"
@@ -83,9 +87,9 @@ def test_an_elastic_job_that_loses_a_node_resumes_with_the_workers_left(tmp_path
     logs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
     try:
         with open(logs[0], "w") as log:
-            a = _agent(run_dir, endpoint, run_id, 2, True, tags[0], log)
+            a = _agent(run_dir, endpoint, run_id, 2, True, tags[0], log, algorithm)
         with open(logs[1], "w") as log:
-            b = _agent(run_dir, endpoint, run_id, 1, False, tags[1], log)
+            b = _agent(run_dir, endpoint, run_id, 1, False, tags[1], log, algorithm)
         store = CheckpointStore(run_dir, 0, 3)
         wait_for(lambda: store.latest_complete() is not None or a.poll() is not None or b.poll() is not None, 240,
                  "a complete checkpoint set of the 3 workers")
