@@ -649,7 +649,7 @@ class TrainConfig:
 RUN_RECORD_KEYS = frozenset({
     "world_size", "steps_per_epoch", "total_steps", "global_batch", "peak_lr", "shards", "resumed_from_step",
     "algorithm_info", "network_bits_per_s", "model_parameters", "commit", "distrain_version", "user_model",
-    "user_data", "segments",
+    "user_data", "segments", "epoch_workers",
 })
 
 

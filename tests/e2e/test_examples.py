@@ -48,6 +48,7 @@ def accuracy_of(stdout: str) -> float:
     return float(re.search(r"\[rank 0\] training accuracy ([0-9.]+)", stdout).group(1))
 
 
+@pytest.mark.slow  # `make test-all`
 def test_ddp_script_and_its_distrain_version_train_alike():
     plain = accuracy_of(launch(["--workers", "2", "examples/ddp_plain.py"]))
     ours = accuracy_of(launch(["--workers", "2", "examples/ddp_to_distrain.py"]))

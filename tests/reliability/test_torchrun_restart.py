@@ -34,6 +34,7 @@ def torchrun(run_dir, **env: str) -> tuple[subprocess.CompletedProcess, list[int
         kill_tagged(tag)
 
 
+@pytest.mark.slow  # `make test-all`; resuming bit for bit is in CI through distrain train (test_resume.py)
 def test_killed_worker_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
     broken, orphans = torchrun(tmp_path / "broken", DISTRAIN_INJECT_KILL="1:50")
     assert broken.returncode == 0, broken.stderr[-3000:]
