@@ -141,7 +141,7 @@ def test_a_stuck_worker_stops_vouching_for_itself_and_is_left_behind_long_before
     on without it and finish, long before the 60 s --timeout would have ended their wait."""
     run_dir = tmp_path / "run"
     mark = tmp_path / "wedged-at"
-    run = run_cli([*RUN, "--timeout", "60", "--run-dir", str(run_dir)], DISTRAIN_INJECT_WEDGE="2:12:600",
+    run = run_cli([*RUN, "--epochs", "2", "--timeout", "60", "--run-dir", str(run_dir)], DISTRAIN_INJECT_WEDGE="2:12:600",
                   DISTRAIN_INJECT_MARK=str(mark), DISTRAIN_STUCK_FLOOR_S="1")
     assert run.returncode == 0, run.stderr
     assert run.orphans == []

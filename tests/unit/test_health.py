@@ -106,7 +106,7 @@ def test_the_stuck_deadline_follows_the_measured_step_times_between_floor_and_ce
     assert health.stuck_deadline([20.0] * 10, ceiling=120.0) == 120.0  # never past --timeout
 
 
-def _watch_thread(target, monkeypatch, seconds: float = 1.5) -> float:
+def _watch_thread(target, monkeypatch, seconds: float = 0.8) -> float:
     """Run ``target`` in a thread, watched with a floor of 0.2 s after measured fast steps, and
     return the longest time the watch found it stuck."""
     import threading
