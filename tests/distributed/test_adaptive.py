@@ -16,6 +16,7 @@ SPEC = "adaptive:base=0.25:min=0.05:max=1:group=64"
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # `make test-all`; the policy's unit tests stay in CI
 def test_every_worker_answers_to_the_slowest_link_and_a_steady_ring_keeps_base(tmp_path):
     # Worker 1's link alternates every 0.4 s between 20 and 2 Mbit/s (several times in the
     # compressed epochs, however fast the machine); the others stay at 20 Mbit/s. Worker 0 sends to worker 1 and worker 1 sends from it: their ring links see the

@@ -18,7 +18,7 @@ TIMEOUT = 20  # --timeout in QUICK
 @pytest.mark.parametrize("algorithm,workers,victim,what", [
     ("allreduce", 3, 1, "worker 1"),  # with --min-workers 3: any loss stops the run
     pytest.param("ps", 2, 1, "worker 1", marks=pytest.mark.slow),  # a lost worker: allreduce's case in CI
-    ("ps", 2, 2, "server 0 (rank 2)"),  # ranks 0, 1 are workers, rank 2 the server
+    pytest.param("ps", 2, 2, "server 0 (rank 2)", marks=pytest.mark.slow),  # ranks 0, 1 are workers, rank 2 the server
 ])
 def test_survivors_name_the_step_and_the_lost_rank(tmp_path, algorithm, workers, victim, what):
     mark = tmp_path / "killed-at"
