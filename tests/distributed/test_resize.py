@@ -40,6 +40,35 @@ def _keep_only(run_dir: Path, *steps: int) -> None:
             shutil.rmtree(step_dir)
 
 
+def _check_resized(summary: dict, at: int) -> None:
+    """The summary of a 3 workers' run of 40 steps resumed with 2 at step ``at``."""
+    assert summary["steps"] == 40 and summary["resumed_from_step"] == at  # the 3 workers' length in steps
+    assert summary["workers"] == 2 and summary["workers_at_end"] == 2
+    [change] = summary["membership"]
+    assert change["event"] == "resized" and change["workers_before"] == 3 and change["members"] == [0, 1]
+    assert change["left"] == [2] and change["joined"] == [] and change["resized_at_step"] == at
+    assert summary["steps_per_worker"] == [40, 40] and summary["segments"] == 2
+
+
+def _check_epoch_once(first, cfg, ends: list[dict], begun: int, at: int):  # noqa: ANN001, ANN202
+    """Every sample of the epoch interrupted at step ``at`` (begun at step ``begun``) once: what
+    each of the 3 workers took of its shard before ``at``, and what the 2 workers take from ``at``
+    until the epoch's samples run out. Returns the training set, the 3 workers' shards and the
+    plan the 2 workers saved."""
+    train_set, _ = load_dataset("synthetic", num_samples=cfg.data.num_samples, seed=cfg.run.seed)
+    parts = split(first, train_set, 3)
+    taken = [torch.cat([ShardSampler(parts[r], 16, cfg.run.seed, r).batch(s) for s in range(begun, at)])
+             for r in range(3)]
+    plan = plan_of(cfg, train_set, ends[0][PLAN_KEY])
+    assert plan.members == [0, 1] and torch.equal(plan.state(), ends[1][PLAN_KEY])
+    left = sum(len(p) for p in parts) - 3 * (at - begun) * 16  # dealt out evenly over the 2 new workers
+    assert [len(plan.samplers[w].carry) for w in (0, 1)] == [left // 2, left // 2]
+    rest = [torch.cat([plan.samplers[w].batch(s) for s in range(at, at + left // 32)]) for w in (0, 1)]
+    epoch = torch.cat([*taken, *rest])
+    assert torch.equal(torch.sort(epoch).values, torch.arange(len(train_set))), "every sample of the epoch once"
+    return train_set, parts, plan
+
+
 def test_resume_with_fewer_workers_is_the_checkpoint_stepped_with_the_new_workers_gradients(tmp_path):
     """3 workers checkpoint step 14 of 40 (20 steps an epoch, shards of 320); resumed with 2. The
     2 workers' parameters at step 40 are those of the checkpoint's model and optimizer stepped in
@@ -55,28 +84,14 @@ def test_resume_with_fewer_workers_is_the_checkpoint_stepped_with_the_new_worker
 
     cfg = small_config(str(run_dir), workers=2, epochs=2, checkpoint_every=7, resume="auto")
     summary = launch_local(cfg)
-    assert summary["steps"] == 40 and summary["resumed_from_step"] == 14  # the 3 workers' length in steps
-    assert summary["workers"] == 2 and summary["workers_at_end"] == 2 and summary["global_batch"] == 32
-    [change] = summary["membership"]
-    assert change["event"] == "resized" and change["workers_before"] == 3 and change["members"] == [0, 1]
-    assert change["left"] == [2] and change["joined"] == [] and change["resized_at_step"] == 14
-    assert summary["steps_per_worker"] == [40, 40] and summary["segments"] == 2
+    _check_resized(summary, 14)
+    assert summary["global_batch"] == 32
     ends = [CheckpointStore(run_dir, r, 2).load(40) for r in range(2)]
 
-    # Every sample of the interrupted epoch once: what each of the 3 workers took of its shard
-    # before step 14, and what the 2 workers take from step 14 until the epoch's samples run out.
-    train_set, _ = load_dataset("synthetic", num_samples=cfg.data.num_samples, seed=cfg.run.seed)
-    n = len(train_set)
-    parts = split(first, train_set, 3)
+    # Every sample of the interrupted epoch once (the 3 workers' first 14 steps; 288 samples left,
+    # 144 for each new worker: 9 steps).
+    train_set, parts, plan = _check_epoch_once(first, cfg, ends, 0, 14)
     assert all(len(p) == 320 for p in parts)
-    taken = [torch.cat([ShardSampler(parts[r], 16, cfg.run.seed, r).batch(s) for s in range(14)]) for r in range(3)]
-    plan = plan_of(cfg, train_set, ends[0][PLAN_KEY])
-    assert plan.members == [0, 1] and torch.equal(plan.state(), ends[1][PLAN_KEY])
-    left = sum(len(p) for p in parts) - 3 * 14 * 16  # 288 samples, 144 for each new worker: 9 steps
-    assert [len(plan.samplers[w].carry) for w in (0, 1)] == [left // 2, left // 2]
-    rest = [torch.cat([plan.samplers[w].batch(s) for s in range(14, 14 + left // 32)]) for w in (0, 1)]
-    epoch = torch.cat([*taken, *rest])
-    assert torch.equal(torch.sort(epoch).values, torch.arange(n)), "every sample of the epoch once"
 
     # The reference: the checkpoint's model and optimizer, stepped here with the new workers' gradients.
     torch.set_num_threads(cfg.run.threads)
@@ -145,25 +160,12 @@ def test_diloco_resumed_with_fewer_workers_from_a_round_end_is_the_checkpoint_st
     assert check_resume(cfg, run_dir, 2)["step"] == 28
 
     summary = launch_local(cfg)
-    assert summary["steps"] == 40 and summary["resumed_from_step"] == 28
-    assert summary["workers"] == 2 and summary["workers_at_end"] == 2
-    [change] = summary["membership"]
-    assert change["event"] == "resized" and change["workers_before"] == 3 and change["members"] == [0, 1]
-    assert change["left"] == [2] and change["joined"] == [] and change["resized_at_step"] == 28
-    assert summary["steps_per_worker"] == [40, 40] and summary["segments"] == 2
+    _check_resized(summary, 28)
     ends = [CheckpointStore(run_dir, r, 2).load(40) for r in range(2)]
 
-    # Every sample of the interrupted epoch (steps 20 to 39 of the 3 workers) once.
-    train_set, _ = load_dataset("synthetic", num_samples=cfg.data.num_samples, seed=cfg.run.seed)
-    parts = split(first, train_set, 3)
-    taken = [torch.cat([ShardSampler(parts[r], 16, cfg.run.seed, r).batch(s) for s in range(20, 28)]) for r in range(3)]
-    plan = plan_of(cfg, train_set, ends[0][PLAN_KEY])
-    assert plan.members == [0, 1] and torch.equal(plan.state(), ends[1][PLAN_KEY])
-    left = sum(len(p) for p in parts) - 3 * 8 * 16  # 576 samples, 288 for each new worker: 18 steps
-    assert [len(plan.samplers[w].carry) for w in (0, 1)] == [left // 2, left // 2]
-    rest = [torch.cat([plan.samplers[w].batch(s) for s in range(28, 28 + left // 32)]) for w in (0, 1)]
-    epoch = torch.cat([*taken, *rest])
-    assert torch.equal(torch.sort(epoch).values, torch.arange(len(train_set))), "every sample of the epoch once"
+    # Every sample of the interrupted epoch (steps 20 to 39 of the 3 workers) once: 576 samples
+    # left, 288 for each new worker: 18 steps.
+    train_set, _, plan = _check_epoch_once(first, cfg, ends, 20, 28)
 
     # The reference: three rounds of the 2 workers from the checkpoint, computed here.
     torch.set_num_threads(cfg.run.threads)
