@@ -68,6 +68,7 @@ from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError, WorkerFailure
+from distrain.runtime.checkpoint import epoch_steps
 from distrain.runtime.faults import grads_finite, nonfinite_error, start_heartbeat, store_client
 from distrain.runtime.membership import (
     JOIN_ENV,
@@ -858,7 +859,7 @@ class DistributedOptimizer:
             classes = np.asarray(labels) if labels is not None else labels_of(dataset)
         parts = partition_indices(classes, self.workers, d.partition, alpha=d.dirichlet_alpha, seed=self.config.run.seed)
         if self.steps_per_epoch is None:
-            self.steps_per_epoch = max(1, sum(len(p) for p in parts) // (self.workers * d.batch_size))
+            self.steps_per_epoch = epoch_steps(sum(len(p) for p in parts), self.workers, d.batch_size)
         if self.total_steps is None:
             self.total_steps = max(1, round(self.config.run.epochs * self.steps_per_epoch))
         return Subset(dataset, parts[self.rank].tolist())

@@ -196,6 +196,17 @@ def content_digest(state: Any) -> str:
     return digest.hexdigest()
 
 
+def epoch_steps(samples: int, workers: int, batch_size: int) -> int:
+    """The steps of an epoch: ``samples`` training samples in global batches of ``workers`` x
+    ``batch_size`` (at least one).
+
+    Example::
+
+        epoch_steps(1280, 4, 16)  # 20
+    """
+    return max(1, samples // (workers * batch_size))
+
+
 def planned_steps(epochs: float, steps_per_epoch: int) -> int:
     """The number of steps of a run of ``epochs`` epochs (at least one).
 

@@ -53,6 +53,7 @@ from distrain.runtime.checkpoint import (
     SET_SIZE_KEY,
     CheckpointStore,
     check_compatible,
+    epoch_steps,
     planned_steps,
 )
 from distrain.runtime.faults import (
@@ -176,7 +177,7 @@ def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset
         small = min(shards, key=lambda s: s["size"])
         raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
     total_train = sum(s["size"] for s in shards)
-    steps_per_epoch = max(1, total_train // (world * cfg.data.batch_size))
+    steps_per_epoch = epoch_steps(total_train, world, cfg.data.batch_size)
     total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
     sampler = ShardSampler(shard, cfg.data.batch_size, cfg.run.seed, rank)
     return WorkerData(train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler)
@@ -250,7 +251,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         check_worker_count(state, cfg.algo.algorithm, world, workers_per_node=cfg.algo.workers_per_node,
                            dataset=cfg.data.dataset, setting=resize_setting(cfg))
         if first_world != world:
-            steps_per_epoch = max(1, sum(s["size"] for s in shards) // (first_world * cfg.data.batch_size))
+            steps_per_epoch = epoch_steps(sum(s["size"] for s in shards), first_world, cfg.data.batch_size)
             total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
         check_epoch_length(state, steps_per_epoch)
         if int(state["step"]) >= total_steps:  # nothing left to train: touch nothing
