@@ -567,15 +567,24 @@ class DistributedOptimizer:
 
     def _note_lost(self, lost: dict[int, float]) -> None:
         """Workers lost in a run whose group stays as it is (the parameter servers serve the
-        others): the members and the record of the change follow, so a loop splits the data
-        again over the survivors (``distrain train`` does)."""
+        others; asynchronous gossip goes on without them): the members and the record of the
+        change follow, so a loop splits the data again over the survivors (``distrain train``
+        does). Workers no longer members (a joiner learns of losses before its admission) are
+        left out."""
+        lost = {i: t for i, t in lost.items() if i in self.ids}
+        if not lost:
+            return
         members = [i for i in self.ids if i not in lost]
         at = min(lost.values())
         self.ids, self.workers = members, len(members)
         self.changes.append(Change(epoch=len(self.changes) + 1, members=members, lost=sorted(lost), steps={}, at=at,
                                    seconds=max(0.0, time.time() - at), step=self.steps))
-        log.warning("worker %d: the servers lost worker(s) %s at step %d; %d workers go on", self.id, sorted(lost),
-                    self.steps, self.workers)
+        if self.algorithm.synchronous:  # (asynchronous gossip's engine has said so already)
+            log.warning("worker %d: the servers lost worker(s) %s at step %d; %d workers go on", self.id,
+                        sorted(lost), self.steps, self.workers)
+        else:
+            log.info("worker %d: lost worker(s) %s at step %d; the data is dealt out over %d workers", self.id,
+                     sorted(lost), self.steps, self.workers)
 
     def _note_joined(self) -> None:
         """At a step's end, in a parameter-server run: when the workers and servers agreed to admit

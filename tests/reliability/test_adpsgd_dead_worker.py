@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distrain.runtime.checkpoint import load_checkpoint
+from distrain.train.loop import PLAN_KEY
 from tests.reliability.common import QUICK, run_cli, run_losing_worker
 
 pytestmark = pytest.mark.timeout(400)
@@ -25,6 +26,24 @@ def finite_final_models(run_dir, ranks):  # noqa: ANN001, ANN201
         final = max(run_dir.glob(f"checkpoints/step-*/rank-{rank:04d}.pt"))
         for name, tensor in load_checkpoint(final)["model"].items():
             assert torch.isfinite(tensor).all(), f"worker {rank}: {name}"
+
+
+def survivors_took_over_its_data(run_dir, lost: int, survivors: list[int]) -> None:  # noqa: ANN001
+    """Each survivor recorded the loss and dealt the data out again: its final checkpoint holds a
+    data plan over the survivors alone (the lost worker's shard is theirs now, see
+    :class:`~distrain.data.sampler.DataPlan`), and its learning rate (constant in QUICK) follows
+    the linear scaling rule from 4 workers to 3 at the step it learned of the loss."""
+    for rank in survivors:
+        final = load_checkpoint(max(run_dir.glob(f"checkpoints/step-*/rank-{rank:04d}.pt")))
+        state = final[PLAN_KEY].tolist()
+        assert state[2 : 2 + state[1]] == survivors, (rank, state[:6])
+        lines = [json.loads(line) for line in (run_dir / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]
+        [event] = [r for r in lines if r.get("event") == "lost"]
+        assert (event["workers"], event["members"]) == ([lost], survivors), (rank, event)
+        steps = [r for r in lines if "lr" in r]
+        before = steps[0]["lr"]
+        assert all(r["lr"] == before for r in steps if r["step"] <= event["step"]), rank
+        assert all(r["lr"] == pytest.approx(before * 3 / 4) for r in steps if r["step"] > event["step"]), rank
 
 
 def kill_one_of_four(tmp_path, flags: list[str], three_flags: list[str] = ()) -> None:  # noqa: ANN001
@@ -58,13 +77,15 @@ def test_a_killed_active_worker_is_dropped_without_waiting_for_the_peer_timeout(
     second: the others finish without it long before --peer-timeout (60 s here; before, a busy
     passive worker only looked when idle, and waited that long)."""
     run_dir = tmp_path / "run"
-    run, summary = run_losing_worker(run_dir, [*QUICK, *ADPSGD_SHORT, "--workers", "4", "--peer-timeout", "60"], rank=2)
+    run, summary = run_losing_worker(run_dir, [*QUICK, *ADPSGD_SHORT, "--workers", "4", "--peer-timeout", "60",
+                                                     "--epochs", "3"], rank=2)  # 3 s: time to learn of the loss
     assert "worker 2 was killed by SIGKILL; the other workers finished without it" in run.stderr
     assert run.wall < 45, run.wall  # the whole run: about 10 s; waiting for the peer timeout: over 60 s
     steps = summary["steps_per_worker"]
     assert min(steps[i] for i in (0, 1, 3)) > 30
     assert sum(steps) + 30 >= summary["steps"] * 4  # the survivors used the whole (global) budget
     finite_final_models(run_dir, [0, 1, 3])
+    survivors_took_over_its_data(run_dir, 2, [0, 1, 3])
 
 
 @pytest.mark.slow  # `make test-all`: the active-worker test is the CI's

@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 
 from tests.reliability.common import QUICK, run_losing_worker
-from tests.reliability.test_adpsgd_dead_worker import finite_final_models, kill_one_of_four
+from tests.reliability.test_adpsgd_dead_worker import (
+    finite_final_models,
+    kill_one_of_four,
+    survivors_took_over_its_data,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -23,7 +27,7 @@ def test_a_killed_worker_is_never_grouped_again(tmp_path, rank):
     """A worker dies: its partner or the generator finds it gone, and the three others finish the
     whole budget in groups without it. Worker 0 runs the group generator: worker 1 takes over."""
     run_dir = tmp_path / "run"
-    run, summary = run_losing_worker(run_dir, [*QUICK, *PRAGUE_SHORT, "--workers", "4"], rank=rank)
+    run, summary = run_losing_worker(run_dir, [*QUICK, *PRAGUE_SHORT, "--workers", "4", "--epochs", "3"], rank=rank)
     assert f"worker {rank} was killed by SIGKILL; the other workers finished without it" in run.stderr
     if rank == 0:
         assert "worker 1 forms the groups from now on" in run.stderr
@@ -32,6 +36,7 @@ def test_a_killed_worker_is_never_grouped_again(tmp_path, rank):
     assert min(steps[i] for i in survivors) > 30
     assert sum(steps) + 30 >= summary["steps"] * 4  # the survivors used the whole (global) budget
     finite_final_models(run_dir, survivors)
+    survivors_took_over_its_data(run_dir, rank, survivors)
 
 
 @pytest.mark.slow  # `make test-all`: three runs; the test above is the CI's

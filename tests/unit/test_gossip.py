@@ -309,3 +309,35 @@ def test_asynchronous_gossip_honours_min_workers():
     algo.state.mark_lost(1)
     with pytest.raises(WorkerFailure, match=r"lost workers \[1, 3\]; 2 left, fewer than --min-workers 3"):
         algo._check_members()
+
+
+def test_asynchronous_gossip_reports_each_declared_loss_once_so_the_data_is_dealt_out_again():
+    """newly_lost(): a death declared in the store is reported once (the loop then deals the
+    data out over the others); a peer this worker's own gossip found gone is reported at once,
+    without waiting for the next look in the store; a worker that joined again and is declared
+    dead a second time is reported again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from distrain.algorithms.adpsgd import ADPSGD
+    from distrain.launch.common import free_port
+    from distrain.runtime.health import DEAD_KEY, Liveness, declare_dead
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    worker = object.__new__(ADPSGD)  # the hook's state only: no engine threads, no process group
+    worker.engine, worker.state = object(), SharedModel(torch.zeros(2), rank=0, world=4)
+    worker._reported, worker._lost_checked, worker._dead = {}, -1.0, Liveness("127.0.0.1", port, 4)
+    assert worker.newly_lost(force=True) == {}
+    declare_dead(master, 2)
+    [(lost, first)] = worker.newly_lost(force=True).items()
+    assert lost == 2
+    assert worker.newly_lost(force=True) == {}  # once
+    worker.state.mark_lost(3)  # its gossip found worker 3 gone: no need to wait for the store
+    assert list(worker.newly_lost()) == [3]
+    assert worker.newly_lost() == {}
+    master.delete_key(DEAD_KEY.format(2))  # worker 2 started again (its next life) ...
+    declare_dead(master, 2)  # ... and lost again
+    [(lost, second)] = worker.newly_lost(force=True).items()
+    assert lost == 2 and second >= first

@@ -49,7 +49,7 @@ from distrain.algorithms.rejoin import Admissions
 from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import WorkerFailure
-from distrain.runtime.health import Liveness
+from distrain.runtime.health import LOST_CHECK_S, Liveness
 from distrain.runtime.membership import Change, LeftOut, Membership, restarted_workers
 
 log = logging.getLogger(__name__)
@@ -595,6 +595,9 @@ class AsyncGossip(Algorithm):
         self._stop_requested = False
         self.control: Transport | None = None  # after training: the survivors' group, if workers were lost
         self.lost_workers: dict[int, float] = {}
+        self._reported: dict[int, float] = {}  # deaths newly_lost() reported (id -> when declared)
+        self._lost_checked = -LOST_CHECK_S
+        self._dead: Liveness | None = None  # the main thread's own store client (see newly_lost)
         self._last_step_at: float | None = None
         self._consensus_distance: float | None = None
 
@@ -641,6 +644,30 @@ class AsyncGossip(Algorithm):
         asked (see :mod:`distrain.algorithms.rejoin`)."""
         admissions = self.engine.admissions if self.engine is not None else None
         return admissions.newly_joined() if admissions is not None else []
+
+    def newly_lost(self, force: bool = False) -> dict[int, float]:
+        """Workers declared dead since this worker last asked (id -> Unix time of the
+        declaration). The others go on in the same group, so the loop deals the data out again
+        over them: without it the lost worker's shard would never be seen again (a worker lost
+        early takes a quarter of a 4-worker run's samples with it). Read from the run's store at
+        once when this worker's gossip found a peer gone, else every ``LOST_CHECK_S / 4`` seconds
+        at most unless ``force`` (a few store requests; the others learn of losses there). A worker that joined again and is lost once
+        more is reported again (a new declaration)."""
+        now = time.monotonic()
+        if self.engine is None:
+            return {}
+        with self.state.lock:
+            found = self.state.lost - self._reported.keys()
+        if not found and not force and now - self._lost_checked < LOST_CHECK_S / 4:
+            return {}
+        self._lost_checked = now
+        if self._dead is None:
+            self._dead = self.liveness(self.state.world)
+        dead = self._dead.dead_ranks() if self._dead is not None else {}
+        dead.update({r: time.time() for r in found if r not in dead})
+        new = {r: t for r, t in dead.items() if r != self.state.rank and self._reported.get(r) != t}
+        self._reported.update(new)
+        return new
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0

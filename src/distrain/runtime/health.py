@@ -314,6 +314,11 @@ def declare_dead(store: dist.Store | None, rank: int) -> None:
 _MISSING = "\x00missing"
 
 
+#: How often a worker that goes on in the same group (parameter servers, asynchronous gossip)
+#: looks in the store for workers declared dead (seconds).
+LOST_CHECK_S = 1.0
+
+
 def dead_since(store: dist.Store, rank: int) -> float | None:
     """When process ``rank`` was declared dead (Unix time), or None when it is not (or no longer:
     a worker started again deletes its mark). One atomic read: a check followed by a get would

@@ -56,6 +56,3 @@ def servers_link(membership: Membership, worker: int, me: int, settings: PSSetti
     return open_link(membership.store_prefix(f"servers/{worker}"), [*servers, worker], me, workers + settings.servers,
                      settings.run.timeout, link_model, host=os.environ.get("MASTER_ADDR", "127.0.0.1"))
 
-
-#: How often a worker of an elastic run looks in the store for workers the servers lost (seconds).
-LOST_CHECK_S = 1.0

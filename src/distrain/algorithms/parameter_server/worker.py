@@ -14,7 +14,6 @@ import torch
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.algorithms.hierarchical import NodeGroups
 from distrain.algorithms.parameter_server.elastic import (
-    LOST_CHECK_S,
     servers_link,
     survivors_transport,
 )
@@ -44,7 +43,7 @@ from distrain.compress.momentum_correction import MomentumCorrection
 from distrain.compress.pushes import ShardPush, send_message
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import is_comm_error, store_client
-from distrain.runtime.health import dead_since, declared_dead
+from distrain.runtime.health import LOST_CHECK_S, dead_since, declared_dead
 
 log = logging.getLogger(__name__)
 
