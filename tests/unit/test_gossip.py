@@ -341,3 +341,18 @@ def test_asynchronous_gossip_reports_each_declared_loss_once_so_the_data_is_deal
     declare_dead(master, 2)  # ... and lost again
     [(lost, second)] = worker.newly_lost(force=True).items()
     assert lost == 2 and second >= first
+
+
+def test_a_dead_mark_of_a_joiners_earlier_life_is_not_a_new_loss():
+    """A joiner deletes its earlier life's dead mark only once it enters, after the members
+    admitted it; a member that reads the mark after the admission must not drop the live joiner
+    (its calls would go unanswered); a mark declared after the admission is a new loss."""
+    import time
+
+    state = SharedModel(torch.zeros(2), rank=1, world=4)
+    before = time.time()
+    state.mark_lost(2)
+    state.revive(2, epoch=1)
+    assert state.current_deaths({2: before, 3: before}) == {3: before}  # worker 3 never came back
+    later = time.time() + 1
+    assert state.current_deaths({2: later}) == {2: later}

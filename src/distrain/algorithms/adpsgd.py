@@ -383,7 +383,9 @@ class PairwiseGossip(GossipEngine):
     def _drop_lost_callers(self, calling: set[int]) -> None:
         """Callers given up on (by the watch, or by another worker): no DONE will come from them."""
         if self.liveness is not None:
-            for peer in set(self.liveness.dead_ranks()) & calling - self.state.lost:
+            with self.state.lock:
+                candidates = calling - self.state.lost  # before the store is read: see current_deaths
+            for peer in set(self.state.current_deaths(self.liveness.dead_ranks())) & candidates:
                 self.state.mark_lost(peer)
         with self.state.lock:
             calling -= self.state.lost

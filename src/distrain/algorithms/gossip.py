@@ -112,6 +112,7 @@ class SharedModel:
         self.done = [0] * world
         self.rounds = 0  # averagings this worker took part in
         self.lost: set[int] = set()  # peers this worker found gone (asynchronous runs go on without them)
+        self.revived_at: dict[int, float] = {}  # Unix time this worker learned a peer joined again
         self.steps_at_round = 0  # this worker's steps when its last averaging ended
         self.lag_seconds = 0.0  # time the main thread waited for an averaging (--max-lag)
         self.step_seconds = 0.01  # moving average of this worker's step time (paces idle gossip)
@@ -185,7 +186,16 @@ class SharedModel:
             self.done[rank] = max(self.done[rank], 2 * epoch)
             if not self.done[rank] & 1:
                 self.lost.discard(rank)
+                self.revived_at[rank] = time.time()
             self.lock.notify_all()
+
+    def current_deaths(self, dead: dict[int, float]) -> dict[int, float]:
+        """Of the store's ``dead`` marks (rank -> when declared), those of a peer's current life.
+        A joiner deletes its earlier life's mark only once it enters, after the members admitted
+        it: a mark declared before this worker learned of the admission is that earlier life's,
+        and taken for a new loss it would drop a live joiner (whose calls then go unanswered)."""
+        with self.lock:
+            return {r: t for r, t in dead.items() if t > self.revived_at.get(r, float("-inf"))}
 
     def finish(self) -> None:
         """This worker's training budget is used up: mark it done and wake the gossip."""
@@ -663,7 +673,7 @@ class AsyncGossip(Algorithm):
         self._lost_checked = now
         if self._dead is None:
             self._dead = self.liveness(self.state.world)
-        dead = self._dead.dead_ranks() if self._dead is not None else {}
+        dead = self.state.current_deaths(self._dead.dead_ranks()) if self._dead is not None else {}
         dead.update({r: time.time() for r in found if r not in dead})
         new = {r: t for r, t in dead.items() if r != self.state.rank and self._reported.get(r) != t}
         self._reported.update(new)
