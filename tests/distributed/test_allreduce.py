@@ -24,7 +24,7 @@ def reference_parameters(cfg, world: int, steps: int) -> dict[str, torch.Tensor]
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model.model, train_set.input_shape, train_set.num_classes, width=cfg.model.model_width, depth=cfg.model.model_depth)
     lr = scaled_lr(cfg.optim.lr, world * cfg.data.batch_size, cfg.optim.reference_batch)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.optim.momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
     for step in range(steps):
         x, y = batches_of(train_set, torch.cat([s.batch(step) for s in samplers]))
         opt.zero_grad()

@@ -71,16 +71,17 @@ def test_sync_ps_equals_single_process_on_concatenated_batches(tmp_path, servers
 
 
 @pytest.mark.timeout(240)
-def test_async_ps_with_zero_staleness_equals_sync(tmp_path):
-    # with momentum (the default 0.9): the servers' momentum advances once per round of pushes
-    settings = {"algorithm": "ps", "servers": 2, "workers": 3, "weight_decay": 0.001}
-    sync = launch_local(small_config(str(tmp_path / "sync"), **settings))
-    launch_local(small_config(str(tmp_path / "async"), ps_mode="async", max_staleness=0, **settings))
-    steps = sync["steps"]
-    want = final_models(tmp_path / "sync", 3, 2, steps)[0]
-    for got in final_models(tmp_path / "async", 3, 2, steps):
+def test_async_ps_with_zero_staleness_equals_one_process_on_concatenated_batches(tmp_path):
+    """Async mode with --max-staleness 0 is sync mode: every worker ends with the parameters of one
+    process stepped on the 3 workers' concatenated batches (the reference sync mode meets above),
+    with momentum (the default 0.9: the servers' momentum advances once per round of pushes)."""
+    cfg = small_config(str(tmp_path / "async"), algorithm="ps", servers=2, workers=3, weight_decay=0.001,
+                       ps_mode="async", max_staleness=0)
+    steps = launch_local(cfg)["steps"]
+    want = reference_parameters(cfg, 3, steps)
+    for rank, got in enumerate(final_models(tmp_path / "async", 3, 2, steps)):
         for name, tensor in want.items():
-            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
 @pytest.mark.slow  # make test-all: hierarchical aggregation stays in CI through test_hierarchical.py (all-reduce)
