@@ -160,6 +160,7 @@ def test_parameter_servers_refuse_an_optimizer_they_cannot_step(tmp_path: Path):
     assert "ps_mode: async servers step SGD, Adam or AdamW, not Rprop; use ps_mode sync" in done.stderr
 
 
+@pytest.mark.slow  # `make test-all` (about 9 s): test_diloco.py checks the outer step against references in CI
 def test_diloco_with_one_inner_step_and_plain_outer_sgd_is_allreduce_sgd(tmp_path: Path):
     # H = 1, outer SGD at lr 1 without momentum: the shared parameters move by the mean of the
     # workers' single SGD steps, which is all-reduce SGD (the StepLR acts on the inner optimizer).
@@ -250,8 +251,11 @@ def reference_accuracy(steps: int) -> float:
         return (model(x[3200:]).argmax(1) == y[3200:]).float().mean().item()
 
 
-@pytest.mark.parametrize("launcher", ["launch", pytest.param("torchrun", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("algorithm", [pytest.param("adpsgd", marks=pytest.mark.slow), "prague"])  # the same path
+# `make test-all` (about 11 s a case): in CI Prague runs through wrap() and distrain launch in
+# test_elastic.py's join test, with uneven steps (the joiner's)
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["launch", "torchrun"])
+@pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])  # the same path
 def test_asynchronous_finishes_with_uneven_steps(tmp_path: Path, launcher: str, algorithm: str):
     settings = {"epochs": 3, "batch_size": user.BATCH}
     if launcher == "launch":

@@ -88,17 +88,32 @@ def test_torchrun_two_processes(tmp_path):
     (["--device", "cuda"], "--device"),
     (["--batch-size", "100000"], "--batch-size"),
 ])
-def test_bad_values_exit_2_with_one_line_naming_the_flag(tmp_path, args, flag):
+def test_bad_values_exit_2_with_one_line_naming_the_flag(tmp_path, capsys, args, flag):
+    """In this process (the checks run before any worker starts); the test below types one."""
+    from distrain.cli import main
+
     if args == ["--device", "cuda"]:
         import torch
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
+    try:
+        code = main(["train", "--run-dir", str(tmp_path / "r"), *QUICK, *args])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, lines)
+    assert flag in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args,flag", [(["--lr", "abc"], "--lr"), (["--batch-size", "100000"], "--batch-size")])
+def test_a_bad_value_typed_exits_2_with_one_line(tmp_path, args, flag):
+    """As a user types it: an argparse error and one found once the data is loaded."""
     out = distrain("train", "--run-dir", str(tmp_path / "r"), *QUICK, *args, timeout=120)
     assert out.returncode == 2, (out.returncode, out.stderr)
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1, out.stderr
-    assert flag in lines[0]
+    assert len(lines) == 1 and flag in lines[0], out.stderr
 
 
 def test_help_documents_every_flag():

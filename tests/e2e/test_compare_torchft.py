@@ -18,6 +18,7 @@ pytest.importorskip("torchft", reason="the torchft peers need torchft: pip insta
 H, LATENCY = 5, 0.005  # the job below takes 30 steps: 6 syncs, the last one at the last step
 
 
+@pytest.mark.slow  # `make test-all` (about 15 s): test_torchft_peers.py runs torchft's DiLoCo against distrain's in CI
 @pytest.mark.timeout(240)
 def test_compare_runs_both_torchft_peers_beside_diloco(tmp_path: Path) -> None:
     out = tmp_path / "cmp"

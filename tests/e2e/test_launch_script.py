@@ -36,12 +36,29 @@ def launch(args: list[str], cwd: Path, timeout: float = 120) -> tuple[subprocess
     (["missing.py"], "SCRIPT"),
     ([], "SCRIPT"),
 ])
-def test_bad_input_is_one_line_before_anything_starts(tmp_path: Path, args: list[str], flag: str):
+def test_bad_input_is_one_line_before_anything_starts(tmp_path: Path, capsys, monkeypatch, args: list[str],
+                                                      flag: str):
+    """In this process (the checks come before any process starts); the test below types one."""
+    from distrain.cli import main
+
     (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
-    done, orphans = launch(args, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["launch", *args])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and flag in lines[0], (code, out.err)
+    assert "must not run" not in out.out + out.err
+
+
+def test_bad_input_typed_is_one_line_and_starts_nothing(tmp_path: Path):
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    done, orphans = launch(["--bandwidth", "10parsecs", "x.py"], tmp_path)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and flag in lines[0], done.stderr
+    assert len(lines) == 1 and "--bandwidth" in lines[0], done.stderr
     assert "must not run" not in done.stdout + done.stderr
     assert orphans == []
 

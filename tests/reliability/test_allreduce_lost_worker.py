@@ -154,10 +154,11 @@ def test_a_stuck_worker_stops_vouching_for_itself_and_is_left_behind_long_before
     assert summary["workers_at_end"] == 3 and run.wall < 60  # the command too: nobody waited for the timeout
 
 
-@pytest.mark.parametrize("algorithm", [
-    ["--algorithm", "allreduce"],
-    pytest.param(["--algorithm", "ps", "--servers", "2"], marks=pytest.mark.slow),
-], ids=["allreduce", "ps"])
+# `make test-all` (about 16 s): in CI test_resize.py resumes a set saved by other members and
+# test_resume.py a finished run, the two halves of this case
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", [["--algorithm", "allreduce"], ["--algorithm", "ps", "--servers", "2"]],
+                         ids=["allreduce", "ps"])
 def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tmp_path, algorithm):
     """Worker 0 is lost at step 12 and the others (and the servers) save their checkpoints
     without it. Resuming the finished run touches nothing; resuming it for another epoch starts
