@@ -526,10 +526,12 @@ class GroupGenerator:
             gone |= {w for w in quiet if w in self.deaf and now - self.heard[w] > 2 * self.timeout}  # cut off
             for w in gone:
                 live.declare_dead(w)  # before counting it done: see AsyncGossip._survivors
+            with self.lock:  # before the store is read: a joiner revived during the read (its earlier
+                known = set(self.lost)  # life's mark just deleted) is in it, and its old mark is no loss
             dead = set(live.dead_ranks())
             if self.rank in dead:  # this worker was silent and the others went on without it
                 raise LeftBehind(self.rank)
-            gone |= dead - self.lost
+            gone |= dead - known
             for w in sorted(gone):
                 self.deliver(self.drop(w))
             # A ready worker whose ring costs more than the median waits that much before it is
