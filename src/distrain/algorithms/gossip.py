@@ -661,8 +661,8 @@ class AsyncGossip(Algorithm):
         over them: without it the lost worker's shard would never be seen again (a worker lost
         early takes a quarter of a 4-worker run's samples with it). Read from the run's store at
         once when this worker's gossip found a peer gone, else every ``LOST_CHECK_S / 4`` seconds
-        at most unless ``force`` (a few store requests; the others learn of losses there). A worker that joined again and is lost once
-        more is reported again (a new declaration)."""
+        at most unless ``force`` (a few store requests; the others learn of losses there). A
+        worker that joined again and is lost once more is reported again (a new declaration)."""
         now = time.monotonic()
         if self.engine is None:
             return {}
