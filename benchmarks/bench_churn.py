@@ -3,8 +3,8 @@ killed every 30 s with restarts on.
 
 For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2``,
 ``ps`` (with 2 servers; a worker is killed), ``ps-server`` (ps with 2 servers, one of them
-killed: the other takes over its parameters), ``adpsgd`` and ``prague`` go on too;
-``ps-server`` takes no restarts: a lost server is not started again), on the default
+killed: the other takes over its parameters; started again, it takes them back), ``adpsgd`` and
+``prague`` go on too), on the default
 job (``distrain train``: MNIST-1D, the CNN, 4 workers; DiLoCo for 45 epochs, see ``EPOCHS``) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -13,7 +13,8 @@ job (``distrain train``: MNIST-1D, the CNN, 4 workers; DiLoCo for 45 epochs, see
   no process is left, the summary shows that worker lost and the 3 others at the run's end;
 * **kill + restart**: the same with ``--max-restarts 1`` and the step drawn between 5% and 50%
   (the restarted worker needs a few seconds to start and load its data before it can join). It
-  passes if the run also ends with 4 workers.
+  passes if the run also ends with 4 workers (``ps-server``: and the summary shows the server
+  back, ``returned_servers``).
 
 Recovery time: from the kill (the time the killed process wrote before dying) to the members'
 agreement with the new group open (``unix_time`` of the change in ``summary.json``): detection,
@@ -73,7 +74,7 @@ ALGORITHM = {"ps-server": "ps"}
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
-NO_RESTARTS = {"ps-server"}
+NO_RESTARTS: set[str] = set()
 #: Epochs of the kill cases where the default job's 15 are too short for a restart: DiLoCo trains
 #: them in about 5 s here (930 steps of about 6 ms), and a restarted worker needs about 3 s to
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.
@@ -189,12 +190,14 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
            "workers_at_end": summary["workers_at_end"] if summary else None,
            "final_test_accuracy": summary["final_test_accuracy"] if summary else None,
            "recovery_s": lost[0]["unix_time"] - killed_at if lost and killed_at else None,
-           "lost": lost[0]["workers"] if lost else None}
+           "lost": lost[0]["workers"] if lost else None,
+           "returned": sorted(WORKERS + int(s) for s in (summary or {}).get("returned_servers", {}))}
     row["accuracy_minus_no_fault"] = (row["final_test_accuracy"] - reference
                                       if row["final_test_accuracy"] is not None else None)
     want = WORKERS if restart or algorithm == "ps-server" else WORKERS - 1
+    back = [victim] if restart and algorithm == "ps-server" else []  # a server started again takes its range back
     row["passed"] = (out["returncode"] == 0 and not out["hung"] and not out["left_running"]
-                     and row["lost"] == [victim] and row["workers_at_end"] == want)
+                     and row["lost"] == [victim] and row["workers_at_end"] == want and row["returned"] == back)
     if not row["passed"]:  # the whole story of a failure (its warnings, every worker's last word)
         row["stderr_lines"] = [line.replace(str(tmp), "<tmp>") for line in stderr.strip().splitlines()[-STDERR_LINES:]]
     return row

@@ -159,13 +159,31 @@ def serve(config: TrainConfig, run_dir: str | Path | None, like: torch.optim.Opt
     ``like``: the workers' optimizer (default: the one ``config`` describes); ``run_dir`` None
     saves no checkpoint and resumes from none.
     """
+    like, emulation = _server_parts(config, like)
+    parameter_server.serve(server_settings(config), run_dir, like, emulation, gather_totals=gather_totals)
+
+
+def serve_again(config: TrainConfig, run_dir: str | Path | None, rank: int, like: torch.optim.Optimizer | None = None,
+                *, gather_totals: bool = True) -> None:
+    """Run parameter server ``rank`` (its rank in the run) started again after its loss: it
+    returns to the run and takes its range back (see
+    :func:`~distrain.algorithms.parameter_server.serve_again`); as :func:`serve` otherwise."""
+    like, emulation = _server_parts(config, like, rank)
+    parameter_server.serve_again(server_settings(config), run_dir, like, emulation, rank, gather_totals=gather_totals)
+
+
+def _server_parts(config: TrainConfig, like: torch.optim.Optimizer | None,
+                  rank: int | None = None) -> tuple[torch.optim.Optimizer, Emulation]:
+    """The optimizer a server copies (``like``, or the one ``config`` describes) and its emulated
+    links (``rank``: its rank in the run, where it is not in the default process group)."""
     if like is None:
         o = config.optim
         like = build_optimizer(o.optimizer, [torch.zeros(1, requires_grad=True)], lr=o.lr, momentum=o.momentum,
                                weight_decay=o.weight_decay)
-    emulation = Emulation.from_config(config.network, seed=config.run.seed, workers=config.cluster.workers,
+    world = None if rank is None else config.cluster.workers + config.ps.servers
+    emulation = Emulation.from_config(config.network, rank, world, seed=config.run.seed, workers=config.cluster.workers,
                                       workers_per_node=config.algo.workers_per_node)
-    parameter_server.serve(server_settings(config), run_dir, like, emulation, gather_totals=gather_totals)
+    return like, emulation
 
 
 # -- what each algorithm refuses before any worker starts ------------------------------------

@@ -62,7 +62,7 @@ from distrain.algorithms.parameter_server import (
     admissions,
     server_optimizer,
 )
-from distrain.assemble import build_algorithm, serve, survives
+from distrain.assemble import build_algorithm, serve, serve_again, survives
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data.partition import labels_of, partition_indices
@@ -152,6 +152,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
         return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                                     workers_group=process_group, process_group=process_group)
     if os.environ.get(JOIN_ENV) and not dist.is_initialized():  # a worker started again after its loss
+        if int(os.environ.get("RANK", "0")) >= cfg.cluster.workers:  # a parameter server: it takes its range back
+            _serve_again(cfg, optimizer)
         try:
             joined = enter_run(cfg)
         except RunEnded as exc:  # the others finished before it could join: nothing left to do
@@ -252,6 +254,16 @@ def _serve(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
     log.info("rank %d: parameter server %d of %d", dist.get_rank(), dist.get_rank() - cfg.cluster.workers,
              cfg.ps.servers)
     serve(cfg, None, optimizer, gather_totals=False)
+    raise SystemExit(0)
+
+
+def _serve_again(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
+    """This process is a parameter server started again after its loss: return to the run, serve
+    until the workers are done, then leave the process (SystemExit(0)), as :func:`_serve`."""
+
+    rank = int(os.environ["RANK"])
+    log.info("rank %d: parameter server %d started again; it returns to the run", rank, rank - cfg.cluster.workers)
+    serve_again(cfg, None, rank, optimizer, gather_totals=False)
     raise SystemExit(0)
 
 
@@ -590,14 +602,21 @@ class DistributedOptimizer:
         """At a step's end, in a parameter-server run: when the workers and servers agreed to admit
         workers started again after this step, the members and the record of the change follow
         (the servers hand them the parameters), so a loop splits the data again over them. A loss
-        not read from the store yet (a joiner's own earlier one among them) is recorded first."""
+        not read from the store yet (a joiner's own earlier one among them) is recorded first. A
+        parameter server started again after its loss takes its range back here too
+        (:meth:`~distrain.algorithms.parameter_server.ParameterServer.server_back`)."""
         assert self.joins is not None
         growth = self.joins.planned_growth(self.steps)
         if growth is None or growth.at != self.steps:
             return
         assert isinstance(self.algorithm, ParameterServer)
         since = time.perf_counter()
-        change = self.joins.admit(growth, self.steps, since, self.algorithm.live_workers())
+        change = self.joins.admit(growth, self.steps, since, self.algorithm.live_workers(),
+                                  servers_from=self.config.cluster.workers)
+        for server in change.returned:  # a lost server started again takes its range back
+            self.algorithm.server_back(server, self.joins, change.members)
+        if not change.joined:
+            return
         missed = {i: time.time() for i in self.ids if i not in change.members or i in change.joined}
         missed.update({i: t for i, t in self.algorithm.newly_lost(force=True).items() if i in self.ids})
         if missed:

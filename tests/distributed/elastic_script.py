@@ -40,10 +40,14 @@ def main() -> None:
     opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), **settings)
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
 
+    returned = []  # the step after which a lost parameter server was back
+
     def more() -> bool:
         if where != "rejoin":
             return opt.steps < steps
-        joins = [c.step for c in opt.changes if c.joined]  # after a join: 4 steps more, all four workers
+        if getattr(opt.algorithm, "returned_servers", None) and not returned:
+            returned.append(opt.steps)
+        joins = [c.step for c in opt.changes if c.joined] + returned  # after a join: 4 steps more, all back
         return not joins or opt.steps < max(steps, joins[0] + 4)
 
     while more():  # a worker that joins starts where the others are
@@ -60,7 +64,7 @@ def main() -> None:
     torch.save({"weight": final.weight.detach().clone(), "own": model.weight.detach().clone(),
                 "workers": opt.workers, "ids": opt.ids,
                 "steps": opt.steps, "changes": [c.record() for c in opt.changes],
-                "rounds": opt.algorithm.metrics().get("gossip_rounds", 0)}, out / f"worker{me}.pt")
+                "rounds": opt.algorithm.metrics().get("gossip_rounds", 0), "server_back": returned}, out / f"worker{me}.pt")
 
 
 if __name__ == "__main__":

@@ -383,11 +383,12 @@ def test_a_restarted_worker_joins_compressed_parameter_servers_again(tmp_path: P
 
 @pytest.mark.slow
 def test_a_worker_cannot_join_servers_that_took_over_a_lost_one(tmp_path: Path):
-    """Server 1 lost at step 3 (the other takes over its parameters), then worker 0 at step 6 and
-    started again: the servers stop the run with one line when it asks to join, not after a
-    timeout waiting for the lost server on the link."""
-    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:3"}
-    done = launch(tmp_path, 0, 6, "rejoin", "--servers", "2", "--max-restarts", "1", settings={"algorithm": "ps"},
+    """Worker 0 lost at step 3 and started again (the one restart), then server 1 at step 6 (the
+    other takes over its parameters; no restart is left for it): the servers stop the run with
+    one line when the worker asks to join, not after a timeout waiting for the lost server on
+    the link."""
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:6"}
+    done = launch(tmp_path, 0, 3, "rejoin", "--servers", "2", "--max-restarts", "1", settings={"algorithm": "ps"},
                   env=env)
     assert done.returncode == 1
     assert "the servers took over a lost server's parameters; a worker cannot join such a run" in \
@@ -395,21 +396,22 @@ def test_a_worker_cannot_join_servers_that_took_over_a_lost_one(tmp_path: Path):
 
 
 def ps_takeover_reference(lost: tuple[int, int], at: int, steps: int = STEPS, lr: float = 0.1,
-                          momentum: float = 0.9) -> torch.Tensor:
+                          momentum: float = 0.9, again: int | None = None) -> torch.Tensor:
     """SGD with momentum on every worker's gradient, the momentum of the parameters in ``lost``
     (a lost server's range) starting again from zero at step ``at`` (the step redone by the
-    servers that took them over)."""
+    servers that took them over), and at step ``again`` too if given."""
     w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
     buf = None
     for step in range(steps):
         g = torch.stack([gradient(r, step) for r in range(WORKERS)]).mean(0)
         buf = g.clone() if buf is None else momentum * buf + g
-        if step == at:
+        if step in (at, again):
             buf[lost[0] : lost[1]] = g[lost[0] : lost[1]]
         w = w - lr * buf
     return w
 
 
+@pytest.mark.slow  # CI: the return test below takes a lost server over the same way first
 def test_parameter_servers_take_over_a_lost_server(tmp_path: Path):
     """Three servers over 10 parameters ([0, 4), [4, 7), [7, 10)); server 1 is killed as step 3
     begins: every worker finds its push failing, and the two others take over [4, 6) and [6, 7)
@@ -427,6 +429,30 @@ def test_parameter_servers_take_over_a_lost_server(tmp_path: Path):
         assert result["steps"] == STEPS and result["workers"] == WORKERS and result["changes"] == [], r
         torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
     assert not torch.allclose(reference(-1, STEPS), expected, atol=1e-4)  # the reset shows
+
+
+def test_a_restarted_server_takes_its_parameters_back(tmp_path: Path):
+    """Two servers ([0, 5) and [5, 10)); server 1 is killed as step 3 begins and started again
+    (--max-restarts 1): server 0 takes over [5, 10) and redoes step 3 on it (its momentum starts
+    again), then at a step's end agreed in the store server 1 takes the range back: its
+    parameters from a worker, their momentum from server 0. No step lost or applied twice, and
+    the momentum goes on across the return; nothing is left running."""
+    at = 3
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:{at}"}
+    done = launch(tmp_path, -1, at, "rejoin", "--servers", "2", "--max-restarts", "1", settings={"algorithm": "ps"},
+                  env=env)
+    assert done.returncode == 0, done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    [back] = {tuple(result["server_back"]) for result in results.values()}  # every worker saw it after one step
+    steps = max(STEPS, back[0] + 4)
+    assert at < back[0] and f"server 0: server 1 returned after step {back[0]}" in done.stderr
+    expected = ps_takeover_reference((5, 10), at, steps)
+    for r, result in results.items():
+        assert result["steps"] == steps and result["workers"] == WORKERS and result["changes"] == [], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
+    # the reference can fail: had the returned server started its momentum again, or never been lost
+    assert not torch.allclose(ps_takeover_reference((5, 10), at, steps, again=back[0]), expected, atol=1e-4)
+    assert not torch.allclose(reference(-1, STEPS, steps=steps), expected, atol=1e-4)
 
 
 @pytest.mark.slow  # CI: the Prague join test below loses worker 0 the same way first

@@ -1,5 +1,6 @@
 """What parameter servers keep when one is taken over: every parameter owned exactly once after
-each loss, and the optimizer state of the shard kept beside a fresh one for the pieces."""
+each loss, and the optimizer state of the shard kept beside a fresh one for the pieces; when a
+lost server returns, its range given back with the pieces' state."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from distrain.algorithms.parameter_server import (
     scatter_ranges,
     shard_bounds,
 )
+from distrain.algorithms.parameter_server.layout import positions
+from distrain.algorithms.parameter_server.server_optim import shrunk_optimizer, sliced_state
 
 
 def owned_once(layout: ShardLayout, numel: int) -> bool:
@@ -68,3 +71,57 @@ def test_the_shards_state_goes_on_and_the_pieces_start_fresh(kind):
         torch.testing.assert_close(merged.data[3:], fresh_piece.data)
     else:  # Adam's step count is the shard's: the pieces' bias correction differs, and is logged as reset
         assert not torch.allclose(merged.data[3:], torch.full((2,), 5.0))
+
+
+def test_a_returned_server_takes_back_its_range_from_every_holder():
+    """Server 1 lost, then server 2 (which held a piece of 1's range): server 0 holds 1's range in
+    two pieces; when 1 returns, each holder gives back exactly what lies in 1's range, and once 2
+    returns too every server holds its own range again."""
+    layout = ShardLayout(shard_bounds(10, 3))  # [(0, 4)], [(4, 7)], [(7, 10)]
+    layout.take_over(1)
+    layout.take_over(2)
+    assert layout.owned == {0: [(0, 4), (4, 6), (7, 10), (6, 7)]}
+    assert layout.give_back(1) == {0: [(4, 6), (6, 7)]}
+    assert layout.owned == {0: [(0, 4), (7, 10)], 1: [(4, 7)]} and owned_once(layout, 10) and not layout.whole()
+    assert layout.give_back(2) == {0: [(7, 10)], 1: []}
+    assert layout.whole() and owned_once(layout, 10)
+    straddling = ShardLayout(shard_bounds(10, 2))
+    straddling.owned = {0: [(0, 10)]}  # a range across the returning server's bounds is cut at them
+    assert straddling.give_back(1) == {0: [(5, 10)]} and straddling.whole()
+
+
+def test_positions_index_a_servers_shard_in_the_order_of_the_ranges():
+    held = [(0, 4), (7, 10), (4, 6)]  # the shard: 0..3, then 7..9, then 4..5
+    assert positions(held, [(4, 6), (8, 10)]).tolist() == [7, 8, 5, 6]
+    with pytest.raises(ValueError, match="not inside"):
+        positions(held, [(3, 5)])
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_the_pieces_given_back_carry_their_state(kind):
+    """A server that took a piece over gives it back: the returned server's piece, with the state
+    sliced out, steps exactly as the merged shard would have; so does what the holder keeps."""
+    def make(p: torch.nn.Parameter) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p], lr=0.1, momentum=0.9) if kind == "sgd" else torch.optim.AdamW([p], lr=0.1)
+
+    shard = torch.nn.Parameter(torch.arange(5.0))
+    opt = make(shard)
+    for g in (torch.tensor([1.0, -2.0, 0.5, 0.3, 0.7]), torch.tensor([0.3, 0.3, -1.0, 2.0, -0.4])):
+        shard.grad = g.clone()
+        opt.step()
+    give, keep = torch.tensor([3, 4]), torch.tensor([0, 1, 2])
+    piece = torch.nn.Parameter(shard.data[give].clone())
+    piece_opt = make(piece)
+    piece_opt.state[piece] = sliced_state(opt, shard, give)
+    kept, kept_opt = shrunk_optimizer(opt, shard, keep)
+    g = torch.tensor([0.2, -0.1, 0.4, -0.5, 0.9])
+    fresh = torch.nn.Parameter(piece.data.clone())  # the check can fail: a fresh state steps elsewhere
+    fresh.grad = g[give].clone()
+    make(fresh).step()
+    shard.grad, kept.grad, piece.grad = g.clone(), g[keep].clone(), g[give].clone()
+    opt.step()
+    kept_opt.step()
+    piece_opt.step()
+    torch.testing.assert_close(kept.data, shard.data[keep], rtol=0, atol=0)
+    torch.testing.assert_close(piece.data, shard.data[give], rtol=0, atol=0)
+    assert not torch.allclose(fresh.data, piece.data, atol=1e-4)

@@ -151,6 +151,8 @@ class Algorithm:
     #: Parameter servers lost during the run (server index -> when declared dead); their
     #: parameters were taken over by the others.
     lost_servers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
+    #: Lost parameter servers started again that took their parameters back (index -> when).
+    returned_servers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
 
     @classmethod
     def survives(cls, settings: Any) -> bool:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from distrain.config import TrainConfig, check_run_dir
 from distrain.errors import ConfigError
+from distrain.runtime.membership import SERVERS_RETURN_KEY
 
 log = logging.getLogger(__name__)
 
@@ -214,16 +215,25 @@ def run_role(cfg: TrainConfig, rank: int, world: int, run_dir: str | Path, **use
 class Restarts:
     """How many lost workers may still be started again (``--max-restarts``), and how:
     ``start(rank)`` starts a process that joins the others. Only the first ``workers`` ranks are
-    workers (None: every rank); a lost parameter server is not started again."""
+    workers (None: every rank); a lost parameter server is started again only where the servers
+    announced in ``store`` that a lost one's range is taken over and may return
+    (:data:`~distrain.runtime.membership.SERVERS_RETURN_KEY`)."""
 
     left: int
     start: Callable[[int], Any]
     workers: int | None = None
+    store: Any = None
 
     def __call__(self, rank: int) -> Any:
         """The process started again for ``rank``, or None when no restart is left (or it is a
-        server's)."""
-        if self.left <= 0 or (self.workers is not None and rank >= self.workers):
+        server's that cannot return)."""
+        if self.left <= 0 or (self.workers is not None and rank >= self.workers and not self._servers_return()):
             return None
         self.left -= 1
         return self.start(rank)
+
+    def _servers_return(self) -> bool:
+        try:
+            return self.store is not None and self.store.check([SERVERS_RETURN_KEY])
+        except Exception:  # noqa: BLE001 - a store that cannot answer: no server restart
+            return False

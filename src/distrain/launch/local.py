@@ -67,10 +67,14 @@ def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_d
     code = 0
     try:
         if joining:  # started again after its loss: it joins the others at a step's end
+            from distrain.assemble import serve_again
             from distrain.train.loop import train
 
             os.environ.update({JOIN_ENV: "1", "RANK": str(rank)})
-            train(cfg, run_dir, **user)
+            if rank >= cfg.cluster.workers:  # a parameter server: it takes its range back
+                serve_again(cfg, run_dir, rank)
+            else:
+                train(cfg, run_dir, **user)
         else:
             init_group(cfg, rank, world, store=store_of(addr, port, cfg.cluster.timeout))
             run_role(cfg, rank, world, run_dir, **user)
@@ -291,7 +295,8 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
             p.start()
         _supervise(list(procs), grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
                    signals=signals, survivable=survives, store=store,
-                   restart=Restarts(cfg.cluster.max_restarts, start_again, cfg.cluster.workers) if survives else None)
+                   restart=Restarts(cfg.cluster.max_restarts, start_again, cfg.cluster.workers, store)
+                   if survives else None)
     except Interrupted:
         from distrain.runtime.checkpoint import CheckpointStore
 

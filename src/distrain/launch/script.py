@@ -182,7 +182,7 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
 
         for rank in range(world):
             procs.append(start(rank))
-        restart = Restarts(max_restarts, lambda rank: start(rank, joining=True), workers)  # servers: not again
+        restart = Restarts(max_restarts, lambda rank: start(rank, joining=True), workers, store)
         return _supervise(procs, interrupted, exit_window=timeout, store=store, restart=restart)
     finally:
         for p in procs:

@@ -57,6 +57,9 @@ PREFIX = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/mem
 ELASTIC_KEY = PREFIX + "/elastic"
 #: Set by a launcher that restarts lost workers: the members then look for joiners at every step.
 RESTARTS_KEY = PREFIX + "/restarts"
+#: Set by the parameter servers of a run where a lost server's range is taken over and the
+#: server may return: a launcher that restarts lost workers then restarts lost servers too.
+SERVERS_RETURN_KEY = PREFIX + "/servers-return"
 #: How many workers have asked to join (a counter), and who each was (``.../joiner/<n>``).
 JOINS_KEY = PREFIX + "/joins"
 JOINER_KEY = PREFIX + "/joiner/{}"
@@ -101,6 +104,8 @@ class Change:
     seconds: float  # from the failure this worker saw to the new group being open
     step: int  # steps this worker had completed when it saw the failure
     joined: list[int] = field(default_factory=list)  # workers admitted (with live state from a member)
+    #: parameter servers (their ranks in the run) admitted back after their loss: not members
+    returned: list[int] = field(default_factory=list)
 
     @property
     def leader(self) -> int:
@@ -329,15 +334,19 @@ class Membership:
         self._reopen()
         return self._grown(steps, since, joined, done)
 
-    def admit(self, growth: Growth, steps: int, since: float, live: list[int]) -> Change:
+    def admit(self, growth: Growth, steps: int, since: float, live: list[int], servers_from: int | None = None) -> Change:
         """Admit the joiners of ``growth`` into a run whose group stays as it is (parameter
         servers: they open a link to each joiner themselves, and the workers only record it).
         The next epoch's members are ``live`` (the workers not declared dead, as this process
         sees them) and the joiners, in order of their ids; every proposal names every joiner, and
-        the first one is everyone's."""
-        joined = self.joiners(growth)
+        the first one is everyone's. Joiners from rank ``servers_from`` on are parameter servers
+        that return (``Change.returned``), not members."""
+        asked = self.joiners(growth)
+        joined = [j for j in asked if servers_from is None or j < servers_from]
         done = self._settle(growth, sorted({*live, *joined}), steps)
-        return self._grown(steps, since, joined, done)
+        change = self._grown(steps, since, joined, done)
+        change.returned = [j for j in asked if j not in joined]
+        return change
 
     def joiners(self, growth: Growth) -> list[int]:
         """The ids of the joiners ``growth`` admits, once each, in the order they asked."""

@@ -543,8 +543,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         run.lost_workers, run.segment_wall_s,
                         {**lm_figures(task, train_set, test_set, evals.test_loss), "model_parameters": count_parameters(model),
-                         **({"lost_servers": {str(s): t for s, t in sorted(algorithm.lost_servers.items())}}
-                            if algorithm.lost_servers else {})},
+                         **{key: {str(s): t for s, t in sorted(servers.items())}
+                            for key, servers in (("lost_servers", algorithm.lost_servers),
+                                                 ("returned_servers", algorithm.returned_servers)) if servers}},
                         membership=run.changes, stopped_at_target=stopped_at_target,
                         workers_at_end=opt.workers if elastic or opt.joins is not None
                         else world - len(lost() if algorithm.synchronous else algorithm.lost_workers),

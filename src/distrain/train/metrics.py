@@ -50,6 +50,10 @@ field                            kind         meaning
                                               ``lost_workers``
 ``lost_servers``                 run total    (summary, parameter servers) servers lost and
                                               taken over by the others: index -> Unix time
+                                              (the last loss)
+``returned_servers``             run total    (summary, parameter servers) servers started
+                                              again that took their range back: index ->
+                                              Unix time (the last return)
 ================================ ============ ================================================
 
 The DDP baselines measure the same fields; DDP waits for its last buckets inside backward, and

@@ -89,8 +89,20 @@ the last parameters it answered). The live servers split its ranges between them
 every worker's gradient and a fresh optimizer state (logged), and serve their shard and pieces as
 one from then on: no step lost or applied twice. A server lost while it answered some workers and
 not others, a hung worker, async mode, node groups and a lost server with compressed pushes (or
-the only one) still stop the run; a run whose servers took over another's cannot resume from its
-checkpoints, nor can a worker join it.
+the only one) still stop the run; while the servers hold another's ranges, the run cannot resume
+from its checkpoints, nor can a worker join it.
+
+A lost server started again by the launcher returns (its servers announce in the store that
+they take over, :data:`~distrain.runtime.membership.SERVERS_RETURN_KEY`, so that a launcher
+restarts servers too): it asks in the store as a joining worker does, and the workers and live
+servers admit it after a round (:meth:`Membership.admit
+<distrain.runtime.membership.Membership.admit>`, ``Change.returned``). They then open a link with
+it (:func:`return_link`); the first member worker sends it its range's parameters of that round
+(every worker holds them from its pull) and each live server the pieces of that range it held
+with their optimizer state, which it keeps (:meth:`ShardLayout.give_back`,
+:func:`~.server_optim.shrunk_optimizer`); from the next round on the workers push that range to
+it again. Nothing is reset: the run goes on as if the server had never been lost, but for the
+optimizer state the takeover started afresh.
 
 The servers step the workers' optimizer on their shards: the same class and hyperparameters
 (:func:`server_optimizer`; one parameter group, or groups that differ only in their
@@ -117,7 +129,9 @@ from __future__ import annotations
 
 from distrain.algorithms.parameter_server.elastic import (
     admissions,
+    return_link,
     servers_link,
+    servers_return,
     survivors_transport,
 )
 from distrain.algorithms.parameter_server.layout import (
@@ -126,7 +140,7 @@ from distrain.algorithms.parameter_server.layout import (
     scatter_ranges,
     shard_bounds,
 )
-from distrain.algorithms.parameter_server.server import ShardServer, serve
+from distrain.algorithms.parameter_server.server import ShardServer, serve, serve_again
 from distrain.algorithms.parameter_server.server_optim import (
     RoundMomentumSGD,
     async_momentum,
@@ -145,6 +159,6 @@ from distrain.algorithms.parameter_server.worker import ParameterServer
 __all__ = [
     "MAX_SHARD_BYTES", "PSSettings", "ParameterServer", "RoundMomentumSGD", "ServerSettings", "ShardLayout",
     "ShardServer", "admissions", "async_momentum", "check_start_header", "gather_ranges", "merged_optimizer",
-    "recv_state", "scatter_ranges", "send_state", "serve", "server_optimizer", "servers_link", "shard_bounds",
-    "survivors_transport",
+    "recv_state", "return_link", "scatter_ranges", "send_state", "serve", "serve_again", "server_optimizer",
+    "servers_link", "servers_return", "shard_bounds", "survivors_transport",
 ]

@@ -1,4 +1,4 @@
-"""Parameter servers that go on without a lost worker and admit it again: the closing over the survivors, admissions, the link to a joiner.
+"""Parameter servers that go on without a lost worker and admit it again: the closing over the survivors, admissions, the link to a joiner, the link to a returning server.
 
 See :mod:`distrain.algorithms.parameter_server` for how the pieces fit.
 """
@@ -6,6 +6,7 @@ See :mod:`distrain.algorithms.parameter_server` for how the pieces fit.
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -13,8 +14,16 @@ import torch.distributed as dist
 from distrain.algorithms.parameter_server.settings import PSSettings, elastic_servers
 from distrain.comm.link import LinkTransport, open_link
 from distrain.comm.store_group import StoreGroup
+from distrain.errors import WorkerFailure
 from distrain.runtime.health import dead_since, finishers
-from distrain.runtime.membership import JOINS_KEY, RESTARTS_KEY, Membership
+from distrain.runtime.membership import (
+    CLOSED_KEY,
+    JOINS_KEY,
+    POLL_S,
+    RESTARTS_KEY,
+    Membership,
+    RunEnded,
+)
 
 if TYPE_CHECKING:
     from distrain.emulation.link import LinkModel
@@ -56,3 +65,39 @@ def servers_link(membership: Membership, worker: int, me: int, settings: PSSetti
     return open_link(membership.store_prefix(f"servers/{worker}"), [*servers, worker], me, workers + settings.servers,
                      settings.run.timeout, link_model, host=os.environ.get("MASTER_ADDR", "127.0.0.1"))
 
+
+
+def return_link(membership: Membership, server: int, ranks: list[int] | None, me: int, settings: PSSettings,
+                link_model: LinkModel | None = None) -> tuple[LinkTransport, list[int]]:
+    """The link between a parameter server that returns after its loss (rank ``server`` in the
+    run), the workers and the live servers, admitted in ``membership``'s current epoch; every one
+    of them opens it, and its ranks are the run's: ``ranks`` (the member workers, the live
+    servers, then ``server``), which the others publish in the store under the epoch and the
+    returning server reads (``ranks`` None: it waits for them, or for the run's end, RunEnded).
+    Returns the link and its ranks."""
+    plan = membership.store_prefix(f"return/{server}/plan")
+    if ranks is not None:
+        agreed = plan.compare_set("ranks", "", ",".join(map(str, ranks)))
+        if (agreed.decode() if isinstance(agreed, bytes) else str(agreed)) != ",".join(map(str, ranks)):
+            raise WorkerFailure(f"rank {me}: the processes disagree on who meets server {server - settings.run.workers} "
+                                f"as it returns ({agreed!r}, here {ranks})")
+    else:
+        deadline = time.monotonic() + settings.run.timeout
+        while not plan.check(["ranks"]):
+            if membership.store.check([CLOSED_KEY]) and not plan.check(["ranks"]):
+                raise RunEnded(f"server {server - settings.run.workers} was started again, but the workers had "
+                               "finished training")
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"server {server - settings.run.workers} was admitted back but nobody met it "
+                                    f"within {settings.run.timeout:g} s")
+            time.sleep(POLL_S)
+        ranks = [int(r) for r in plan.get("ranks").decode().split(",")]
+    link = open_link(membership.store_prefix(f"return/{server}"), ranks, me, settings.run.workers + settings.servers,
+                     settings.run.timeout, link_model, host=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    return link, ranks
+
+
+def servers_return(settings: PSSettings) -> bool:
+    """Whether a lost server is taken over by the others and may return (elastic, uncompressed
+    pushes, two servers or more): a launcher then starts lost servers again too."""
+    return elastic_servers(settings) and not settings.compression.enabled and settings.servers > 1

@@ -1,4 +1,4 @@
-"""Which server owns which ranges of the flat parameter vector, before and after a takeover.
+"""Which server owns which ranges of the flat parameter vector, before and after a takeover, and after a lost server returns.
 
 See :mod:`distrain.algorithms.parameter_server` for how the pieces fit.
 """
@@ -30,9 +30,12 @@ class ShardLayout:
         layout = ShardLayout(shard_bounds(10, 3))   # [(0, 4)], [(4, 7)], [(7, 10)]
         layout.take_over(1)                          # {0: [(4, 6)], 2: [(6, 7)]}
         layout.owned[2]                              # [(7, 10), (6, 7)]
+        layout.give_back(1)                          # {0: [(4, 6)], 2: [(6, 7)]}: server 1 returned
+        layout.whole()                               # True
     """
 
     def __init__(self, bounds: list[tuple[int, int]]) -> None:
+        self.bounds = list(bounds)
         self.owned = {s: [b] for s, b in enumerate(bounds)}
 
     def live(self) -> list[int]:
@@ -53,6 +56,44 @@ class ShardLayout:
                     gained[s].append((lo + a, lo + b))
                     self.owned[s].append((lo + a, lo + b))
         return gained
+
+    def give_back(self, server: int) -> dict[int, list[tuple[int, int]]]:
+        """``server`` returned after its loss: it owns its own range again. Returns the pieces of
+        that range each live server gives up (in the order it held them); a server whose pieces
+        came from several takeovers gives each back."""
+        a, b = self.bounds[server]
+        given: dict[int, list[tuple[int, int]]] = {}
+        for s in self.live():
+            kept: list[tuple[int, int]] = []
+            given[s] = []
+            for lo, hi in self.owned[s]:
+                inside = (max(lo, a), min(hi, b))
+                if inside[0] < inside[1]:
+                    given[s].append(inside)
+                kept += [(x, y) for x, y in ((lo, min(hi, a)), (max(lo, b), hi)) if x < y]
+            self.owned[s] = kept
+        self.owned[server] = [(a, b)]
+        return given
+
+    def whole(self) -> bool:
+        """Whether every server owns exactly its own range (no takeover in force)."""
+        return self.owned == {s: [r] for s, r in enumerate(self.bounds)}
+
+
+def positions(held: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Where the elements of ``ranges`` (each inside one of ``held``) sit in ``held``
+    concatenated (a server's shard): an index tensor, in the order of ``ranges``."""
+    parts = []
+    for lo, hi in ranges:
+        offset = 0
+        for x, y in held:
+            if x <= lo and hi <= y:
+                parts.append(torch.arange(offset + lo - x, offset + hi - x))
+                break
+            offset += y - x
+        else:
+            raise ValueError(f"range {(lo, hi)} is not inside one of {held}")
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def gather_ranges(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:

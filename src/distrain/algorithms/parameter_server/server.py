@@ -17,16 +17,20 @@ import torch.distributed as dist
 from distrain.algorithms.hierarchical import node_process_groups
 from distrain.algorithms.parameter_server.elastic import (
     admissions,
+    return_link,
     servers_link,
+    servers_return,
     survivors_transport,
 )
-from distrain.algorithms.parameter_server.layout import ShardLayout, shard_bounds
+from distrain.algorithms.parameter_server.layout import ShardLayout, positions, shard_bounds
 from distrain.algorithms.parameter_server.server_optim import (
     RoundMomentumSGD,
     merged_optimizer,
     momentum_corrected,
     optimizer_settings,
     server_optimizer,
+    shrunk_optimizer,
+    sliced_state,
 )
 from distrain.algorithms.parameter_server.settings import ServerSettings, elastic_servers
 from distrain.algorithms.parameter_server.wire import (
@@ -47,6 +51,7 @@ from distrain.compress.registry import build_compressor
 from distrain.errors import WorkerFailure
 from distrain.runtime.faults import FaultWatch, is_comm_error, maybe_injected_kill, store_client
 from distrain.runtime.health import declare_dead
+from distrain.runtime.membership import SERVERS_RETURN_KEY, Membership, RunEnded
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
 
@@ -67,10 +72,12 @@ class ShardServer:
             saves the workers' state).
         like: the workers' optimizer, whose class and hyperparameters the server steps its shard
             with (:func:`server_optimizer`).
+        source: the worker that sends the start header and the shard (worker 0 at the start; the
+            first member when a lost server returns, :func:`serve_again`).
     """
 
     def __init__(self, settings: ServerSettings, transport: Transport, run_dir: str | Path | None,
-                 like: torch.optim.Optimizer) -> None:
+                 like: torch.optim.Optimizer, source: int = 0) -> None:
         self.settings = settings
         self.transport = transport
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -80,17 +87,17 @@ class ShardServer:
         self.pushers = NodeMap(self.num_workers, k).leaders if k else list(range(self.num_workers))
         self.lost_pushers: list[int] = []  # workers lost during the run (elastic runs)
         header = torch.zeros(HEADER, dtype=torch.int64)
-        transport.recv(header, 0).wait()
+        transport.recv(header, source).wait()
         try:
             numel, self.total_steps, self.steps_per_epoch = check_start_header(header.tolist(), len(self.pushers),
                                                                                 physical_memory())
         except WorkerFailure as exc:
-            raise WorkerFailure(f"server {self.index}: {exc} (from worker 0)") from None
+            raise WorkerFailure(f"server {self.index}: {exc} (from worker {source})") from None
         self.shard = torch.nn.Parameter(torch.empty(numel))
-        transport.recv(self.shard.data, 0).wait()
+        transport.recv(self.shard.data, source).wait()
         follows = torch.zeros(1, dtype=torch.int64)
-        transport.recv(follows, 0).wait()  # 1: worker 0 sends the optimizer state to resume from
-        loaded = recv_state(transport, 0) if int(follows) == 1 else None
+        transport.recv(follows, source).wait()  # 1: worker 0 sends the optimizer state to resume from
+        loaded = recv_state(transport, source) if int(follows) == 1 else None
         pushes, asynchronous = len(self.pushers), settings.ps_mode == "async"
         self.optimizer, self.lr_factor = server_optimizer(
             like, self.shard, asynchronous=asynchronous, pushers=pushes, max_staleness=settings.max_staleness,
@@ -111,6 +118,8 @@ class ShardServer:
         #: elastic runs whose launcher starts lost workers again: where they ask to join
         self.joins = admissions(self._store_client() if elastic_servers(settings) else None, self.pushers,
                                 transport.rank, settings)
+        if self.joins is not None and servers_return(settings):  # the launcher may start a lost server again
+            self.joins.store.set(SERVERS_RETURN_KEY, "1")
         self.layout: ShardLayout | None = None  # every server's ranges, from the first takeover on
         self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
         c = settings.compression
@@ -192,7 +201,7 @@ class ShardServer:
         grads = torch.zeros(len(pushers), self.shard.numel())  # a lost worker's row stays zero
         every = self.settings.checkpoint_every
         step = start_step
-        live = list(range(len(pushers)))  # rows of the workers still pushing
+        live = [i for i, w in enumerate(pushers) if w not in self.lost_pushers]  # rows of the workers still pushing
         while True:
             maybe_injected_kill(self.transport.rank, step)  # fault injection for tests
             if self.watch is not None:
@@ -221,8 +230,10 @@ class ShardServer:
                 if h is not None:
                     self._with_worker(i, live, step, grads, h.wait)
             step = self.steps = step + 1
-            if self.joins is not None:  # workers started again join after this round
+            if self.joins is not None:  # workers (or servers) started again join after this round
                 self._admit_joiners(step, live)
+                if grads.shape[1] != self.shard.numel():  # it gave a returned server its range back
+                    grads = torch.zeros(len(pushers), self.shard.numel())
             if every and step % every == 0:
                 self.save(step)
             self._stop_requested(step - 1)
@@ -284,7 +295,16 @@ class ShardServer:
         growth = self.joins.planned_growth(step)
         if growth is None or growth.at != step:
             return
-        change = self.joins.admit(growth, step, time.perf_counter(), [self.pushers[i] for i in live])
+        change = self.joins.admit(growth, step, time.perf_counter(), [self.pushers[i] for i in live],
+                                  servers_from=self.num_workers)
+        if change.returned and change.joined:
+            raise WorkerFailure(f"server {self.index}: worker(s) {change.joined} and server(s) "
+                                f"{[r - self.num_workers for r in change.returned]} asked to join after the same step "
+                                f"{step}; a run admits either at one step, not both")
+        for server in change.returned:
+            self._give_back(server, change.members, step)
+        if self.layout is not None and self.layout.whole():  # every server serves its own shard again
+            self.layout = None
         if change.joined and self.layout is not None:  # the link would wait for the lost server
             raise WorkerFailure(f"server {self.index}: worker(s) {change.joined} asked to join after step {step}, but "
                                 "the servers took over a lost server's parameters; a worker cannot join such a run")
@@ -304,6 +324,64 @@ class ShardServer:
             if worker in self.lost_pushers:
                 self.lost_pushers.remove(worker)
             log.info("server %d: worker %d joined after step %d; serving %d", self.index, worker, step, len(live))
+
+    def _give_back(self, server: int, members: list[int], step: int) -> None:
+        """Server ``server`` (its rank in the run) was started again after its loss and admitted
+        back after round ``step``: open the link with it, the workers and the other servers
+        (:func:`return_link`), send it the pieces of its range this server took over with their
+        optimizer state, and serve the rest of this server's ranges from the next round on."""
+        returned = server - self.num_workers
+        if self.layout is None or returned in self.layout.live():
+            raise WorkerFailure(f"server {self.index}: server {returned} returned after step {step}, but its "
+                                "parameters were never taken over here")
+        ranks = [*members, *(self.num_workers + t for t in self.layout.live()), server]
+        link, _ = return_link(self.joins, server, ranks, self.transport.rank, self.settings, self.transport.link_model)
+        self._opened.append(link)
+        held = list(self.layout.owned[self.index])
+        pieces = self.layout.give_back(returned)[self.index]
+        send_state(link, {"pieces": pieces, "state": sliced_state(self.optimizer, self.shard, positions(held, pieces)),
+                          "bounds": self.layout.bounds, "owned": self.layout.owned}, server)
+        if pieces:
+            self.shard, self.optimizer = shrunk_optimizer(self.optimizer, self.shard,
+                                                          positions(held, self.layout.owned[self.index]))
+        log.warning("server %d: server %d returned after step %d; it takes back parameters %s from here with their "
+                    "optimizer state", self.index, returned, step, pieces)
+
+    def take_back(self, ranks: list[int], step: int) -> None:
+        """This server was started again after its loss and admitted back after round ``step``
+        (``ranks``: its link's, the member workers, the live servers, then itself): take the
+        optimizer state of its range from the servers that took it over (its parameters came
+        from the first member, :func:`serve_again`), and the layout, and serve the members from
+        the next round on."""
+        bounds: list[tuple[int, int]] = []
+        owned: dict[int, list[tuple[int, int]]] = {}
+        state: dict[str, Any] = {}
+        covered = 0
+        for peer in [r for r in ranks if r >= self.num_workers and r != self.transport.rank]:
+            message = recv_state(self.transport, peer)
+            bounds = [tuple(b) for b in message["bounds"]]  # type: ignore[misc]
+            owned = {int(t): [tuple(r) for r in ranges] for t, ranges in message["owned"].items()}  # type: ignore[misc]
+            lo = bounds[self.index][0]
+            at = torch.cat([torch.arange(a - lo, b - lo) for a, b in message["pieces"]]) if message["pieces"] else None
+            for key, value in message["state"].items():
+                if isinstance(value, torch.Tensor) and at is not None and value.numel() == at.numel() and value.dim() == 1:
+                    state.setdefault(key, torch.zeros_like(self.shard.data))[at] = value
+                else:
+                    state.setdefault(key, value)
+            covered += 0 if at is None else at.numel()
+        if covered != self.shard.numel() or owned.get(self.index) != [bounds[self.index]]:
+            raise WorkerFailure(f"server {self.index}: the servers gave back {covered} of its {self.shard.numel()} "
+                                f"parameters ({owned})")
+        if state:
+            self.optimizer.state[self.shard] = state
+        self.layout = ShardLayout(bounds)  # type: ignore[arg-type]
+        self.layout.owned = owned
+        if self.layout.whole():
+            self.layout = None
+        self.lost_pushers = [w for w in self.pushers if w not in ranks]
+        self.resume_step = self.steps = step
+        log.warning("server %d: back after step %d with its parameters and their optimizer state; serving %d workers",
+                    self.index, step, len(self.pushers) - len(self.lost_pushers))
 
     def _with_worker(self, i: int, live: list[int], step: int, grads: torch.Tensor, fn: Any) -> Any:
         """``fn()``, an exchange with pusher row ``i`` (its result; None once the worker is lost);
@@ -430,6 +508,40 @@ def serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.opti
 
     watch = FaultWatch(dist.get_rank(), role="server", timeout=settings.run.timeout)
     watch.run(_serve, settings, run_dir, like, emulation, gather_totals, watch)
+
+
+def serve_again(settings: ServerSettings, run_dir: str | Path | None, like: torch.optim.Optimizer,
+                emulation: Emulation, rank: int, *, gather_totals: bool = True) -> None:
+    """A parameter server started again after its loss (``--max-restarts``; ``rank``: its rank in
+    the run): ask to return in the store, and once the workers and servers admit it after a
+    round, take its range back (parameters from the first member worker, optimizer state from
+    the servers that took it over) and serve until the workers' training ends, as :func:`serve`."""
+    watch = FaultWatch(rank, role="server", world=settings.run.workers + settings.servers, timeout=settings.run.timeout)
+    watch.run(_serve_again, settings, run_dir, like, emulation, rank, gather_totals, watch)
+
+
+def _serve_again(settings: ServerSettings, run_dir: str | Path | None, like: torch.optim.Optimizer,
+                 emulation: Emulation, rank: int, gather_totals: bool, watch: FaultWatch) -> None:
+    store = store_client(settings.run.timeout)
+    try:
+        membership = Membership.enter(store, rank, reopen=False, timeout=settings.run.timeout)
+        emulation.start()
+        link, ranks = return_link(membership, rank, None, rank, settings, emulation.link_model)
+    except RunEnded as exc:  # the workers finished before it could return: nothing left to do
+        log.warning("%s; it leaves", exc)
+        return
+    start, cpu_start = time.perf_counter(), time.process_time()
+    server = ShardServer(settings, link, run_dir, like, source=ranks[0])
+    server.started, server.cpu_started = start, cpu_start
+    server.joins = membership  # where later joiners ask, in the epoch it was admitted in
+    _, steps = membership._members_of(membership.epoch)
+    step = max(steps.values())
+    server.take_back(ranks, step)
+    server.run(step, watch)
+    control = server.control_transport()
+    if gather_totals:
+        control.control_all_gather(torch.tensor(server.totals().row, dtype=torch.float64))
+    control.control_barrier()
 
 
 def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.optim.Optimizer, emulation: Emulation,

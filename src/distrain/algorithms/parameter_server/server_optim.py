@@ -157,3 +157,24 @@ def merged_optimizer(old: torch.optim.Optimizer, old_param: torch.nn.Parameter, 
     if state:
         merged.state[param] = state
     return param, merged
+
+
+def sliced_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, index: torch.Tensor) -> dict[str, Any]:
+    """A copy of ``optimizer``'s state of ``param`` at ``index`` (elements of the flat shard):
+    every per-element tensor sliced, scalar state (such as Adam's step count) as it is."""
+    return {key: (value[index] if value.shape == param.shape else value.clone()) if isinstance(value, torch.Tensor)
+            else value for key, value in optimizer.state.get(param, {}).items()}
+
+
+def shrunk_optimizer(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter,
+                     keep: torch.Tensor) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    """One parameter of ``param``'s elements at ``keep`` and an optimizer of ``optimizer``'s
+    class and settings with their state (the inverse of :func:`merged_optimizer`: a server gives
+    back the pieces of a returned server's range)."""
+    kept = torch.nn.Parameter(param.data[keep].clone())
+    kept.grad = torch.zeros_like(kept)
+    shrunk = type(optimizer)([kept], **optimizer_settings(optimizer))
+    state = sliced_state(optimizer, param, keep)
+    if state:
+        shrunk.state[kept] = state
+    return kept, shrunk

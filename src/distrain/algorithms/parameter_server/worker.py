@@ -14,7 +14,9 @@ import torch
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.algorithms.hierarchical import NodeGroups
 from distrain.algorithms.parameter_server.elastic import (
+    return_link,
     servers_link,
+    servers_return,
     survivors_transport,
 )
 from distrain.algorithms.parameter_server.layout import (
@@ -114,7 +116,14 @@ class ParameterServer(Algorithm):
             self.density = c.warmup(compressor.ratio)
         #: the others take over a lost server's ranges (elastic, uncompressed, two servers or more);
         #: pulls then land in a second buffer, so a failed one leaves the last parameters whole
-        self.takes_over = elastic_servers(settings) and self.push is None and len(self.servers) > 1
+        self.takes_over = servers_return(settings)
+        #: servers that returned after their loss, each reached over the link opened as it did
+        self._server_links: dict[int, Transport] = {}
+        self._takeovers: dict[int, int] = {}  # how many times each server was taken over
+        #: when each server was last lost (taken over) and returned, as this worker saw it (Unix time)
+        self.server_lost: dict[int, float] = {}
+        self.returned_servers: dict[int, float] = {}
+        self._run_length = (0, 0)  # total steps and steps per epoch, for a server that returns
         self._spare = self.flat.clone() if self.takes_over else None
         self._started = False  # worker 0 started the servers (start())
         self._loaded_servers: list[dict[str, Any]] | None = None  # load_server_state(): sent at the start
@@ -136,6 +145,7 @@ class ParameterServer(Algorithm):
     def start(self, total_steps: int, steps_per_epoch: int) -> None:
         """Worker 0 tells every server its shard size and the run length, and sends the start values
         (and the optimizer state to start from, after :meth:`load_server_state`)."""
+        self._run_length = (total_steps, steps_per_epoch)
         if self._started:  # a worker that joined a running job (:meth:`join`)
             return
         self._started = True
@@ -173,10 +183,14 @@ class ParameterServer(Algorithm):
                                 "the run's shards, so it cannot be saved for a resume")
         asking = torch.tensor([STATE, 0], dtype=torch.int64)
         states = []
-        for server in self.servers:
-            self.transport.send(asking, server).wait()
-            states.append(recv_state(self.transport, server))
+        for s, server in enumerate(self.servers):
+            self._to(s).send(asking, server).wait()
+            states.append(recv_state(self._to(s), server))
         return states
+
+    def _to(self, s: int) -> Transport:
+        """The transport to server ``s``: the run's, or the link opened when it returned."""
+        return self._server_links.get(s, self.transport)
 
     def load_server_state(self, states: list[dict[str, Any]] | None) -> None:
         """Start the servers from ``states`` (:meth:`server_state` of a run with as many servers
@@ -245,10 +259,11 @@ class ParameterServer(Algorithm):
         for s in self.layout.live():
             ranges, server = self.layout.owned[s], self.servers[s]
             into = gather_ranges(self._spare, ranges) if len(ranges) == 1 else torch.empty(self.layout.numel(s))
+            to = self._to(s)
             try:  # a connection already closed fails here, not at the wait
-                pending[s] = (into, [self.transport.send(self._clock_header, server),
-                                     self.transport.send(gather_ranges(self.grad, ranges), server),
-                                     self.transport.recv(into, server)])
+                pending[s] = (into, [to.send(self._clock_header, server),
+                                     to.send(gather_ranges(self.grad, ranges), server),
+                                     to.recv(into, server)])
             except Exception as exc:
                 if not is_comm_error(exc):
                     raise
@@ -288,8 +303,11 @@ class ParameterServer(Algorithm):
             if store is None or time.monotonic() > deadline:
                 raise exc
             time.sleep(0.02)
+        self._takeovers[s] = self._takeovers.get(s, 0) + 1
         leader = self._agree(store, s)
         gained = self.layout.take_over(s)
+        self.server_lost[s] = time.time()
+        self._server_links.pop(s, None)
         me, numel = self.transport.rank, self.flat.numel()
         log.warning("worker %d: lost server %d at step %d; servers %s take over its parameters", me, s, self.clock,
                     [t for t, pieces in gained.items() if pieces])
@@ -299,15 +317,15 @@ class ParameterServer(Algorithm):
         handles: list[Handle] = []
         answers: dict[int, torch.Tensor] = {}
         for t, pieces in gained.items():
-            server = self.servers[t]
-            handles += [self.transport.send(header, server), self.transport.send(message, server)]
+            server, to = self.servers[t], self._to(t)
+            handles += [to.send(header, server), to.send(message, server)]
             if not pieces:
                 continue
             if me == leader:
-                handles.append(self.transport.send(gather_ranges(self.flat, pieces).contiguous(), server))
-            handles.append(self.transport.send(gather_ranges(self.grad, pieces).contiguous(), server))
+                handles.append(to.send(gather_ranges(self.flat, pieces).contiguous(), server))
+            handles.append(to.send(gather_ranges(self.grad, pieces).contiguous(), server))
             answers[t] = torch.empty(sum(hi - lo for lo, hi in pieces))
-            handles.append(self.transport.recv(answers[t], server))
+            handles.append(to.recv(answers[t], server))
         for h in handles:
             h.wait()
         for t, values in answers.items():
@@ -318,13 +336,13 @@ class ParameterServer(Algorithm):
         step; all must have seen the loss at the same step (the server died before answering
         anyone), else the run stops with one line. Returns the worker that sends the parameters
         (the first live one)."""
-        me = self.transport.rank
-        store.set(TAKEOVER_KEY.format(s, me), str(self.clock))
+        me, life = self.transport.rank, f"{s}.{self._takeovers[s]}"  # a server that returned may be lost again
+        store.set(TAKEOVER_KEY.format(life, me), str(self.clock))
         deadline = time.monotonic() + self.settings.run.timeout
         while True:
             live = [w for w in range(self.num_workers) if not declared_dead(store, w)]
-            seen = {w: int(store.get(TAKEOVER_KEY.format(s, w)).decode()) for w in live
-                    if store.check([TAKEOVER_KEY.format(s, w)])}
+            seen = {w: int(store.get(TAKEOVER_KEY.format(life, w)).decode()) for w in live
+                    if store.check([TAKEOVER_KEY.format(life, w)])}
             if len(seen) == len(live):
                 break
             if time.monotonic() > deadline:
@@ -335,6 +353,29 @@ class ParameterServer(Algorithm):
             raise WorkerFailure(f"worker {me}: server {s} was lost while it answered step {self.clock} (workers saw it "
                                 f"at steps {seen}); its parameters differ between workers and it cannot be taken over")
         return live[0]
+
+    def server_back(self, server: int, membership: Any, members: list[int]) -> None:
+        """Server ``server`` (its rank in the run) was started again after its loss, and the
+        workers and servers admitted it back after this step (``members``: the workers then):
+        open the link with it (:func:`~distrain.algorithms.parameter_server.elastic.return_link`);
+        the first member sends it the parameters of its range, which every worker holds from
+        this step's pull (the servers that took it over send their optimizer state), and from
+        the next step on every worker pushes that range to it again."""
+        s = server - self.num_workers
+        if s in self.layout.live():
+            raise WorkerFailure(f"worker {self.transport.rank}: server {s} returned, but it was never taken over here")
+        ranks = [*members, *(self.servers[t] for t in self.layout.live()), server]
+        link, _ = return_link(membership, server, ranks, self.transport.rank, self.settings, self.transport.link_model)
+        if self.transport.rank == ranks[0]:
+            (lo, hi), (total, per_epoch) = self.bounds[s], self._run_length
+            for h in [link.send(torch.tensor([hi - lo, total, per_epoch], dtype=torch.int64), server),
+                      link.send(self.flat[lo:hi].contiguous(), server), link.send(torch.zeros(1, dtype=torch.int64), server)]:
+                h.wait()
+        self.layout.give_back(s)
+        self._server_links[s] = link
+        self.returned_servers[s] = time.time()
+        log.warning("worker %d: server %d returned after step %d; it serves its parameters again", self.transport.rank,
+                    s, self.clock)
 
     def join(self) -> int:
         """This worker was started again and the servers admitted it (its transport is their
@@ -383,7 +424,7 @@ class ParameterServer(Algorithm):
             return
         self._ended = True
         stop = torch.tensor([STOP, 0], dtype=torch.int64)
-        for h in [self.transport.send(stop, self.servers[s]) for s in self.layout.live()]:
+        for h in [self._to(s).send(stop, self.servers[s]) for s in self.layout.live()]:
             h.wait()
 
     def control_transport(self) -> StoreGroup | None:  # type: ignore[override]
@@ -397,7 +438,9 @@ class ParameterServer(Algorithm):
             self._control, lost = survivors_transport(self._store_client(), self.transport.rank,
                                                       self.transport.world_size, self.settings.run.timeout)
             self.lost_workers = {r: t for r, t in lost.items() if r < self.num_workers}
-            self.lost_servers = {r - self.num_workers: t for r, t in lost.items() if r >= self.num_workers}
+            # every server lost on the way, returned or not (when this worker took it over)
+            self.lost_servers = {**{r - self.num_workers: t for r, t in lost.items() if r >= self.num_workers},
+                                 **self.server_lost}
         return self._control
 
     def newly_lost(self, force: bool = False) -> dict[int, float]:
