@@ -613,8 +613,8 @@ class DistributedOptimizer:
         since = time.perf_counter()
         change = self.joins.admit(growth, self.steps, since, self.algorithm.live_workers(),
                                   servers_from=self.config.cluster.workers)
-        for server in change.returned:  # a lost server started again takes its range back
-            self.algorithm.server_back(server, self.joins, change.members)
+        for server in change.returned:  # a lost server started again takes its range back (before any joiner)
+            self.algorithm.server_back(server, self.joins, [m for m in change.members if m not in change.joined])
         if not change.joined:
             return
         missed = {i: time.time() for i in self.ids if i not in change.members or i in change.joined}

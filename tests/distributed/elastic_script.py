@@ -4,8 +4,9 @@ compute the exact result), SGD with momentum, and worker ``VICTIM`` killing itse
 as step ``AT`` begins, or between its backward and its step when ``WHERE`` is ``backward``
 (only the first time: a worker started again by ``--max-restarts`` joins the others).
 
-With ``WHERE`` ``rejoin`` the workers go on past ``STEPS`` until the restarted one has joined, and
-4 steps after that.
+With ``WHERE`` ``rejoin`` the workers go on past ``STEPS`` until the restarted one has joined (and
+with ``ELASTIC_SERVER_BACK=1`` in the environment, until a lost parameter server has returned),
+and 4 steps after that.
 
 ``SETTINGS`` (optional) is a JSON object of wrap() settings (e.g. DiLoCo's).
 
@@ -41,14 +42,19 @@ def main() -> None:
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
 
     returned = []  # the step after which a lost parameter server was back
+    server_back = os.environ.get("ELASTIC_SERVER_BACK") == "1"  # a parameter server comes back too
 
     def more() -> bool:
         if where != "rejoin":
             return opt.steps < steps
-        if getattr(opt.algorithm, "returned_servers", None) and not returned:
+        # (a worker that joined after the server's return finds every server whole as it joins)
+        if server_back and not returned and (opt.algorithm.returned_servers
+                                             or (not first_life and opt.algorithm.layout.whole())):
             returned.append(opt.steps)
-        joins = [c.step for c in opt.changes if c.joined] + returned  # after a join: 4 steps more, all back
-        return not joins or opt.steps < max(steps, joins[0] + 4)
+        joins = [c.step for c in opt.changes if c.joined][:1] if victim >= 0 else []
+        if (victim >= 0 and not joins) or (server_back and not returned):
+            return True
+        return opt.steps < max(steps, *(b + 4 for b in joins + returned))  # 4 steps more with everyone back
 
     while more():  # a worker that joins starts where the others are
         step = opt.steps

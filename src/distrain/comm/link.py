@@ -36,6 +36,7 @@ class LinkTransport(Transport):
                  link_model: LinkModel | None = None) -> None:
         self._open(group, me, world_size, link_model, list(range(world_size)))
         self._place = {r: i for i, r in enumerate(ranks)}  # run rank -> rank in the group
+        self.ranks = list(ranks)  # the processes it links, by their ranks in the run
 
     def _global(self, group_rank: int) -> int:
         return group_rank  # peers are named by their ranks in the run

@@ -90,7 +90,8 @@ every worker's gradient and a fresh optimizer state (logged), and serve their sh
 one from then on: no step lost or applied twice. A server lost while it answered some workers and
 not others, a hung worker, async mode, node groups and a lost server with compressed pushes (or
 the only one) still stop the run; while the servers hold another's ranges, the run cannot resume
-from its checkpoints, nor can a worker join it.
+from its checkpoints, and a worker that joins meets the live servers only, each sending it the
+ranges it owns (:meth:`ShardServer._meet_joiner`).
 
 A lost server started again by the launcher returns (its servers announce in the store that
 they take over, :data:`~distrain.runtime.membership.SERVERS_RETURN_KEY`, so that a launcher

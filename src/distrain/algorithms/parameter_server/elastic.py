@@ -17,12 +17,10 @@ from distrain.comm.store_group import StoreGroup
 from distrain.errors import WorkerFailure
 from distrain.runtime.health import dead_since, finishers
 from distrain.runtime.membership import (
-    CLOSED_KEY,
     JOINS_KEY,
     POLL_S,
     RESTARTS_KEY,
     Membership,
-    RunEnded,
 )
 
 if TYPE_CHECKING:
@@ -55,16 +53,16 @@ def admissions(store: dist.Store | None, workers: list[int], me: int, settings: 
 
 
 def servers_link(membership: Membership, worker: int, me: int, settings: PSSettings,
-                 link_model: LinkModel | None = None) -> LinkTransport:
-    """The link between every server and ``worker``, admitted in ``membership``'s current epoch
-    (each of them opens it; ``me``: this process's rank in the run). Its ranks are the run's: the
-    servers after the ``--workers`` workers. Workers join only in local runs, whose processes
-    listen on the store's address (``MASTER_ADDR``, loopback by default)."""
-    workers = settings.run.workers
-    servers = [workers + s for s in range(settings.servers)]
-    return open_link(membership.store_prefix(f"servers/{worker}"), [*servers, worker], me, workers + settings.servers,
-                     settings.run.timeout, link_model, host=os.environ.get("MASTER_ADDR", "127.0.0.1"))
-
+                 link_model: LinkModel | None = None, servers: list[int] | None = None) -> LinkTransport:
+    """The link between the live servers and ``worker``, admitted in ``membership``'s current
+    epoch (each of them opens it; ``me``: this process's rank in the run). Its ranks are the
+    run's: the live servers' (``servers``, their indices, given by the servers; the worker, which
+    passes None, reads them in the store), then the worker's. Workers join only in local runs,
+    whose processes listen on the store's address (``MASTER_ADDR``, loopback by default)."""
+    ranks = None if servers is None else [*(settings.run.workers + s for s in servers), worker]
+    link, _ = _meet(membership, f"servers/{worker}", ranks, me, settings, link_model,
+                    f"worker {worker} was admitted again but the servers never met it")
+    return link
 
 
 def return_link(membership: Membership, server: int, ranks: list[int] | None, me: int, settings: PSSettings,
@@ -73,26 +71,32 @@ def return_link(membership: Membership, server: int, ranks: list[int] | None, me
     run), the workers and the live servers, admitted in ``membership``'s current epoch; every one
     of them opens it, and its ranks are the run's: ``ranks`` (the member workers, the live
     servers, then ``server``), which the others publish in the store under the epoch and the
-    returning server reads (``ranks`` None: it waits for them, or for the run's end, RunEnded).
-    Returns the link and its ranks."""
-    plan = membership.store_prefix(f"return/{server}/plan")
+    returning server reads (``ranks`` None). Returns the link and its ranks."""
+    return _meet(membership, f"return/{server}", ranks, me, settings, link_model,
+                 f"server {server - settings.run.workers} was admitted back but nobody met it")
+
+
+def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, settings: PSSettings,
+          link_model: LinkModel | None, missed: str) -> tuple[LinkTransport, list[int]]:
+    """Open a link named ``name`` in ``membership``'s epoch over ``ranks``, which the processes
+    that know them publish in the store (the first proposal is everyone's; they must agree) and
+    the one that does not (``ranks`` None) waits for: at most ``--timeout`` seconds (``missed``
+    then says what went wrong). It was admitted, so some member reached the step of its
+    admission, and the others do (they are synchronous): they publish the ranks there."""
+    plan = membership.store_prefix(f"{name}/plan")
     if ranks is not None:
-        agreed = plan.compare_set("ranks", "", ",".join(map(str, ranks)))
-        if (agreed.decode() if isinstance(agreed, bytes) else str(agreed)) != ",".join(map(str, ranks)):
-            raise WorkerFailure(f"rank {me}: the processes disagree on who meets server {server - settings.run.workers} "
-                                f"as it returns ({agreed!r}, here {ranks})")
+        text = ",".join(map(str, ranks))
+        agreed = plan.compare_set("ranks", "", text)
+        if (agreed.decode() if isinstance(agreed, bytes) else str(agreed)) != text:
+            raise WorkerFailure(f"rank {me}: the processes disagree on who meets in {name} ({agreed!r}, here {text})")
     else:
         deadline = time.monotonic() + settings.run.timeout
         while not plan.check(["ranks"]):
-            if membership.store.check([CLOSED_KEY]) and not plan.check(["ranks"]):
-                raise RunEnded(f"server {server - settings.run.workers} was started again, but the workers had "
-                               "finished training")
             if time.monotonic() > deadline:
-                raise WorkerFailure(f"server {server - settings.run.workers} was admitted back but nobody met it "
-                                    f"within {settings.run.timeout:g} s")
+                raise WorkerFailure(f"{missed} within {settings.run.timeout:g} s")
             time.sleep(POLL_S)
         ranks = [int(r) for r in plan.get("ranks").decode().split(",")]
-    link = open_link(membership.store_prefix(f"return/{server}"), ranks, me, settings.run.workers + settings.servers,
+    link = open_link(membership.store_prefix(name), ranks, me, settings.run.workers + settings.servers,
                      settings.run.timeout, link_model, host=os.environ.get("MASTER_ADDR", "127.0.0.1"))
     return link, ranks
 

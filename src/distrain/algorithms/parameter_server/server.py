@@ -290,40 +290,44 @@ class ShardServer:
     def _admit_joiners(self, step: int, live: list[int]) -> None:
         """After round ``step``: when the workers and servers agreed (in the store) to admit workers
         started again after this step, open a link to each, send it this server's parameters of
-        the step, and from the next round on wait for its push again."""
+        the step, and from the next round on wait for its push again. Servers started again
+        return first (:meth:`_give_back`), so a worker admitted at the same step meets them too."""
         assert self.joins is not None
         growth = self.joins.planned_growth(step)
         if growth is None or growth.at != step:
             return
         change = self.joins.admit(growth, step, time.perf_counter(), [self.pushers[i] for i in live],
                                   servers_from=self.num_workers)
-        if change.returned and change.joined:
-            raise WorkerFailure(f"server {self.index}: worker(s) {change.joined} and server(s) "
-                                f"{[r - self.num_workers for r in change.returned]} asked to join after the same step "
-                                f"{step}; a run admits either at one step, not both")
-        for server in change.returned:
-            self._give_back(server, change.members, step)
-        if self.layout is not None and self.layout.whole():  # every server serves its own shard again
-            self.layout = None
-        if change.joined and self.layout is not None:  # the link would wait for the lost server
-            raise WorkerFailure(f"server {self.index}: worker(s) {change.joined} asked to join after step {step}, but "
-                                "the servers took over a lost server's parameters; a worker cannot join such a run")
+        for server in change.returned:  # (the workers admitted with it are not there yet)
+            self._give_back(server, [m for m in change.members if m not in change.joined], step)
         for worker in change.joined:
             i = self.pushers.index(worker)
             if i in live:  # its loss was never seen here: its row would count twice
                 raise WorkerFailure(f"server {self.index}: worker {worker} joined after step {step}, but this "
                                     "server was still serving its earlier process")
-            link = servers_link(self.joins, worker, self.transport.rank, self.settings, self.transport.link_model)
-            for h in [link.send(torch.tensor([step, self.shard.numel()], dtype=torch.int64), worker),
-                      link.send(self.shard.data, worker)]:
-                h.wait()
-            self._links[i] = link
-            self._opened.append(link)
+            self._meet_joiner(worker, step)
             live.append(i)
             live.sort()
-            if worker in self.lost_pushers:
-                self.lost_pushers.remove(worker)
             log.info("server %d: worker %d joined after step %d; serving %d", self.index, worker, step, len(live))
+
+    def _meet_joiner(self, worker: int, step: int) -> None:
+        """Open the link of the live servers with ``worker``, admitted after round ``step``
+        (:func:`servers_link`), and send it ``[step, numel, k]``, the ``k`` ranges this server
+        owns when a takeover is in force (0: its own shard), and its parameters; from the next
+        round on its push comes over that link."""
+        servers = self.layout.live() if self.layout is not None else list(range(self.settings.servers))
+        link = servers_link(self.joins, worker, self.transport.rank, self.settings, self.transport.link_model, servers)
+        ranges = self.layout.owned[self.index] if self.layout is not None else []
+        handles = [link.send(torch.tensor([step, self.shard.numel(), len(ranges)], dtype=torch.int64), worker)]
+        if ranges:
+            handles.append(link.send(torch.tensor(ranges, dtype=torch.int64), worker))
+        handles.append(link.send(self.shard.data, worker))
+        for h in handles:
+            h.wait()
+        self._links[self.pushers.index(worker)] = link
+        self._opened.append(link)
+        if worker in self.lost_pushers:
+            self.lost_pushers.remove(worker)
 
     def _give_back(self, server: int, members: list[int], step: int) -> None:
         """Server ``server`` (its rank in the run) was started again after its loss and admitted
@@ -344,6 +348,8 @@ class ShardServer:
         if pieces:
             self.shard, self.optimizer = shrunk_optimizer(self.optimizer, self.shard,
                                                           positions(held, self.layout.owned[self.index]))
+        if self.layout.whole():  # every server serves its own shard again
+            self.layout = None
         log.warning("server %d: server %d returned after step %d; it takes back parameters %s from here with their "
                     "optimizer state", self.index, returned, step, pieces)
 
@@ -534,9 +540,12 @@ def _serve_again(settings: ServerSettings, run_dir: str | Path | None, like: tor
     server = ShardServer(settings, link, run_dir, like, source=ranks[0])
     server.started, server.cpu_started = start, cpu_start
     server.joins = membership  # where later joiners ask, in the epoch it was admitted in
-    _, steps = membership._members_of(membership.epoch)
+    members, steps = membership._members_of(membership.epoch)
     step = max(steps.values())
     server.take_back(ranks, step)
+    for worker in [m for m in members if m not in ranks]:  # workers admitted at the same step
+        server._meet_joiner(worker, step)
+        log.info("server %d: worker %d joined after step %d", server.index, worker, step)
     server.run(step, watch)
     control = server.control_transport()
     if gather_totals:

@@ -119,7 +119,6 @@ class ParameterServer(Algorithm):
         self.takes_over = servers_return(settings)
         #: servers that returned after their loss, each reached over the link opened as it did
         self._server_links: dict[int, Transport] = {}
-        self._takeovers: dict[int, int] = {}  # how many times each server was taken over
         #: when each server was last lost (taken over) and returned, as this worker saw it (Unix time)
         self.server_lost: dict[int, float] = {}
         self.returned_servers: dict[int, float] = {}
@@ -303,7 +302,6 @@ class ParameterServer(Algorithm):
             if store is None or time.monotonic() > deadline:
                 raise exc
             time.sleep(0.02)
-        self._takeovers[s] = self._takeovers.get(s, 0) + 1
         leader = self._agree(store, s)
         gained = self.layout.take_over(s)
         self.server_lost[s] = time.time()
@@ -336,7 +334,8 @@ class ParameterServer(Algorithm):
         step; all must have seen the loss at the same step (the server died before answering
         anyone), else the run stops with one line. Returns the worker that sends the parameters
         (the first live one)."""
-        me, life = self.transport.rank, f"{s}.{self._takeovers[s]}"  # a server that returned may be lost again
+        # which death of the server (one that returned may be lost again): its dead mark, the same for every worker
+        me, life = self.transport.rank, f"{s}@{dead_since(store, self.servers[s])}"
         store.set(TAKEOVER_KEY.format(life, me), str(self.clock))
         deadline = time.monotonic() + self.settings.run.timeout
         while True:
@@ -379,30 +378,47 @@ class ParameterServer(Algorithm):
 
     def join(self) -> int:
         """This worker was started again and the servers admitted it (its transport is their
-        link, :func:`servers_link`): take every server's parameters of the step after which they
-        admitted it, and that step (returned), where this worker's clock goes on from. The
-        servers hold the optimizer state; a worker keeps none of its own but its error-feedback
-        residuals (and momentum, under momentum correction), which start again from zero."""
-        steps = set()
-        header = torch.zeros(2, dtype=torch.int64)
-        for server, (lo, hi) in zip(self.servers, self.bounds, strict=True):
+        link, :func:`servers_link`, over the live servers): take every live server's parameters
+        of the step after which they admitted it, with the ranges it owns when a takeover is in
+        force, and that step (returned), where this worker's clock goes on from. The servers hold
+        the optimizer state; a worker keeps none of its own but its error-feedback residuals (and
+        momentum, under momentum correction), which start again from zero."""
+        me, steps, owned = self.transport.rank, set(), {}
+        header = torch.zeros(3, dtype=torch.int64)
+        for server in [r for r in self.transport.ranks if r != me]:  # type: ignore[attr-defined]
+            s = server - self.num_workers
             self.transport.recv(header, server).wait()
-            step, numel = (int(v) for v in header.tolist())
-            if numel != hi - lo:
-                raise WorkerFailure(f"worker {self.transport.rank}: server {server - self.num_workers} announced "
-                                    f"{numel} parameters for its shard of {hi - lo}")
-            self.transport.recv(self.flat[lo:hi], server).wait()
+            step, numel, k = (int(v) for v in header.tolist())
+            ranges = [self.bounds[s]]
+            if k:
+                table = torch.zeros(k, 2, dtype=torch.int64)
+                self.transport.recv(table, server).wait()
+                ranges = [(int(lo), int(hi)) for lo, hi in table.tolist()]
+            if numel != sum(hi - lo for lo, hi in ranges) or not all(0 <= lo < hi <= self.flat.numel() for lo, hi in ranges):
+                raise WorkerFailure(f"worker {me}: server {s} announced {numel} parameters for its ranges {ranges}")
+            values = torch.empty(numel)
+            self.transport.recv(values, server).wait()
+            scatter_ranges(self.flat, ranges, values)
+            owned[s] = ranges
             steps.add(step)
         if len(steps) != 1:
-            raise WorkerFailure(f"worker {self.transport.rank}: the servers admitted it after different steps {sorted(steps)}")
+            raise WorkerFailure(f"worker {me}: the servers admitted it after different steps {sorted(steps)}")
+        self.layout.owned = owned
+        if sum(self.layout.numel(s) for s in owned) != self.flat.numel():
+            raise WorkerFailure(f"worker {me}: the live servers' ranges {owned} do not cover the {self.flat.numel()} "
+                                "parameters")
+        if not self.layout.whole():
+            log.info("worker %d: joined while servers %s hold a lost server's parameters", me, sorted(owned))
         offset = 0
         with torch.no_grad():
             for p in self.params:
                 p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.clock, self._started = steps.pop(), True
-        self.rejoined.add(self.transport.rank)
+        self.rejoined.add(me)
         self._known_lost = set(range(self.num_workers)) - set(self.live_workers())  # lost before it joined
+        if self._spare is not None:
+            self._spare.copy_(self.flat)
         return self.clock
 
     def rejoin(self, workers: list[int]) -> None:
