@@ -16,6 +16,9 @@ job (``distrain train``: MNIST-1D, the CNN, 4 workers; DiLoCo for 45 epochs, see
   passes if the run also ends with 4 workers (``ps-server``: and the summary shows the server
   back, ``returned_servers``).
 
+A ``ps-server`` restart row also has ``back_s``: from the kill to the server taking its range
+back (``returned_servers`` in the summary); reported as ``back_s`` (median, min, max).
+
 Recovery time: from the kill (the time the killed process wrote before dying) to the members'
 agreement with the new group open (``unix_time`` of the change in ``summary.json``): detection,
 agreement and rebuild. Where the members do not change (``ps``, ``adpsgd``, ``prague``: the others
@@ -191,7 +194,10 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
            "final_test_accuracy": summary["final_test_accuracy"] if summary else None,
            "recovery_s": lost[0]["unix_time"] - killed_at if lost and killed_at else None,
            "lost": lost[0]["workers"] if lost else None,
-           "returned": sorted(WORKERS + int(s) for s in (summary or {}).get("returned_servers", {}))}
+           "returned": sorted(WORKERS + int(s) for s in (summary or {}).get("returned_servers", {})),
+           # ps-server with a restart: from the kill to the server serving its range again
+           "back_s": (min((summary or {}).get("returned_servers", {}).values(), default=0.0) - killed_at
+                      if killed_at and (summary or {}).get("returned_servers") else None)}
     row["accuracy_minus_no_fault"] = (row["final_test_accuracy"] - reference
                                       if row["final_test_accuracy"] is not None else None)
     want = WORKERS if restart or algorithm == "ps-server" else WORKERS - 1
@@ -282,6 +288,8 @@ def kill_part(tmp: Path, algorithm: str, seeds: int, result: dict) -> None:
         "accuracy_minus_no_fault": spread(gaps),
         "within_1_point": sum(abs(g) <= 0.01 for g in gaps),
         "recovery_at_most_3_s": bool(recoveries) and statistics.median(recoveries) <= 3.0,
+        **({"back_s": spread(backs)} if (backs := [r["back_s"] for r in restarts if r.get("back_s") is not None])
+           else {}),
         "runs": rows}
     print(f"{algorithm}: kill {result['algorithms'][algorithm]['kill_passed']}/{len(kills)}, restart "
           f"{result['algorithms'][algorithm]['restart_passed']}/{len(restarts)}, recovery median "
