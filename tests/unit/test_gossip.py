@@ -103,6 +103,16 @@ def test_a_worker_that_joins_again_is_not_done_until_it_finishes_its_next_life()
     a.mark_lost(1)  # lost again: still done, and a second join (a later epoch) is its next life
     a.revive(1, epoch=3)
     assert a.done == [1, 6] and a.lost == set()
+    late = SharedModel(torch.zeros(1), 0, 2)
+    late.mark_lost(1)
+    late.merge(torch.tensor([0, 0, 0, 3]))  # the news that the joiner finished its next life came first
+    late.revive(1, epoch=1)
+    assert late.done[1] == 3 and late.lost == set()  # done, but not lost: its calls are answered
+    again = SharedModel(torch.zeros(1), 0, 2)
+    again.merge(torch.tensor([0, 0, 0, 2]))  # the news of its next life, then its loss in that life here
+    again.mark_lost(1)
+    again.revive(1, epoch=1)  # a late read of that admission: it stays lost
+    assert again.done[1] == 3 and again.lost == {1}
 
 
 def test_a_joiners_snapshots_start_after_it_joined():

@@ -113,6 +113,8 @@ class SharedModel:
         self.rounds = 0  # averagings this worker took part in
         self.lost: set[int] = set()  # peers this worker found gone (asynchronous runs go on without them)
         self.revived_at: dict[int, float] = {}  # Unix time this worker learned a peer joined again
+        self._lost_life: dict[int, int] = {}  # per lost peer: its ``done`` value when this worker lost it
+        self._revived_epoch: dict[int, int] = {}  # per peer: the last admission this worker read
         self.steps_at_round = 0  # this worker's steps when its last averaging ended
         self.lag_seconds = 0.0  # time the main thread waited for an averaging (--max-lag)
         self.step_seconds = 0.01  # moving average of this worker's step time (paces idle gossip)
@@ -170,6 +172,7 @@ class SharedModel:
         with self.lock:
             self.lost.add(rank)
             self.done[rank] |= 1
+            self._lost_life[rank] = self.done[rank]
             self.lock.notify_all()
 
     def revive(self, rank: int, epoch: int) -> None:
@@ -180,11 +183,18 @@ class SharedModel:
         here: a member may merge the news from a peer's header before it reads the admission
         itself, and a second count would start a life the joiner never hears of (it would never be
         done). Each admission has a larger epoch than the last, so ``2 * epoch`` is above any
-        value of the peer's earlier lives; a late call (after the joiner finished, or was lost
-        again) changes nothing."""
+        value of the peer's earlier lives; a second call for the same admission changes nothing.
+
+        The peer is no longer lost here unless this worker lost it in that next life already,
+        even when the news that it has finished that life (``2 * epoch + 1``, merged from a
+        header) came first: a finished joiner still calls and is called until everyone is done,
+        and a passive neighbour that kept it among its lost would leave its calls unanswered."""
         with self.lock:
+            if self._revived_epoch.get(rank, 0) >= epoch:
+                return
+            self._revived_epoch[rank] = epoch
             self.done[rank] = max(self.done[rank], 2 * epoch)
-            if not self.done[rank] & 1:
+            if self._lost_life.get(rank, -1) < 2 * epoch:  # lost (if at all) in an earlier life
                 self.lost.discard(rank)
                 self.revived_at[rank] = time.time()
             self.lock.notify_all()
