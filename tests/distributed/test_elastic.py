@@ -563,8 +563,9 @@ def check_gossip_rejoin(results: dict[int, dict], victim: int, near: float | Non
 
 
 @pytest.mark.slow  # stalled until --peer-timeout in about 1 run of 10 (a neighbour dropped the joiner on its
-# earlier life's dead mark, fixed); since then 1 of 76 runs stalled another way, not understood yet. The
-# gossip family's join stays in CI through dpsgd
+# earlier life's dead mark, fixed); then in about 1 run of 25 (a neighbour that learned the joiner had finished
+# before it read the admission kept it lost, fixed in SharedModel.revive). The gossip family's join stays in CI
+# through dpsgd
 def test_a_restarted_worker_joins_adpsgd_again(tmp_path: Path):
     """AD-PSGD on a ring of 4, worker 2 (active: it calls 1 and 3) killed as step 3 begins and started
     again: the others admit it as soon as one of them sees it ask, its passive neighbours each open a
