@@ -231,7 +231,9 @@ def test_gossip_restarted_worker_joins_with_a_members_model(tmp_path: Path):
     expected = gossip_reference(0, 3, back, steps)
     for r, result in results.items():
         assert result["workers"] == WORKERS and result["steps"] == steps, r
-        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+        # float64, summed in another order than the reference: relative as well, for the long runs of a
+        # loaded host (hundreds of steps before the joiner is back; weights of a few units, 1e-13 apart)
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(gossip_reference(0, 3, None, steps), expected)
 
 
