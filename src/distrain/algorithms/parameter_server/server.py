@@ -367,8 +367,8 @@ class ShardServer:
             message = recv_state(self.transport, peer)
             bounds = [tuple(b) for b in message["bounds"]]  # type: ignore[misc]
             owned = {int(t): [tuple(r) for r in ranges] for t, ranges in message["owned"].items()}  # type: ignore[misc]
-            lo = bounds[self.index][0]
-            at = torch.cat([torch.arange(a - lo, b - lo) for a, b in message["pieces"]]) if message["pieces"] else None
+            pieces = [tuple(r) for r in message["pieces"]]
+            at = positions([bounds[self.index]], pieces) if pieces else None  # type: ignore[arg-type]
             for key, value in message["state"].items():
                 if isinstance(value, torch.Tensor) and at is not None and value.numel() == at.numel() and value.dim() == 1:
                     state.setdefault(key, torch.zeros_like(self.shard.data))[at] = value

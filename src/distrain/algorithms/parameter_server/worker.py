@@ -153,11 +153,8 @@ class ParameterServer(Algorithm):
         self.flat.copy_(torch.cat([p.detach().reshape(-1) for p in self.params]))  # after any resume
         handles: list[Handle] = []
         loaded = self._loaded_servers
-        for s, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
-            header = torch.tensor([hi - lo, total_steps, steps_per_epoch], dtype=torch.int64)
-            follows = torch.tensor([0 if loaded is None else 1], dtype=torch.int64)
-            handles += [self.transport.send(header, server), self.transport.send(self.flat[lo:hi].contiguous(), server),
-                        self.transport.send(follows, server)]
+        for s, server in enumerate(self.servers):
+            handles += self._send_start(self.transport, s, follows=loaded is not None)
             if loaded is not None:
                 for h in handles:
                     h.wait()
@@ -165,6 +162,23 @@ class ParameterServer(Algorithm):
                 send_state(self.transport, loaded[s], server)
         for h in handles:
             h.wait()
+
+    def _send_start(self, transport: Transport, s: int, follows: bool) -> list[Handle]:
+        """Server ``s``'s start message (what :class:`ShardServer` reads first): ``[shard numel,
+        total steps, steps per epoch]``, its shard of :attr:`flat`, and whether an optimizer state
+        follows."""
+        (lo, hi), (total, per_epoch), server = self.bounds[s], self._run_length, self.servers[s]
+        return [transport.send(torch.tensor([hi - lo, total, per_epoch], dtype=torch.int64), server),
+                transport.send(self.flat[lo:hi].contiguous(), server),
+                transport.send(torch.tensor([int(follows)], dtype=torch.int64), server)]
+
+    def _flat_to_params(self) -> None:
+        """Copy :attr:`flat` into the model's parameters."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     def server_state(self) -> list[dict[str, Any]] | None:
         """Every server's optimizer state, asked for now (between two steps): what ``wrap()``'s
@@ -221,11 +235,7 @@ class ParameterServer(Algorithm):
             intra.broadcast(self.flat, src=0).wait()
         if self.nodes is not None:
             self.nodes.fold_stats()
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        self._flat_to_params()
 
     def _push_pull(self, info: CompressInfo | None, dense: bool) -> None:
         """Send every server its gradient shard (with this step's clock and learning rate);
@@ -366,9 +376,7 @@ class ParameterServer(Algorithm):
         ranks = [*members, *(self.servers[t] for t in self.layout.live()), server]
         link, _ = return_link(membership, server, ranks, self.transport.rank, self.settings, self.transport.link_model)
         if self.transport.rank == ranks[0]:
-            (lo, hi), (total, per_epoch) = self.bounds[s], self._run_length
-            for h in [link.send(torch.tensor([hi - lo, total, per_epoch], dtype=torch.int64), server),
-                      link.send(self.flat[lo:hi].contiguous(), server), link.send(torch.zeros(1, dtype=torch.int64), server)]:
+            for h in self._send_start(link, s, follows=False):
                 h.wait()
         self.layout.give_back(s)
         self._server_links[s] = link
@@ -409,11 +417,7 @@ class ParameterServer(Algorithm):
                                 "parameters")
         if not self.layout.whole():
             log.info("worker %d: joined while servers %s hold a lost server's parameters", me, sorted(owned))
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        self._flat_to_params()
         self.clock, self._started = steps.pop(), True
         self.rejoined.add(me)
         self._known_lost = set(range(self.num_workers)) - set(self.live_workers())  # lost before it joined
