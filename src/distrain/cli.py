@@ -100,7 +100,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from distrain.launch.script import Target, launch_script
+    from distrain.launch.script import Nodes, Target, launch_script
 
     if args.module is None and not args.target:
         raise ConfigError("SCRIPT", "name the training script to run (or -m MODULE)")
@@ -113,8 +113,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         settings["min_workers"] = args.min_workers
     if args.servers:  # the last --servers ranks serve: wrap() makes them parameter servers
         settings.update(algorithm="ps", servers=args.servers)
+    nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, join=args.join)
     return launch_script(target, args.workers, settings, master_port=args.master_port, timeout=args.timeout,
-                         servers=args.servers, max_restarts=args.max_restarts)
+                         servers=args.servers, max_restarts=args.max_restarts, nodes=nodes)
 
 
 # Settings that `distrain compare` varies (as lists) or sets per run, instead of single flags.
@@ -261,11 +262,23 @@ def build_parser() -> Parser:
                             "this machine, on an emulated network", description="Run SCRIPT (or -m MODULE) as --workers "
                             "processes on 127.0.0.1 with the environment torchrun sets; distrain.wrap() in the script "
                             "joins them and emulates the network given here. Output lines carry the rank; if one "
-                            "process fails, all stop.")
-    launch.add_argument("--workers", type=int, default=TrainConfig().cluster.workers, metavar="N", help="processes to start (default: %(default)s)")
+                            "process fails, all stop. On several machines, run it on each with --nnodes, --node-rank "
+                            "and node 0's --master-addr and --master-port.")
+    launch.add_argument("--workers", type=int, default=TrainConfig().cluster.workers, metavar="N",
+                        help="processes to start (on each node with --nnodes) (default: %(default)s)")
     launch.add_argument("--servers", type=int, default=0, metavar="S",
                         help="also start S parameter servers (the last S ranks; the script's wrap() uses algorithm ps)")
-    launch.add_argument("--master-port", type=int, default=0, metavar="PORT", help="port of the rendezvous on 127.0.0.1 (0 = a free one)")
+    launch.add_argument("--master-port", type=int, default=0, metavar="PORT",
+                        help="port of the rendezvous (0 = a free one; required with --nnodes)")
+    launch.add_argument("--nnodes", type=int, default=1, metavar="N",
+                        help="machines in the job; run the same command on each with its --node-rank (default: 1)")
+    launch.add_argument("--node-rank", type=int, default=0, metavar="R",
+                        help="this machine's place in the job: its workers are ranks R*N ... (default: 0)")
+    launch.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                        help="node 0's address, where its launcher serves the rendezvous (default: 127.0.0.1)")
+    launch.add_argument("--join", action="store_true",
+                        help="elastic runs on several machines: start this node's workers again in the running "
+                        "job (a node that was lost); they enter at a step's end with a live worker's state")
     launch.add_argument("--timeout", type=float, default=TrainConfig().cluster.timeout, metavar="S",
                         help="seconds any rendezvous or collective may take, and that the other ranks have to "
                         "finish once one has (default: %(default)s)")

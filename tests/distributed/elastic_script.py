@@ -6,7 +6,9 @@ as step ``AT`` begins, or between its backward and its step when ``WHERE`` is ``
 
 With ``WHERE`` ``rejoin`` the workers go on past ``STEPS`` until the restarted one has joined (and
 with ``ELASTIC_SERVER_BACK=1`` in the environment, until a lost parameter server has returned),
-and 4 steps after that.
+and 4 steps after that. With ``node``, ``VICTIM`` kills its launcher (SIGKILL) as step ``AT``
+begins, taking that launcher's node with it (``distrain launch --nnodes``), and the workers go on
+until every worker of the run is back (``--join``) and 4 steps after that.
 
 ``SETTINGS`` (optional) is a JSON object of wrap() settings (e.g. DiLoCo's).
 
@@ -40,11 +42,15 @@ def main() -> None:
     settings = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), **settings)
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
+    world = int(os.environ["WORLD_SIZE"])
 
     returned = []  # the step after which a lost parameter server was back
     server_back = os.environ.get("ELASTIC_SERVER_BACK") == "1"  # a parameter server comes back too
 
     def more() -> bool:
+        if where == "node":  # until the lost node's workers are all back, and 4 steps more
+            full = [c.step for c in opt.changes if c.joined and len(c.members) == world][:1]
+            return not full or opt.steps < max(steps, full[0] + 4)
         if where != "rejoin":
             return opt.steps < steps
         # (a worker that joined after the server's return finds every server whole as it joins)
@@ -58,7 +64,9 @@ def main() -> None:
 
     while more():  # a worker that joins starts where the others are
         step = opt.steps
-        if first_life and me == victim and step == at and where in ("start", "rejoin"):
+        if first_life and me == victim and step == at and where in ("start", "rejoin", "node"):
+            if where == "node":
+                os.kill(os.getppid(), signal.SIGKILL)  # the node's launcher: its other workers die with it
             os.kill(os.getpid(), signal.SIGKILL)
         x = gradient(me, step).reshape(1, DIM)
         model(x).sum().backward()  # d/dw (w . g) = g

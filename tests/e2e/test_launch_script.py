@@ -35,6 +35,12 @@ def launch(args: list[str], cwd: Path, timeout: float = 120) -> tuple[subprocess
     (["--servers", "-1", "x.py"], "--servers"),
     (["missing.py"], "SCRIPT"),
     ([], "SCRIPT"),
+    (["--nnodes", "2", "x.py"], "--master-port"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-port", "29999", "x.py"], "--node-rank"),
+    (["--nnodes", "0", "x.py"], "--nnodes"),
+    (["--join", "x.py"], "--join"),
+    (["--nnodes", "2", "--join", "--master-port", "29999", "x.py"], "--join"),
+    (["--nnodes", "2", "--servers", "1", "--master-port", "29999", "x.py"], "--servers"),
 ])
 def test_bad_input_is_one_line_before_anything_starts(tmp_path: Path, capsys, monkeypatch, args: list[str],
                                                       flag: str):

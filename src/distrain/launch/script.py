@@ -5,10 +5,19 @@ Each process gets the environment torchrun would set (``RANK``, ``WORLD_SIZE``, 
 network's settings in :data:`~distrain.distributed.SETTINGS_ENV`, which :func:`distrain.wrap` reads.
 Output lines carry the rank. When one process fails, the others are stopped and one line names
 the rank and the cause; Ctrl-C stops them all; nothing is left running.
+
+On several machines (:class:`Nodes`: ``--nnodes N --node-rank R --master-addr HOST
+--master-port PORT``, run on each) every node's launcher starts its ``--workers`` processes as
+ranks ``R * workers ...``; node 0's launcher hosts the store on ``HOST:PORT``. A launcher whose
+job fails announces it in the store and the other nodes' launchers stop theirs; node 0's waits
+for the others to finish before its store goes. In an elastic run a lost node (its machine, or
+its launcher, gone) leaves the others going on, and ``--join`` starts a node's workers again: they
+enter the running job at a step's end with a live member's state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -30,8 +39,8 @@ from distrain.comm.group import store_of
 from distrain.config import TrainConfig
 from distrain.distributed import SETTINGS_ENV
 from distrain.errors import ConfigError
-from distrain.launch.common import PR_SET_PDEATHSIG, Restarts, free_port
-from distrain.runtime.health import declare_dead
+from distrain.launch.common import PR_SET_PDEATHSIG, Restarts, free_port, wait_for_master
+from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run
 
 #: Seconds the other processes get to stop after a failure or Ctrl-C before they are killed.
@@ -130,10 +139,64 @@ class _Process:
                 pass
 
 
+#: Store keys of a job on several machines: a failed node's line (the others stop theirs), and
+#: each node's launcher's end (node 0 keeps the store up until every node has ended).
+NODE_FAILED_KEY = "distrain/launch/failed"
+NODE_UP_KEY = "distrain/launch/up/{}"
+NODE_DONE_KEY = "distrain/launch/done/{}"
+#: How often a node's launcher reads those keys.
+NODE_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where this launcher's processes sit in a job on several machines (``--nnodes``,
+    ``--node-rank``, ``--master-addr``, ``--join``); the default is one machine on 127.0.0.1."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    #: start this node's workers as joiners of a running elastic job (a node lost and back)
+    join: bool = False
+
+    def check(self, master_port: int, servers: int, emulation: str) -> None:
+        """ConfigError naming the flag, before anything starts."""
+        for name, value, low in (("--nnodes", self.nnodes, 1), ("--node-rank", self.node_rank, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
+        if self.node_rank >= self.nnodes:
+            raise ConfigError("--node-rank", f"must be below --nnodes ({self.nnodes}), got {self.node_rank}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ConfigError("--master-addr", f"must name node 0's address, got {self.master_addr!r}")
+        if self.nnodes == 1:
+            if self.join:
+                raise ConfigError("--join", "is for a node of a job on several machines (--nnodes 2 or more); on "
+                                            "one machine, --max-restarts starts lost workers again")
+            return
+        if not master_port:
+            raise ConfigError("--master-port", "a job on several machines needs the port every node names "
+                                               "(node 0's launcher serves the rendezvous there), got 0")
+        if servers:
+            raise ConfigError("--servers", "parameter servers run on one machine only (--nnodes 1); across machines, "
+                                           "start them under torchrun as its last ranks")
+        if emulation == "netns":
+            raise ConfigError("--emulation", "netns shapes one machine's namespaces; with --nnodes above 1 use "
+                                             "model, or the real network")
+        if self.join and self.node_rank == 0:
+            raise ConfigError("--join", "node 0 hosts the job's rendezvous, so it cannot join one: a node that "
+                                        "joins has --node-rank 1 or more")
+
+    @property
+    def host(self) -> bool:
+        """Whether this launcher serves the job's store (node 0, or the only one)."""
+        return self.node_rank == 0
+
+
 def launch_script(target: Target, workers: int, settings: dict[str, Any], *, master_port: int = 0,
-                  timeout: float = 120.0, servers: int = 0, max_restarts: int = 0) -> int:
+                  timeout: float = 120.0, servers: int = 0, max_restarts: int = 0, nodes: Nodes = Nodes()) -> int:
     """Run ``target`` as ``workers`` processes, and ``servers`` more (the last ranks) that
-    ``wrap()`` makes parameter servers; the exit status of the job (0: all succeeded).
+    ``wrap()`` makes parameter servers; the exit status of the job (0: all succeeded). With
+    ``nodes`` on several machines, these are ``workers`` of ``nodes.nnodes * workers``.
 
     In an elastic run, a worker that dies is started again, up to ``max_restarts`` times in all:
     it joins the others at a step's end with their state (``wrap()`` sees :data:`JOIN_ENV`).
@@ -143,8 +206,10 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise ConfigError("--max-restarts", f"must be an integer >= 0, got {max_restarts!r}")
     target.check()
-    cfg = check_settings(settings, workers, servers)
-    world = workers + servers
+    nodes.check(master_port, servers, settings.get("emulation", "model"))
+    cfg = check_settings(settings, workers * nodes.nnodes, servers)
+    world = workers * nodes.nnodes + servers
+    first = workers * nodes.node_rank  # this node's first rank
     lock = threading.Lock()
     procs: list[_Process] = []
     interrupted: list[int] = []
@@ -160,30 +225,45 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
             work = Path(tempfile.mkdtemp(prefix="distrain-launch-"))  # the traces' clock file
             namespaces = NetnsHosts(spec, work / "clock", host=True)  # the store waits on this machine's bridge
             namespaces.open()
-        addr = "127.0.0.1" if namespaces is None else namespaces.address
+        addr = nodes.master_addr if namespaces is None else namespaces.address
         port = master_port or free_port(addr)
-        store = store_of(addr, port, timeout, host=True)  # outlives every rank: the rendezvous is the launcher's
-        if max_restarts:
-            store.set(RESTARTS_KEY, str(max_restarts))  # the members look for workers joining at every step
+        if nodes.host:  # outlives every rank: the rendezvous is the launcher's
+            store = store_of(addr, port, timeout, host=True)
+        else:
+            wait_for_master(addr, port, timeout)
+            store = store_of(addr, port, timeout)
+        if nodes.host and (max_restarts or nodes.nnodes > 1):
+            # the members look for workers joining every few steps: restarted ones, or a node's
+            store.set(RESTARTS_KEY, str(max_restarts))
+        mine = list(range(first, first + workers)) + list(range(world - servers, world))
+        if nodes.nnodes > 1:
+            store.set(NODE_UP_KEY.format(nodes.node_rank), "1")  # node 0 waits for the nodes that came up
+        if nodes.join:
+            _check_join(store, nodes, mine, addr, port, timeout)
         base = dict(os.environ)
         base.setdefault("OMP_NUM_THREADS", "1")
-        base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                    GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1",
+        base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(len(mine)),
+                    GROUP_RANK=str(nodes.node_rank), TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1",
                     **{SETTINGS_ENV: json.dumps(settings)}, **(namespaces.env() if namespaces is not None else {}))
         if namespaces is not None:
             base.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns that namespaces have no host names
 
         def start(rank: int, joining: bool = False) -> _Process:
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            local = mine.index(rank)
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank)}
             if joining:
                 env[JOIN_ENV] = "1"
             prefix = None if namespaces is None else ["ip", "netns", "exec", namespaces.namespace(rank)]
             return _Process(rank, target, env, lock, prefix=prefix)
 
-        for rank in range(world):
-            procs.append(start(rank))
-        restart = Restarts(max_restarts, lambda rank: start(rank, joining=True), workers, store)
-        return _supervise(procs, interrupted, exit_window=timeout, store=store, restart=restart)
+        for rank in mine:
+            procs.append(start(rank, joining=nodes.join))
+        restart = Restarts(max_restarts, lambda rank: start(rank, joining=True), world - servers, store)
+        code = _supervise(procs, interrupted, exit_window=timeout, store=store, restart=restart,
+                          nodes=nodes if nodes.nnodes > 1 else None)
+        if nodes.nnodes > 1:
+            _end_node(store, nodes, code, workers, timeout)
+        return code
     finally:
         for p in procs:
             p.stop(signal.SIGKILL)
@@ -199,16 +279,73 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
             signal.signal(s, handler)
 
 
+def _check_join(store: Any, nodes: Nodes, ranks: list[int], addr: str, port: int, timeout: float) -> None:
+    """Before a node's workers join the job at ``addr:port``: it must be an elastic job that
+    takes joiners, and every one of ``ranks`` must have been lost (the members declare a lost
+    worker dead once they agree to go on without it; this waits up to ``timeout`` for that)."""
+    if not (elastic_run(store) and store.check([RESTARTS_KEY])):
+        raise ConfigError("--join", f"the job at {addr}:{port} takes no workers that join: its algorithm does not go "
+                                    "on without lost workers (e.g. allreduce, diloco, gossip, prague), or it has not "
+                                    "started training yet")
+    deadline = time.monotonic() + timeout
+    while live := [r for r in ranks if not declared_dead(store, r)]:
+        if time.monotonic() > deadline:
+            raise ConfigError("--node-rank", f"ranks {live} of node {nodes.node_rank} are still in the job at "
+                                             f"{addr}:{port}; a node joins in place of one that was lost")
+        time.sleep(NODE_POLL_S)
+
+
+def _end_node(store: Any, nodes: Nodes, code: int, workers: int, timeout: float) -> None:
+    """A node's launcher is done (exit status ``code``): say so in the store. Node 0's, which
+    serves the store, waits up to ``timeout`` seconds for the other nodes that came up to end,
+    except those whose workers were all lost (and not after Ctrl-C)."""
+    with contextlib.suppress(Exception):  # the store's host may be gone already
+        store.set(NODE_DONE_KEY.format(nodes.node_rank), str(code))
+    if not nodes.host or code in (130, 143):  # interrupted: the others find the rendezvous gone and stop
+        return
+    deadline = time.monotonic() + timeout
+    others = list(range(1, nodes.nnodes))
+    while time.monotonic() < deadline:
+        others = [n for n in others if store.check([NODE_UP_KEY.format(n)]) and not store.check([NODE_DONE_KEY.format(n)])
+                  and not all(declared_dead(store, r) for r in range(n * workers, (n + 1) * workers))]
+        if not others:
+            return
+        time.sleep(NODE_POLL_S)
+    print(f"distrain: node(s) {others} had not ended {timeout:g} s after node 0; closing the rendezvous",
+          file=sys.stderr)
+
+
+def announce_failure(store: Any, nodes: Nodes | None, line: str) -> None:
+    """On several machines: tell the other nodes' launchers that this node's job failed."""
+    if nodes is not None:
+        with contextlib.suppress(Exception):
+            store.compare_set(NODE_FAILED_KEY, "", f"node {nodes.node_rank}: {line}")
+
+
+def _failed_elsewhere(store: Any, nodes: Nodes | None) -> str | None:
+    """Another node's failure line, or why this node cannot reach the job's store (node 0's
+    launcher gone); None while the job goes on."""
+    if nodes is None:
+        return None
+    try:
+        return store.get(NODE_FAILED_KEY).decode() if store.check([NODE_FAILED_KEY]) else None
+    except Exception:  # noqa: BLE001 - the store is node 0's launcher's
+        return "the job's rendezvous (node 0's launcher) is gone"
+
+
 def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float, store: Any = None,
-               restart: Restarts | None = None) -> int:
+               restart: Restarts | None = None, nodes: Nodes | None = None) -> int:
     """Wait for every process; on the first failure or a signal, stop the others. Once one has
     finished, the others have ``exit_window`` seconds to finish too (a rank stuck at exit, or in
     a wait its finished peers will never answer, would otherwise keep the job up for ever).
 
     In an elastic run (``wrap()`` marked it so in ``store``) a process that dies is declared dead
-    and the others go on; the job succeeds when every survivor does."""
+    and the others go on; the job succeeds when every survivor does. On several machines
+    (``nodes``) a failure is announced to the other nodes' launchers, and one they announce
+    stops this node's processes."""
     first_done: tuple[float, int] | None = None
     lost: list[_Process] = []
+    polled = time.monotonic()
     while True:
         if interrupted:
             _stop_all(procs)
@@ -231,6 +368,7 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                 procs.append(again)
             continue
         if failed is not None:
+            announce_failure(store, nodes, f"rank {failed.rank} failed")  # the other nodes stop at once
             _stop_all(procs)
             for t in failed.threads:
                 t.join(timeout=5)  # its last lines are read before they are quoted
@@ -238,10 +376,19 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
             return 1
         if all(c == 0 or p in lost for p, c in zip(procs, codes, strict=True)):
             return 0 if len(lost) < len(procs) else 1
+        if nodes is not None and time.monotonic() - polled > NODE_POLL_S:
+            polled = time.monotonic()
+            elsewhere = _failed_elsewhere(store, nodes)
+            if elsewhere is not None:
+                _stop_all(procs)
+                print(f"distrain: stopped {sum(c is None for c in codes)} processes of node {nodes.node_rank}: "
+                      f"{elsewhere}", file=sys.stderr)
+                return 1
         if first_done is None and 0 in codes:
             first_done = (time.monotonic(), procs[codes.index(0)].rank)
         if first_done is not None and time.monotonic() - first_done[0] > exit_window:
             stuck = [p.rank for p, c in zip(procs, codes, strict=True) if c is None]
+            announce_failure(store, nodes, f"rank {stuck[0]} did not finish")
             _stop_all(procs)
             print(f"distrain: rank {stuck[0]} did not finish within {exit_window:g} s of rank {first_done[1]} "
                   f"(ranks still running: {stuck}); stopped them (raise --timeout if a rank needs longer)",
