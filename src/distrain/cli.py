@@ -269,11 +269,11 @@ def build_parser() -> Parser:
     launch.add_argument("--servers", type=int, default=0, metavar="S",
                         help="also start S parameter servers (the last S ranks; the script's wrap() uses algorithm ps)")
     launch.add_argument("--master-port", type=int, default=0, metavar="PORT",
-                        help="port of the rendezvous (0 = a free one; required with --nnodes)")
+                        help="port of the rendezvous (0 = a free one; required with --nnodes 2 or more)")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="machines in the job; run the same command on each with its --node-rank (default: 1)")
     launch.add_argument("--node-rank", type=int, default=0, metavar="R",
-                        help="this machine's place in the job: its workers are ranks R*N ... (default: 0)")
+                        help="this machine's place in the job: its workers are ranks R * --workers onwards (default: 0)")
     launch.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
                         help="node 0's address, where its launcher serves the rendezvous (default: 127.0.0.1)")
     launch.add_argument("--join", action="store_true",
