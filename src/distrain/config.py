@@ -488,8 +488,9 @@ class OuterConfig:
                           "step of the period (streaming DiLoCo: peak bandwidth falls by about this factor)")
     overlap_steps: int = _opt(0, "diloco: inner steps a fragment's exchange overlaps before its outer step is applied "
                               "and merged (0: applied at once)")
-    merge_weight: float = _opt(0.5, "diloco with --overlap-steps: weight of the synced fragment when merged into the "
-                               "worker's own, which moved meanwhile")
+    merge_weight: float = _opt(1.0, "diloco with --overlap-steps: weight of the synced fragment when merged into the "
+                               "worker's own, which moved meanwhile (1: it takes the synced one; the streaming "
+                               "paper's 0.5 keeps the replicas apart)")
 
     def validate(self) -> None:
         check_choices(self)

@@ -228,12 +228,11 @@ def test_fragments_cover_the_model_once_and_each_syncs_once_per_period():
     assert sorted(algorithm.offsets) == [0, 2, 4, 6]  # staggered through the period
 
 
-def _streaming_body(rank: int, world: int) -> dict:
+def _streaming_body(rank: int, world: int, merge: dict) -> dict:
     net = model()
     inner = torch.optim.SGD(net.parameters(), lr=INNER_LR)
     cfg = TrainConfig.from_dict({"algorithm": "diloco", "workers": WORKERS, "sync_every": 4, "fragments": 2,
-                                 "overlap_steps": 1, "merge_weight": 0.5, "outer_lr": OUTER_LR,
-                                 "outer_momentum": OUTER_MOMENTUM})
+                                 "overlap_steps": 1, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM, **merge})
     algorithm = build_algorithm("diloco", cfg)
     algorithm.setup(net, inner, Transport())
     steps = 10  # ends mid-period: the last step syncs what moved and applies what is pending
@@ -251,7 +250,8 @@ def _streaming_body(rank: int, world: int) -> dict:
 
 def streaming_reference(steps: int = 10, h: int = 4, overlap: int = 1, w: float = 0.5) -> tuple[torch.Tensor, list]:
     """Two fragments (the weight, then the bias): fragment 0 syncs at steps = 2 mod 4, fragment 1
-    at 0 mod 4; an exchange is applied ``overlap`` steps later and merged half and half."""
+    at 0 mod 4; an exchange is applied ``overlap`` steps later and merged with weight ``w`` on the
+    synced fragment (1: the workers take it)."""
     frags = [(0, 3), (3, 4)]
     offsets = [2, 0]
     start = torch.cat([p.detach().reshape(-1) for p in model().parameters()])
@@ -292,9 +292,11 @@ def streaming_reference(steps: int = 10, h: int = 4, overlap: int = 1, w: float 
 
 
 @pytest.mark.timeout(120)
-def test_streaming_fragments_with_overlap_match_the_reference():
-    results = run_group(_streaming_body, WORKERS, timeout=90)
-    shared, local = streaming_reference()
+@pytest.mark.parametrize("merge, w", [({"merge_weight": 0.5}, 0.5), ({}, 1.0)], ids=["half", "default"])
+def test_streaming_fragments_with_overlap_match_the_reference(merge: dict, w: float):
+    results = run_group(_streaming_body, WORKERS, args=(merge,), timeout=90)
+    shared, local = streaming_reference(w=w)
+    assert not torch.allclose(streaming_reference(w=1.5 - w)[1][0], local[0])  # the weight matters here
     for rank, r in enumerate(results):
         assert r["bounds"] == [(0, 3), (3, 4)]
         torch.testing.assert_close(r["shared"], shared, rtol=0, atol=1e-6)
