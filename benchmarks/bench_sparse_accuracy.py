@@ -6,7 +6,9 @@ epochs, all-reduce, no network emulation) but ``--compress`` and ``--seed``, for
 
 * ``dense``: ``--compress none``;
 * ``group_topk``: ``--compress group_topk:0.01`` with its defaults (density warm-up of one dense
-  epoch then two of exponential decay, momentum correction, error feedback, the dense fallback);
+  epoch then two of exponential decay, a kept ratio of at least 5% until epoch 6 and then a fall
+  to 1% over two epochs, momentum correction without masking, error feedback, the dense
+  fallback);
 * ``adaptive``: ``--compress adaptive:base=0.01:min=0.001:max=0.1``, same defaults.
 
 The statistics, fixed before the runs: per seed, the gap in points of ``group_topk`` to

@@ -82,9 +82,11 @@ def compression_settings(config: TrainConfig) -> CompressionSettings:
     """``--compress`` and its companion flags, the density warm-up's defaults resolved."""
     c = config.compress
     warmup, decay = c.density_schedule()
+    hold, hold_until = c.density_hold(config.run.epochs)
     return CompressionSettings(spec=c.compress, error_feedback=c.error_feedback == "on",
                                sparse_collective=c.sparse_collective, momentum_correction=c.momentum_correction == "on",
-                               density_warmup_epochs=warmup, density_decay_epochs=decay)
+                               density_warmup_epochs=warmup, density_decay_epochs=decay,
+                               density_hold=hold, density_hold_until=hold_until, momentum_masking=not hold)
 
 
 def allreduce_settings(config: TrainConfig) -> AllReduceSettings:

@@ -394,6 +394,17 @@ class NetworkConfig:
 #: seeds 0-4; see ``benchmarks/bench_sparse_accuracy.py``.
 SPARSIFIER_WARMUP = (1.0, 2.0)
 
+#: ... and with that default warm-up, a kept ratio of at least 5% until epoch 6 (or 40% of a
+#: shorter run's epochs), then a fall to the target over the decay's epochs, with momentum
+#: correction's masking off. With 1% from epoch 3 the default job sat on a plateau that it left
+#: epochs after dense training, and ended 0.2 to 1.3 points below dense over seeds 0-4: at 1%
+#: most coordinates wait, but at the ratios on the way down to it (25% to 2%) the useful ones are
+#: sent at nearly every step, and masking then zeroes their momentum at every step (SGD without
+#: it). The hold, without masking, kept it within 0.6 points of dense on seeds 0-9 for about
+#: 1.2 times the bytes of the plain schedule (about a fifth of dense's); see
+#: ``benchmarks/bench_sparse_accuracy.py``.
+SPARSIFIER_HOLD = (0.05, 6.0, 0.4)
+
 
 @dataclass
 class CompressConfig:
@@ -417,7 +428,10 @@ class CompressConfig:
                                                f"(unset: {SPARSIFIER_WARMUP[0]:g} with a sparsifier, else 0)")
     density_decay_epochs: float | None = _opt(None, "epochs after the warm-up over which the kept ratio falls "
                                               "exponentially from 1 to RATIO "
-                                              f"(unset: {SPARSIFIER_WARMUP[1]:g} with a sparsifier, else 0)")
+                                              f"(unset: {SPARSIFIER_WARMUP[1]:g} with a sparsifier, else 0; with "
+                                              f"both unset, a sparsifier also keeps at least "
+                                              f"{SPARSIFIER_HOLD[0]:g} until epoch {SPARSIFIER_HOLD[1]:g} (or {SPARSIFIER_HOLD[2]:g} of a shorter run's epochs), then falls "
+                                              "to RATIO over as many epochs, without momentum masking)")
 
     def validate(self) -> None:
         from distrain.compress import validate_spec
@@ -437,6 +451,18 @@ class CompressConfig:
         auto = SPARSIFIER_WARMUP if sparsifier else (0.0, 0.0)
         warmup, decay = self.density_warmup_epochs, self.density_decay_epochs
         return (auto[0] if warmup is None else float(warmup), auto[1] if decay is None else float(decay))
+
+    def density_hold(self, epochs: float) -> tuple[float, float]:
+        """(hold ratio, until epoch) in a run of ``epochs``: :data:`SPARSIFIER_HOLD` for a
+        sparsifier on the default density warm-up (neither of its flags set), else none (0, 0)."""
+        from distrain.compress import build_compressor
+
+        default = self.density_warmup_epochs is None and self.density_decay_epochs is None
+        sparsifier = self.compress.strip() != "none" and build_compressor(self.compress).ratio is not None
+        if not (default and sparsifier):
+            return 0.0, 0.0
+        ratio, until, share = SPARSIFIER_HOLD
+        return ratio, min(until, share * epochs)
 
 
 @dataclass

@@ -210,6 +210,37 @@ def test_density_warmup_schedule():
     assert DensityWarmup(target=None, warmup=1.0, decay=3.0).ratio(1.5) is None
 
 
+def test_density_hold_keeps_the_ratio_up_then_falls_to_the_target():
+    plain = DensityWarmup(target=0.01, warmup=1.0, decay=2.0)
+    held = DensityWarmup(target=0.01, warmup=1.0, decay=2.0, hold=0.05, hold_until=6.0)
+    assert held.dense(0.5) and held.ratio(1.0) == pytest.approx(1.0)  # the warm-up is the plain one
+    assert held.ratio(2.0) == pytest.approx(plain.ratio(2.0))  # above the hold: the warm-up's own fall
+    assert plain.ratio(3.5) == 0.01 and held.ratio(3.5) == 0.05 and held.ratio(5.99) == 0.05
+    assert held.ratio(7.0) == pytest.approx(0.05 * (0.01 / 0.05) ** 0.5)  # halfway down over the decay's 2 epochs
+    assert held.ratio(8.0) == pytest.approx(0.01) and held.ratio(50.0) == pytest.approx(0.01)
+    ratios = [held.ratio(6.0 + i / 10) for i in range(21)]
+    assert all(a > b for a, b in zip(ratios, ratios[1:], strict=False))
+    assert DensityWarmup(target=0.1, warmup=1.0, decay=2.0, hold=0.05, hold_until=6.0).ratio(4.0) == 0.1  # below the target: no hold
+
+
+def test_the_hold_applies_to_sparsifiers_on_the_default_warmup_only():
+    from distrain.assemble import compression_settings
+    from distrain.config import SPARSIFIER_HOLD, TrainConfig
+
+    def settings(**kw):
+        return compression_settings(TrainConfig.from_dict(kw).validate())
+
+    default = settings(compress="group_topk:0.01")
+    assert (default.density_hold, default.density_hold_until) == SPARSIFIER_HOLD[:2] and not default.momentum_masking
+    short = settings(compress="group_topk:0.01", epochs=5)
+    assert short.density_hold_until == pytest.approx(SPARSIFIER_HOLD[2] * 5)  # a short run keeps most of it at the target
+    for kw in ({"compress": "group_topk:0.01", "density_warmup_epochs": 1.0},
+               {"compress": "group_topk:0.01", "density_decay_epochs": 2.0}, {"compress": "fp16"}, {}):
+        other = settings(**kw)
+        assert other.density_hold == 0.0 and other.momentum_masking, kw  # as set: the schedule and masking as before
+    assert settings(compress="group_topk:0.01").warmup(0.01).ratio(4.0) == SPARSIFIER_HOLD[0]
+
+
 @pytest.mark.parametrize("spec", ["topk:0.05", "group_topk:0.05:group=64"])
 def test_error_feedback_of_a_sparsifier_matches_compensate_minus_sent(spec):
     """The in-place residual of sparsifiers that send their input's values is exactly the

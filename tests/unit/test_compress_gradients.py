@@ -119,6 +119,16 @@ def test_masking_zeroes_the_velocity_of_sent_coordinates_only_when_something_was
     assert torch.equal(other.velocities[0], mc.velocities[0]) and torch.equal(other.residuals[0], mc.residuals[0])
 
 
+def test_without_masking_the_velocity_of_sent_coordinates_is_kept():
+    g = torch.arange(1.0, 21.0)
+    mc = MomentumCorrection(GroupTopK(0.1, group=10), momentum=0.9, masking=False)
+    payload, _ = mc.compress(g, CompressInfo(step=0))
+    assert payload[0].tolist() == [9, 19]
+    assert torch.equal(mc.velocities[0], g)  # nothing zeroed: the sent coordinates keep their momentum
+    mc.compress(g, CompressInfo(step=1))
+    assert torch.equal(mc.velocities[0], 0.9 * g + g)
+
+
 def test_take_momentum_only_from_plain_sgd():
     p = [torch.nn.Parameter(torch.zeros(3))]
     assert take_momentum(torch.optim.Adam(p)) == (0.0, 0.0)

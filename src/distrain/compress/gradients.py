@@ -126,7 +126,7 @@ class GradientCompression:
         if settings.momentum_correction and isinstance(compressor, ErrorFeedback) and compressor.ratio is not None:
             momentum, weight_decay = take_momentum(optimizer)
             if momentum > 0:
-                compressor = MomentumCorrection(compressor.inner, momentum)
+                compressor = MomentumCorrection(compressor.inner, momentum, masking=settings.momentum_masking)
             else:
                 log.info("momentum correction needs SGD with momentum; %s keeps its optimizer as is", compressor.name)
         if compressor.name == "adaptive" and settings.sparse_collective == "allgather":

@@ -28,6 +28,12 @@ class MomentumCorrection(ErrorFeedback):
     Args:
         compressor: a sparsifying compressor (top-k, group top-k, random-k).
         momentum: the momentum taken out of the optimizer, 0 < momentum < 1.
+        masking: zero the velocity of the coordinates just sent (DGC's momentum factor masking).
+            Off, error feedback on the velocity sends exactly momentum SGD's updates, later. On,
+            a coordinate sent at every step loses its momentum: at a moderate ratio (5-10%, a
+            density warm-up's) most of the useful coordinates are, and training slows to that of
+            SGD without momentum (the default job held at 10% until epoch 6, seed 3: 2.8 points
+            below dense with masking, 0.05 without).
 
     Example::
 
@@ -35,8 +41,9 @@ class MomentumCorrection(ErrorFeedback):
         payload, ctx = mc.compress(grad, CompressInfo(step=step))
     """
 
-    def __init__(self, compressor: Compressor, momentum: float) -> None:
+    def __init__(self, compressor: Compressor, momentum: float, *, masking: bool = True) -> None:
         super().__init__(compressor)
+        self.masking = bool(masking)
         if not (0.0 < momentum < 1.0):
             raise ValueError(f"momentum must be in (0, 1), got {momentum!r}")
         self.momentum = float(momentum)
@@ -58,7 +65,7 @@ class MomentumCorrection(ErrorFeedback):
     def after_send(self, indices: torch.Tensor, held_back: bool, key: int) -> None:
         # When nothing was held back, nothing is stale: keep the momentum, so that at ratio 1 this
         # is exactly momentum SGD (DGC's masking would turn it into SGD without momentum).
-        if held_back:
+        if held_back and self.masking:
             self.velocities[key].view(-1).index_fill_(0, indices, 0.0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -35,6 +35,12 @@ class CompressionSettings:
     #: epochs of dense training, then epochs over which the kept ratio falls from 1 to its target
     density_warmup_epochs: float
     density_decay_epochs: float
+    #: the lowest kept ratio until ``density_hold_until`` epochs (0: none), then a fall to the target
+    density_hold: float = 0.0
+    density_hold_until: float = 0.0
+    #: with momentum correction, zero the velocity of what was sent (DGC's momentum factor masking);
+    #: off with the hold, whose moderate ratio sends most useful coordinates at every step
+    momentum_masking: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -49,4 +55,5 @@ class CompressionSettings:
 
     def warmup(self, target: float | None) -> DensityWarmup:
         """The density warm-up towards ``target`` (a compressor's ratio, or an adaptive policy's base)."""
-        return DensityWarmup(target, self.density_warmup_epochs, self.density_decay_epochs)
+        return DensityWarmup(target, self.density_warmup_epochs, self.density_decay_epochs,
+                             self.density_hold, self.density_hold_until)

@@ -111,7 +111,7 @@ class ParameterServer(Algorithm):
             compressor = c.compressor(settings.run.seed)
             if momentum_corrected(c, optimizer):  # the servers step plain SGD
                 self.momentum, self.weight_decay = take_momentum(optimizer)
-                compressor = MomentumCorrection(compressor.inner, self.momentum)
+                compressor = MomentumCorrection(compressor.inner, self.momentum, masking=c.momentum_masking)
             self.push = ShardPush(compressor)
             self.density = c.warmup(compressor.ratio)
         #: the others take over a lost server's ranges (elastic, uncompressed, two servers or more);
