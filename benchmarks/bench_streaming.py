@@ -2,8 +2,8 @@
 
 The ``lm-edge`` scenario as ``bench_diloco.py`` runs it (4 workers, the GPT micro on the Python
 standard library's text, 256 steps of Adam, plain averaging as the outer step, 20 Mbit/s and
-10 ms links), three configurations, each ``--repeats`` times (repeat k with seed + k), in this
-order within every repeat:
+10 ms links), three configurations, each ``--repeats`` times (repeat k with seed + k), one
+configuration's repeats after the other's (``distrain compare``'s order), in this order:
 
 - ``diloco-h64``: H = 64, one fragment, no overlap (bench_diloco's row of the same name);
 - ``streaming``: 4 fragments, each exchange overlapping 4 inner steps, merged with the default
