@@ -41,6 +41,7 @@ def launch(args: list[str], cwd: Path, timeout: float = 120) -> tuple[subprocess
     (["--join", "x.py"], "--join"),
     (["--nnodes", "2", "--join", "--master-port", "29999", "x.py"], "--join"),
     (["--nnodes", "2", "--servers", "1", "--master-port", "29999", "x.py"], "--servers"),
+    (["--nnodes", "2", "--master-addr", "192.0.2.1", "--master-port", "29999", "x.py"], "--master-addr"),
 ])
 def test_bad_input_is_one_line_before_anything_starts(tmp_path: Path, capsys, monkeypatch, args: list[str],
                                                       flag: str):

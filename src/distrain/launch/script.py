@@ -39,7 +39,13 @@ from distrain.comm.group import store_of
 from distrain.config import TrainConfig
 from distrain.distributed import SETTINGS_ENV
 from distrain.errors import ConfigError
-from distrain.launch.common import PR_SET_PDEATHSIG, Restarts, free_port, wait_for_master
+from distrain.launch.common import (
+    PR_SET_PDEATHSIG,
+    Restarts,
+    check_port_free,
+    free_port,
+    wait_for_master,
+)
 from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run
 
@@ -228,6 +234,8 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         addr = nodes.master_addr if namespaces is None else namespaces.address
         port = master_port or free_port(addr)
         if nodes.host:  # outlives every rank: the rendezvous is the launcher's
+            if master_port:
+                check_port_free(addr, port)  # one line naming --master-port (or --master-addr), not a traceback
             store = store_of(addr, port, timeout, host=True)
         else:
             wait_for_master(addr, port, timeout)
