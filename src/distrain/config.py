@@ -442,24 +442,24 @@ class CompressConfig:
             if getattr(self, name) is not None:
                 check_positive(name, getattr(self, name), allow_zero=True)
 
-    def density_schedule(self) -> tuple[float, float]:
-        """(warm-up, decay) epochs: as set, else :data:`SPARSIFIER_WARMUP` for a compressor that
-        keeps a ratio of the gradient (topk, group_topk, randomk, adaptive, sparseloco), else no warm-up."""
+    def _sparsifier(self) -> bool:
+        """Whether ``compress`` keeps a ratio of the gradient (topk, group_topk, randomk, adaptive,
+        sparseloco): what the default warm-up and hold apply to."""
         from distrain.compress import build_compressor
 
-        sparsifier = self.compress.strip() != "none" and build_compressor(self.compress).ratio is not None
-        auto = SPARSIFIER_WARMUP if sparsifier else (0.0, 0.0)
+        return self.compress.strip() != "none" and build_compressor(self.compress).ratio is not None
+
+    def density_schedule(self) -> tuple[float, float]:
+        """(warm-up, decay) epochs: as set, else :data:`SPARSIFIER_WARMUP` for a sparsifier, else no warm-up."""
+        auto = SPARSIFIER_WARMUP if self._sparsifier() else (0.0, 0.0)
         warmup, decay = self.density_warmup_epochs, self.density_decay_epochs
         return (auto[0] if warmup is None else float(warmup), auto[1] if decay is None else float(decay))
 
     def density_hold(self, epochs: float) -> tuple[float, float]:
         """(hold ratio, until epoch) in a run of ``epochs``: :data:`SPARSIFIER_HOLD` for a
         sparsifier on the default density warm-up (neither of its flags set), else none (0, 0)."""
-        from distrain.compress import build_compressor
-
         default = self.density_warmup_epochs is None and self.density_decay_epochs is None
-        sparsifier = self.compress.strip() != "none" and build_compressor(self.compress).ratio is not None
-        if not (default and sparsifier):
+        if not (default and self._sparsifier()):
             return 0.0, 0.0
         ratio, until, share = SPARSIFIER_HOLD
         return ratio, min(until, share * epochs)
