@@ -25,18 +25,24 @@ SCRIPT = Path(__file__).with_name("elastic_script.py")
 WORKERS, STEPS = 4, 8
 
 
-def reference(victim: int, at: int, back: int | None = None, steps: int = STEPS, lr: float = 0.1,
-              momentum: float = 0.9) -> torch.Tensor:
+def absent_reference(absent: dict[int, tuple[int, int]], steps: int, lr: float = 0.1,
+                     momentum: float = 0.9) -> torch.Tensor:
     """The weights after ``steps`` steps of SGD with momentum on the mean of the live workers'
-    gradients: all of them, but ``victim`` from step ``at`` until step ``back`` (None: never)."""
+    gradients, worker ``w`` absent from step ``absent[w][0]`` until step ``absent[w][1]``."""
     w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
     buf = None
     for step in range(steps):
-        live = [r for r in range(WORKERS) if not (r == victim and at <= step < (steps if back is None else back))]
+        live = [r for r in range(WORKERS) if not (r in absent and absent[r][0] <= step < absent[r][1])]
         g = torch.stack([gradient(r, step) for r in live]).mean(0)
         buf = g.clone() if buf is None else momentum * buf + g
         w = w - lr * buf
     return w
+
+
+def reference(victim: int, at: int, back: int | None = None, steps: int = STEPS, lr: float = 0.1,
+              momentum: float = 0.9) -> torch.Tensor:
+    """:func:`absent_reference` with ``victim`` absent from step ``at`` until step ``back`` (None: never)."""
+    return absent_reference({victim: (at, steps if back is None else back)}, steps, lr, momentum)
 
 
 def launch(out: Path, victim: int, at: int, where: str, *flags: str,

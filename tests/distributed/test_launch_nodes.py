@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from distrain.launch.common import free_port
-from tests.distributed.elastic_script import gradient
+from tests.distributed.test_elastic import WORKERS
+from tests.distributed.test_elastic import absent_reference as reference
 from tests.reliability.common import cli_env, kill_tagged, tagged
 
 pytestmark = pytest.mark.timeout(150)
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.timeout(150)
 ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("elastic_script.py")
 PER_NODE, NODES, STEPS = 2, 2, 8
+assert PER_NODE * NODES == WORKERS  # the references count the workers of test_elastic's runs
 
 
 def node(rank: int, port: int, tag: str, args: list[str], *flags: str) -> subprocess.Popen:
@@ -37,19 +39,6 @@ def node(rank: int, port: int, tag: str, args: list[str], *flags: str) -> subpro
 def finish(proc: subprocess.Popen, timeout: float = 100) -> tuple[int, str]:
     _, err = proc.communicate(timeout=timeout)
     return proc.returncode, err
-
-
-def reference(absent: dict[int, tuple[int, int]], steps: int, lr: float = 0.1, momentum: float = 0.9) -> torch.Tensor:
-    """The weights after ``steps`` steps of SGD with momentum on the mean of the live workers'
-    gradients, worker ``w`` absent from step ``absent[w][0]`` until step ``absent[w][1]``."""
-    w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
-    buf = None
-    for step in range(steps):
-        live = [r for r in range(PER_NODE * NODES) if not (r in absent and absent[r][0] <= step < absent[r][1])]
-        g = torch.stack([gradient(r, step) for r in live]).mean(0)
-        buf = g.clone() if buf is None else momentum * buf + g
-        w = w - lr * buf
-    return w
 
 
 def test_a_lost_node_joins_again_with_the_others_state(tmp_path: Path):
