@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_diloco import CONFIGS, RESULTS, ROOT, SCENARIOS, SETTINGS, per_run
+from bench_diloco import CONFIGS, RESULTS, ROOT, SCENARIOS, SETTINGS, column, per_run
 from provenance import check_repeats, ratio_spread, spread, write_result
 
 from distrain.compare import Grid, load_scenario, run_comparison
@@ -61,18 +61,15 @@ def main() -> int:
     comparison = run_comparison(grid, base, echo=lambda line: print(line, flush=True),
                                 command=" ".join(["python", "benchmarks/bench_streaming.py", *sys.argv[1:]]))
     runs = {row["label"]: per_run(row, out) for row in comparison["configs"]}
-
-    def column(label: str, key: str) -> list:
-        return [None if r is None else r.get(key) for r in runs[label]]
-
-    configs = {label: {key: spread(column(label, key)) for key in
-                       ("final_val_loss", "time_to_target_s", "step_s", "peak_send_bytes_per_s")} for label in runs}
+    configs = {label: {key: spread(column(rs, key)) for key in
+                       ("final_val_loss", "time_to_target_s", "step_s", "peak_send_bytes_per_s")} for label, rs in runs.items()}
+    plain = runs[PLAIN["label"]]
     figures = {}
     for label in ("streaming", "streaming-half"):
-        figures[f"{label}_loss_over_plain"] = ratio_spread(column(label, "final_val_loss"),
-                                                           column(PLAIN["label"], "final_val_loss"))
-        figures[f"{label}_time_to_target_over_plain"] = ratio_spread(column(label, "time_to_target_s"),
-                                                                     column(PLAIN["label"], "time_to_target_s"))
+        figures[f"{label}_loss_over_plain"] = ratio_spread(column(runs[label], "final_val_loss"),
+                                                           column(plain, "final_val_loss"))
+        figures[f"{label}_time_to_target_over_plain"] = ratio_spread(column(runs[label], "time_to_target_s"),
+                                                                     column(plain, "time_to_target_s"))
     result = {"scenario_file": str(SCENARIOS["lm-edge"].relative_to(ROOT)), "repeats": args.repeats,
               "epochs": base.run.epochs, "configurations": RUN, "configs": configs, **figures,
               "elapsed_s": time.perf_counter() - start}
