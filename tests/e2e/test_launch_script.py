@@ -89,6 +89,21 @@ def test_a_failing_rank_stops_all_and_is_named(tmp_path: Path):
     assert orphans == []
 
 
+def test_a_warning_is_not_named_as_the_cause_of_a_failure(tmp_path: Path):
+    # rank 1 prints a Python warning (two lines: where, then the source line), then is killed
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import os, signal, warnings
+        if os.environ["RANK"] == "1":
+            warnings.warn("a harmless warning")
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    done, orphans = launch(["--workers", "2", "--timeout", "30", "job.py"], tmp_path)
+    assert done.returncode == 1
+    assert "UserWarning: a harmless warning" in done.stderr  # still shown as the rank wrote it
+    assert done.stderr.strip().splitlines()[-1] == "distrain: rank 1 failed: killed by SIGKILL"
+    assert orphans == []
+
+
 def test_a_rank_that_never_finishes_after_its_peers_is_stopped_and_named(tmp_path: Path):
     # rank 1 blocks for ever once rank 0 has finished: the job must not stay up
     (tmp_path / "job.py").write_text(textwrap.dedent("""

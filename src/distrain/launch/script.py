@@ -55,6 +55,9 @@ STOP_GRACE_S = 5.0
 TAIL_LINES = 20
 #: torch.distributed's prefix on an uncaught exception's lines (the rank is named already).
 _TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
+#: The first line of a Python warning ("FILE:LINE: SomeWarning: text"; the source line follows,
+#: indented): never the cause of a failure, so not kept for its message.
+_WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
 
 
 @dataclass
@@ -122,9 +125,11 @@ class _Process:
 
     def _copy(self, source: IO[bytes], sink: IO[str], keep: bool, lock: threading.Lock) -> None:
         prefix = f"[rank {self.rank}] "
+        warning = False  # in a Python warning's lines
         for raw in iter(source.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
-            if keep and line.strip():
+            warning = bool(_WARNING_LINE.match(line)) or (warning and line[:1].isspace())
+            if keep and line.strip() and not warning:
                 self.tail.append(line.strip())
             with lock:
                 sink.write(prefix + line + "\n")
