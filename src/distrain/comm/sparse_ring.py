@@ -25,7 +25,9 @@ already knows:
   the blocks, so an index costs 2 bytes instead of 8.
 
 Every tensor goes through the :class:`~distrain.comm.transport.Transport`, so the byte counters
-see exactly what is sent. Only tensors cross the wire.
+see exactly what is sent. Only tensors cross the wire. Messages are built and read in host memory
+(a sparse vector on the GPU is copied to the CPU first and its sum copied back): gloo's sends and
+all-gathers of bytes work on host memory, and the headers are read there anyway.
 """
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ def send_sparse(transport: Transport, dst: int, indices: torch.Tensor, values: t
     The point-to-point form of the message format, e.g. for a worker pushing a compressed
     gradient shard to the parameter server that owns it (which calls :func:`recv_sparse`).
     """
-    chunk, _ = split_chunks(indices, values, numel, 1)
+    chunk, _ = split_chunks(indices.cpu(), values.cpu(), numel, 1)
     message = encode(chunk[0])
     sends = [transport.send(message.header, dst)]
     if message.body.numel():
@@ -259,8 +261,8 @@ def sparse_ring_allreduce(transport: Transport, indices: torch.Tensor, values: t
         total = sparse_ring_allreduce(transport, idx, vals, grad.numel())
         grad.copy_(total.view_as(grad) / transport.world_size)
     """
-    n, rank = transport.world_size, transport.rank
-    chunks, starts = split_chunks(indices, values, numel, n)
+    n, rank, device = transport.world_size, transport.rank, values.device
+    chunks, starts = split_chunks(indices.cpu(), values.cpu(), numel, n)  # messages are built and read on the CPU
     dtype = values.dtype
     if n > 1:
         for k in range(n - 1):  # scatter-reduce
@@ -275,10 +277,10 @@ def sparse_ring_allreduce(transport: Transport, indices: torch.Tensor, values: t
                             chunks[recv_idx].length, dtype)
             if incoming is not None:
                 chunks[recv_idx] = decode(incoming, chunks[recv_idx].length, dtype)
-    out = torch.empty(numel, dtype=dtype, device=values.device)
+    out = torch.empty(numel, dtype=dtype)
     for c, chunk in enumerate(chunks):
         out[starts[c] : starts[c + 1]] = chunk.to_dense()
-    return out
+    return out.to(device)
 
 
 def sparse_allgather_allreduce(transport: Transport, indices: torch.Tensor, values: torch.Tensor, numel: int,
@@ -295,8 +297,8 @@ def sparse_allgather_allreduce(transport: Transport, indices: torch.Tensor, valu
     all-gather is skipped, halving the latency-bound rounds. Every message's header is still
     checked against its size.
     """
-    n, dtype = transport.world_size, values.dtype
-    chunk, _ = split_chunks(indices, values, numel, 1)
+    n, dtype, device = transport.world_size, values.dtype, values.device
+    chunk, _ = split_chunks(indices.cpu(), values.cpu(), numel, 1)  # messages are built and read on the CPU
     message = encode(chunk[0])
     packed = torch.cat([message.header.view(torch.uint8), message.body])
     limit = HEADER_BYTES + body_nbytes(SPARSE, numel, numel, values.element_size())
@@ -313,7 +315,7 @@ def sparse_allgather_allreduce(transport: Transport, indices: torch.Tensor, valu
     padded[: packed.numel()] = packed
     gathered = [torch.empty_like(padded) for _ in range(n)]
     transport.all_gather(gathered, padded).wait()
-    out = torch.zeros(numel, dtype=dtype, device=values.device)
+    out = torch.zeros(numel, dtype=dtype)
     for buffer, length in zip(gathered, lengths, strict=True):
         header = buffer[:HEADER_BYTES].view(torch.int64)
         if HEADER_BYTES + check_header(header, numel, dtype) != length:
@@ -323,7 +325,7 @@ def sparse_allgather_allreduce(transport: Transport, indices: torch.Tensor, valu
             out.add_(part.values)
         else:
             out.index_add_(0, part.indices, part.values)
-    return out
+    return out.to(device)
 
 
 SPARSE_COLLECTIVES = {"ring": sparse_ring_allreduce, "allgather": sparse_allgather_allreduce}
