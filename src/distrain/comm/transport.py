@@ -191,6 +191,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _then(first: Callable[[], None] | None, second: Callable[[], None] | None) -> Callable[[], None] | None:
+    """``first`` then ``second`` (either may be None)."""
+    if first is None or second is None:
+        return first or second
+
+    def both() -> None:
+        first()
+        second()
+    return both
+
+
 class _Dispatcher:
     """Hands delayed operations to the backend at their release times, in the order started."""
 
@@ -269,6 +280,27 @@ class Transport:
         # when the membership changes (default: their global ranks).
         self._ids = list(ids) if ids is not None else [self._global(r) for r in range(self.world_size)]
         self._ring = self._ids
+        # gloo's sends and receives read and write the tensor's memory from the host, so a CUDA
+        # tensor travels through a CPU copy unless the group has NCCL for CUDA tensors (gloo's
+        # collectives copy CUDA tensors themselves). A group made outside torch.distributed's
+        # registry is one of distrain's links between two workers, which are gloo.
+        try:
+            backend = str(dist.get_backend(process_group)) if process_group is not None or dist.is_initialized() else ""
+        except ValueError:
+            backend = "gloo"
+        self._stages_cuda = "nccl" not in backend
+
+    def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a send hands to the backend: ``tensor``, or its CPU copy (see :meth:`_open`)."""
+        return tensor.cpu() if tensor.is_cuda and self._stages_cuda else tensor
+
+    def _incoming(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """The buffer a receive hands to the backend for ``tensor``, and what copies it into
+        ``tensor`` once it arrived (None: the backend writes ``tensor`` itself)."""
+        if not (tensor.is_cuda and self._stages_cuda):
+            return tensor, None
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return staged, lambda: tensor.copy_(staged)
 
     @property
     def next_rank(self) -> int:
@@ -386,6 +418,7 @@ class Transport:
     def send(self, tensor: torch.Tensor, dst: int) -> Handle:
         """Start sending ``tensor`` to group rank ``dst``."""
         nbytes = _nbytes(tensor)
+        tensor = self._outgoing(tensor)
         sent, received = self._charge({dst: nbytes}, {})
         return self._start("send", sent, received,
                            lambda: [dist.isend(tensor, dst=self._global(dst), group=self.group)],
@@ -395,15 +428,19 @@ class Transport:
         """Start receiving into ``tensor`` from group rank ``src``."""
         nbytes = _nbytes(tensor)
         sent, received = self._charge({}, {src: nbytes})
-        work = dist.irecv(tensor, src=self._global(src), group=self.group)
-        return Handle(self, "recv", work, sent, received, after=self._delivery(src, nbytes))
+        buffer, copy = self._incoming(tensor)
+        work = dist.irecv(buffer, src=self._global(src), group=self.group)
+        return Handle(self, "recv", work, sent, received, after=_then(copy, self._delivery(src, nbytes)))
 
     def recv_any(self, tensor: torch.Tensor) -> int:
         """Receive into ``tensor`` from whichever peer sends first; blocks; returns its group rank."""
         start = time.perf_counter()
-        work = dist.irecv(tensor, src=None, group=self.group)
+        buffer, copy = self._incoming(tensor)
+        work = dist.irecv(buffer, src=None, group=self.group)
         with blocked():
             wait_work(work, p2p=True, group=self.group)
+            if copy is not None:
+                copy()
             # The sender's rank in ``self.group`` (not a global rank); ``_source_rank`` is what
             # torch.distributed.recv uses, without the deprecation warning of ``source_rank``.
             src = work._source_rank()
@@ -428,11 +465,13 @@ class Transport:
             model_vector.copy_((mine + theirs) / 2)
         """
         sent, received = self._charge({peer: _nbytes(outgoing)}, {peer: _nbytes(incoming)})
-        recv = dist.irecv(incoming, src=self._global(peer), group=self.group)
+        buffer, copy = self._incoming(incoming)
+        recv = dist.irecv(buffer, src=self._global(peer), group=self.group)
+        staged = self._outgoing(outgoing)
         return self._start("exchange", sent, received,
-                           lambda: [dist.isend(outgoing, dst=self._global(peer), group=self.group)],
+                           lambda: [dist.isend(staged, dst=self._global(peer), group=self.group)],
                            lambda model: model.send(self._ids[peer], _nbytes(outgoing)),
-                           now=[recv], after=self._delivery(peer, _nbytes(incoming)))
+                           now=[recv], after=_then(copy, self._delivery(peer, _nbytes(incoming))))
 
     # -- control traffic ---------------------------------------------------------------------
 
