@@ -10,11 +10,15 @@ and 4 steps after that. With ``node``, ``VICTIM`` kills its launcher (SIGKILL) a
 begins, taking that launcher's node with it (``distrain launch --nnodes``), and the workers go on
 until every worker of the run is back (``--join``) and 4 steps after that.
 
-``SETTINGS`` (optional) is a JSON object of wrap() settings (e.g. DiLoCo's).
+``SETTINGS`` (optional) is a JSON object of wrap() settings (e.g. DiLoCo's). With
+``ELASTIC_DEVICE=cuda`` in the environment the model and its gradients are on the GPU, the
+workers sharing it over gloo. With ``ELASTIC_STACKS=S``, a worker still running after S seconds
+prints every thread's stack (what a hung run waits on).
 
 Usage: elastic_script.py OUT STEPS VICTIM AT WHERE [SETTINGS]
 """
 
+import faulthandler
 import json
 import os
 import signal
@@ -37,9 +41,14 @@ def gradient(worker: int, step: int) -> torch.Tensor:
 def main() -> None:
     out, steps, victim, at, where = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     torch.set_num_threads(1)
-    model = torch.nn.Linear(DIM, 1, bias=False).double()
+    if os.environ.get("ELASTIC_STACKS"):
+        faulthandler.dump_traceback_later(float(os.environ["ELASTIC_STACKS"]))
+    device = os.environ.get("ELASTIC_DEVICE", "cpu")
+    model = torch.nn.Linear(DIM, 1, bias=False).double().to(device)
     torch.nn.init.zeros_(model.weight)
     settings = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    if device != "cpu":
+        settings.setdefault("backend", "gloo")
     opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), **settings)
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
     world = int(os.environ["WORLD_SIZE"])
@@ -68,14 +77,16 @@ def main() -> None:
             if where == "node":
                 os.kill(os.getppid(), signal.SIGKILL)  # the node's launcher: its other workers die with it
             os.kill(os.getpid(), signal.SIGKILL)
-        x = gradient(me, step).reshape(1, DIM)
+        x = gradient(me, step).reshape(1, DIM).to(device)
         model(x).sum().backward()  # d/dw (w . g) = g
         if first_life and me == victim and step == at and where == "backward":
             os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
         opt.zero_grad()
     final = opt.finish()
-    torch.save({"weight": final.weight.detach().clone(), "own": model.weight.detach().clone(),
+    if device != "cpu":
+        assert final.weight.device.type == model.weight.device.type == device, (final.weight.device, device)
+    torch.save({"weight": final.weight.detach().cpu().clone(), "own": model.weight.detach().cpu().clone(),
                 "workers": opt.workers, "ids": opt.ids,
                 "steps": opt.steps, "changes": [c.record() for c in opt.changes],
                 "rounds": opt.algorithm.metrics().get("gossip_rounds", 0), "server_back": returned}, out / f"worker{me}.pt")
