@@ -22,6 +22,7 @@ on timing; adaptive's ratios follow measured delays, so its runs do).
     python benchmarks/bench_sparse_accuracy.py                  # the acceptance run (~8 min)
     python benchmarks/bench_sparse_accuracy.py --seeds 0 --epochs 2
     python benchmarks/bench_sparse_accuracy.py --seeds 5-19 --configs dense,group_topk --out X.json
+    python benchmarks/bench_sparse_accuracy.py --figures-only --out X.json   # the figures again, no run
 
 With more seeds (``--seeds A-B``), the gaps' mean and standard deviation and the number of seeds
 within 1 point are reported too: a seed's final accuracy moves by tenths of a point with the
@@ -79,30 +80,18 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "worst": min(values), "best": max(values), "values": values}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds or ranges A-B (default: 0-4)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
-    parser.add_argument("--epochs", type=float, default=None, help="default: the job's own (15)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "sparse_accuracy.json")
-    args = parser.parse_args()
-    seeds = [s for part in args.seeds.split(",") if part.strip() for s in seed_range(part)]
-    if not seeds:
-        parser.error("--seeds: give at least one seed")
-    configs = {name: CONFIGS[name] for name in args.configs.split(",") if name in CONFIGS}
-    if "dense" not in configs or "group_topk" not in configs or len(configs) != len(args.configs.split(",")):
-        parser.error(f"--configs: dense and group_topk, optionally adaptive (of {', '.join(CONFIGS)})")
-    rows: dict[str, dict[int, dict]] = {name: {} for name in configs}
-    with tempfile.TemporaryDirectory(prefix="bench_sparse_accuracy-") as tmp:
-        for seed in seeds:
-            for name, compress in configs.items():
-                row = run(compress, seed, Path(tmp) / f"{name}-{seed}", args.epochs)
-                rows[name][seed] = row
-                print(f"seed {seed} {name:<11} accuracy {row['final_test_accuracy']:.4f}  wall {row['wall_time_s']:6.1f}s  "
-                      f"{row['bytes_sent_per_worker'] / 1e6:8.2f} MB/worker", flush=True)
+def points(a: float, b: float) -> float:
+    """``a - b`` in points of accuracy, rounded to 1e-6 of a point: accuracies are counts over the
+    test set (0.025 points apart on its 4,000 samples), and a float difference such as
+    100 * (0.97825 - 0.98125) = -0.30000000000000027 must not fail a bound of -0.3 it meets."""
+    return round(100 * (a - b), 6)
+
+
+def summarize(rows: dict[str, dict[int, dict]], seeds: list[int]) -> dict:
+    """The figures (see the module's docstring) from every run's row, printed as they are made."""
     acc = {name: {s: r["final_test_accuracy"] for s, r in by_seed.items()} for name, by_seed in rows.items()}
-    gtk_gap = [100 * (acc["group_topk"][s] - acc["dense"][s]) for s in seeds]
-    ada_gap = [100 * (acc["adaptive"][s] - acc["group_topk"][s]) for s in seeds] if "adaptive" in acc else []
+    gtk_gap = [points(acc["group_topk"][s], acc["dense"][s]) for s in seeds]
+    ada_gap = [points(acc["adaptive"][s], acc["group_topk"][s]) for s in seeds] if "adaptive" in acc else []
     ada_core = [g for s, g in zip(seeds, ada_gap, strict=False) if s in ADAPTIVE_SEEDS]
     summary = {
         "group_topk_minus_dense_points": spread(gtk_gap),
@@ -123,6 +112,47 @@ def main() -> None:
     if ada_gap:
         print(f"adaptive - group_topk (points): median {statistics.median(ada_gap):+.2f}, worst {min(ada_gap):+.2f} "
               f"({', '.join(f'{g:+.2f}' for g in ada_gap)})")
+    return summary
+
+
+def figures_again(path: Path) -> None:
+    """The summary of the runs ``path`` holds computed again by this script (what changed is in
+    the commit that changed it); the runs' own provenance is kept as ``runs_provenance``."""
+    earlier = json.loads(path.read_text())
+    seeds = earlier["job"]["seeds"]
+    rows = {name: {int(s): r for s, r in by_seed.items()} for name, by_seed in earlier["runs"].items()}
+    runs_provenance = earlier.get("runs_provenance", earlier["provenance"])
+    result = {k: v for k, v in earlier.items() if k not in ("provenance", "runs_provenance", "summary")}
+    print(f"wrote {write_result(path, {'runs_provenance': runs_provenance, **result, 'summary': summarize(rows, seeds)})}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds or ranges A-B (default: 0-4)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--epochs", type=float, default=None, help="default: the job's own (15)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "sparse_accuracy.json")
+    parser.add_argument("--figures-only", action="store_true",
+                        help="compute the figures again from the runs --out holds (no run); their provenance is kept")
+    args = parser.parse_args()
+    if args.figures_only:
+        figures_again(args.out)
+        return
+    seeds = [s for part in args.seeds.split(",") if part.strip() for s in seed_range(part)]
+    if not seeds:
+        parser.error("--seeds: give at least one seed")
+    configs = {name: CONFIGS[name] for name in args.configs.split(",") if name in CONFIGS}
+    if "dense" not in configs or "group_topk" not in configs or len(configs) != len(args.configs.split(",")):
+        parser.error(f"--configs: dense and group_topk, optionally adaptive (of {', '.join(CONFIGS)})")
+    rows: dict[str, dict[int, dict]] = {name: {} for name in configs}
+    with tempfile.TemporaryDirectory(prefix="bench_sparse_accuracy-") as tmp:
+        for seed in seeds:
+            for name, compress in configs.items():
+                row = run(compress, seed, Path(tmp) / f"{name}-{seed}", args.epochs)
+                rows[name][seed] = row
+                print(f"seed {seed} {name:<11} accuracy {row['final_test_accuracy']:.4f}  wall {row['wall_time_s']:6.1f}s  "
+                      f"{row['bytes_sent_per_worker'] / 1e6:8.2f} MB/worker", flush=True)
+    summary = summarize(rows, seeds)
     result = {"job": {"defaults": "distrain train", "epochs": args.epochs or 15, "seeds": seeds, "configs": configs},
               "cpus": os.cpu_count(), "summary": summary,
               "runs": {name: {str(s): r for s, r in by_seed.items()} for name, by_seed in rows.items()}}
