@@ -137,6 +137,22 @@ def test_take_momentum_only_from_plain_sgd():
     assert take_momentum(sgd) == (0.9, 1e-4) and sgd.param_groups[0]["momentum"] == 0.0
 
 
+def test_momentum_taken_once_is_taken_again_by_a_compression_built_again():
+    """The survivors of a lost worker build their compression again over the same optimizer, and
+    a resumed run loads the optimizer whose momentum was taken: momentum correction stays."""
+    p = [torch.nn.Parameter(torch.zeros(4, 3))]
+    sgd = torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    settings = compression_settings(small_config("unused", compress="group_topk:0.25"))
+    first = GradientCompression.from_settings(settings, p, sgd, seed=0)
+    again = GradientCompression.from_settings(settings, p, sgd, seed=0)
+    assert isinstance(first.compressor, MomentumCorrection) and isinstance(again.compressor, MomentumCorrection)
+    assert again.compressor.momentum == 0.9 and again.weight_decay == 1e-4
+    resumed = torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    resumed.load_state_dict(sgd.state_dict())
+    assert resumed.param_groups[0]["momentum"] == 0.0 and take_momentum(resumed) == (0.9, 1e-4)
+    assert take_momentum(sgd) == (0.9, 1e-4) and sgd.param_groups[0]["weight_decay"] == 0.0
+
+
 class FourSameWorkers:
     """Four workers holding the same tensors: a sum is four times the tensor; records the ops."""
 

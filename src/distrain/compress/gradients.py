@@ -59,16 +59,26 @@ def sgd_momentum(optimizer: torch.optim.Optimizer) -> tuple[float, float] | None
     return float(next(iter(momentum))), float(next(iter(decay)))
 
 
+#: The key, in each parameter group of an optimizer whose momentum and weight decay were taken
+#: out, of the (momentum, weight decay) taken: taking them again (an algorithm built again over
+#: the survivors of a lost worker, a run resumed from a checkpoint of that optimizer) gives them.
+TAKEN = "distrain_taken_momentum"
+
+
 def take_momentum(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
     """Move momentum and weight decay out of a plain SGD optimizer: returns (momentum, weight decay).
 
-    Returns (0, 0) and leaves the optimizer alone unless :func:`sgd_momentum` accepts it.
+    Returns (0, 0) and leaves the optimizer alone unless :func:`sgd_momentum` accepts it, or the
+    values an earlier call took out of it.
     """
+    groups = optimizer.param_groups
+    if groups and all(TAKEN in g for g in groups):
+        return tuple(groups[0][TAKEN])  # type: ignore[return-value]
     taken = sgd_momentum(optimizer)
     if taken is None:
         return 0.0, 0.0
-    for g in optimizer.param_groups:
-        g["momentum"], g["weight_decay"] = 0.0, 0.0
+    for g in groups:
+        g["momentum"], g["weight_decay"], g[TAKEN] = 0.0, 0.0, list(taken)
     return taken
 
 
