@@ -528,13 +528,18 @@ class DistributedOptimizer:
                 seen = time.perf_counter()
                 log.debug("worker %d: a peer is lost at step %d: %r", self.id, self.steps, exc)
                 own = (self.algorithm.local_gradients() or own) if needs else None
+                before = self.algorithm.state_before_step()
             if needs and own is None:
                 raise WorkerFailure(f"worker {self.id}: lost a peer at step {self.steps} with no copy of its own "
                                     "gradients to redo the step") from None
+            # A worker behind one that finished the step keeps its state after it (what it sent is in
+            # that worker's result); one that redoes the step starts from its state before it.
             if self._recover(seen, own, in_step=True):  # behind a survivor that finished this step, or realigned
                 self.steps -= 1  # step() counts it
                 if not self.algorithm.redo_when_behind:
                     return
+            elif before is not None:
+                self.algorithm.load_state_dict(before)
             redo = True
 
     def control_barrier(self) -> None:

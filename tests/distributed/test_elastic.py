@@ -92,6 +92,76 @@ def test_survivors_redo_the_interrupted_step_without_the_lost_worker(tmp_path: P
     assert not torch.allclose(reference(victim, at + 1), expected)
 
 
+#: Compressed all-reduce: top-2 of the 10 gradient values with error feedback, from the first
+#: step (no density warm-up), momentum left in the optimizer (no momentum correction).
+TOPK = {"compress": "topk:0.2", "density_warmup_epochs": 0, "density_decay_epochs": 0,
+        "momentum_correction": "off"}
+
+
+def topk_reference(victim: int, at: int, steps: int = STEPS, lr: float = 0.1, momentum: float = 0.9,
+                   twice: bool = False, back: int | None = None) -> torch.Tensor:
+    """The weights after ``steps`` steps of SGD with momentum on the mean of the live workers'
+    top-k payloads, each worker keeping what it did not send (error feedback), ``victim`` absent
+    from step ``at`` (until step ``back``, when it joins with an empty residual). ``twice``: the
+    survivors' residuals take step ``at``'s gradient twice (its compression done again on top of
+    the interrupted one's)."""
+    from distrain.compress import CompressInfo, build_compressor
+
+    feedback = {r: build_compressor(TOPK["compress"]) for r in range(WORKERS)}
+    w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
+    buf = None
+    for step in range(steps):
+        if step == back:
+            feedback[victim] = build_compressor(TOPK["compress"])
+        live = [r for r in range(WORKERS) if not (r == victim and at <= step < (steps if back is None else back))]
+        sent = []
+        for r in live:
+            info = CompressInfo(step=step, key=0, ratio=0.2, worker=r)
+            if twice and step == at:
+                feedback[r].compress(gradient(r, step), info)
+            payload, ctx = feedback[r].compress(gradient(r, step), info)
+            sent.append(feedback[r].decompress(payload, ctx))
+        g = torch.stack(sent).sum(0) / len(live)
+        buf = g.clone() if buf is None else momentum * buf + g
+        w = w - lr * buf
+    return w
+
+
+def test_compressed_survivors_redo_the_step_from_their_residuals_before_it(tmp_path: Path):
+    """Top-k with error feedback: worker 0 killed as step 3 begins; each survivor redoes step 3
+    from the residual it held before compressing it, so no gradient is sent twice or lost."""
+    victim, at = 0, 3
+    done = launch(tmp_path, victim, at, "start", settings=TOPK)
+    assert done.returncode == 0, done.stderr
+    assert f"rank {victim} failed: killed by SIGKILL; the others go on without it" in done.stderr
+    survivors = [1, 2, 3]
+    expected = topk_reference(victim, at)
+    for r in survivors:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["workers"] == WORKERS - 1 and result["ids"] == survivors and result["steps"] == STEPS, r
+        [change] = result["changes"]
+        assert change["workers"] == [victim] and change["lost_at_step"] == at
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(topk_reference(victim, at, twice=True), expected)  # a residual that kept the first try
+    assert not torch.allclose(reference(victim, at), expected)  # the compression is in it
+
+
+@pytest.mark.slow  # CI: the compressed kill above, and the uncompressed join below
+def test_a_restarted_worker_joins_compressed_all_reduce_with_an_empty_residual(tmp_path: Path):
+    """--max-restarts 1 under top-k with error feedback: worker 2, killed at step 3, joins at a
+    step's end with the others' parameters and momentum and an empty residual of its own."""
+    victim, at = 2, 3
+    done, results, steps, lost, joined = rejoin(tmp_path, victim, at, TOPK)
+    assert lost["workers"] == [victim] and joined["workers"] == [victim]
+    back = joined["joined_at_step"]
+    assert at < back and steps == max(STEPS, back + 4)
+    expected = topk_reference(victim, at, steps, back=back)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(topk_reference(victim, at, steps), expected)  # the joiner's payloads count
+
+
 @pytest.mark.slow  # distrain train's case (test_lost_peer.py) runs in CI
 def test_min_workers_stops_the_run_with_one_line(tmp_path: Path):
     done = launch(tmp_path, 1, 3, "start", "--min-workers", str(WORKERS))

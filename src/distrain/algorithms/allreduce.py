@@ -15,6 +15,7 @@ It runs with :class:`AllReduceSettings`, which :mod:`distrain.assemble` makes fr
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,6 +204,7 @@ class AllReduce(Algorithm):
         # buckets are then rebuilt in that order, as DDP does, so each fills as early as it can.
         self._ready_order: list[int] | None = [] if self._hooks else None
         self._launched = 0  # buckets launched in the step in flight
+        self._before: dict[str, Any] | None = None  # see state_before_step
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         s = self.settings
@@ -261,15 +263,21 @@ class AllReduce(Algorithm):
 
     @classmethod
     def survives(cls, settings: AllReduceSettings) -> bool:
-        """Flat, uncompressed all-reduce on the CPU, whose survivors redo the step (see :attr:`elastic`)."""
+        """Flat all-reduce on the CPU, compressed or not, whose survivors redo the step (see :attr:`elastic`)."""
         r = settings.run
-        return (settings.compression.spec == "none" and not settings.workers_per_node and r.device == "cpu"
-                and 1 < r.workers and r.min_workers < r.workers)
+        return not settings.workers_per_node and r.device == "cpu" and 1 < r.workers and r.min_workers < r.workers
 
     @property
     def elastic(self) -> bool:
-        """Survivors of a lost worker redo the step without it: flat, uncompressed all-reduce."""
-        return self.compression is None and self.hierarchy is None
+        """Survivors of a lost worker redo the step without it: flat all-reduce. Compressed, each
+        redoes it from its compressor's state before the step (:meth:`state_before_step`)."""
+        return self.hierarchy is None
+
+    def state_before_step(self) -> dict[str, Any] | None:
+        """The compressor's state (error-feedback residuals, momentum correction's velocity, the
+        adaptive policy's) as the step in flight began: compressing moved it, and the redo
+        compresses the same gradients again."""
+        return None if self._before is None else {"compressor": self._before}
 
     def keeps_local_gradients(self) -> bool:
         return self.keep_local and self._launched == len(self.buckets)
@@ -310,6 +318,9 @@ class AllReduce(Algorithm):
         if world == 1:
             return
         if self.compression is not None:
+            if self.keep_local:  # elastic: what a redo of this step starts from
+                self._before = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                                for k, v in self.compression.state_dict().items()}
             # ctx.epoch counts the step being finished; the schedule wants the epochs done before it.
             self.compression.average(self.transport, step=ctx.step, epochs_done=ctx.epoch * ctx.step / (ctx.step + 1),
                                      ratio=self.compress_ratio(ctx))

@@ -243,6 +243,12 @@ class Algorithm:
     def realign(self) -> None:
         """After a loss (``realigns``): make every survivor's model their average (collective)."""
 
+    def state_before_step(self) -> dict[str, Any] | None:
+        """Elastic runs: this worker's state (as :meth:`state_dict` gives it) from before the step
+        in flight changed it, which a redo of that step starts from; None where a step changes
+        no such state (only the parameters and the optimizer, which the redo starts from anyway)."""
+        return None
+
     def membership_changed(self) -> None:
         """Called on the algorithm rebuilt over a new group once its state is loaded (a loss or a
         join): state tied to the old group's shape may be reset here."""
