@@ -197,25 +197,42 @@ DILOCO = {"algorithm": "diloco", "sync_every": 4, "outer_optimizer": "sgd", "out
 
 
 def diloco_reference(victim: int, at: int, back: int | None, steps: int, h: int = 4, lr: float = 0.1,
-                     momentum: float = 0.9) -> torch.Tensor:
+                     momentum: float = 0.9, compress: str | None = None, twice: bool = False) -> torch.Tensor:
     """The shared parameters after ``steps`` inner steps: ``victim`` is gone from step ``at`` (its
     round's progress with it) until step ``back``, a round's end, where it takes the first other
-    worker's parameters and momentum."""
+    worker's parameters and momentum. ``compress``: each worker's pseudo-gradient is what that
+    compressor sends of it, with error feedback (a joiner's residual starts empty); ``twice``: the
+    survivors' residuals take the pseudo-gradient of the first sync after ``at`` twice."""
+    from distrain.compress import CompressInfo, build_compressor
+
     dim = gradient(0, 0).numel()
     shared = torch.zeros(dim, dtype=torch.float64)
     local = {r: shared.clone() for r in range(WORKERS)}
     buf: dict[int, torch.Tensor | None] = dict.fromkeys(range(WORKERS))
+    feedback = {r: build_compressor(compress, residual_device="cpu") for r in range(WORKERS)} if compress else {}
+
+    def sent(r: int, delta: torch.Tensor, step: int, again: bool) -> torch.Tensor:
+        if not compress:
+            return delta
+        info = CompressInfo(step=step + 1, key=0, worker=r)
+        if again:
+            feedback[r].compress(delta, info)
+        return feedback[r].decompress(*feedback[r].compress(delta, info))
+
     for step in range(steps):
         live = [r for r in range(WORKERS) if not (r == victim and at <= step < (steps if back is None else back))]
         if step == back:
             leader = min(r for r in live if r != victim)
             local[victim], buf[victim] = local[leader].clone(), buf[leader].clone()
+            if compress:
+                feedback[victim] = build_compressor(compress, residual_device="cpu")
         for r in live:
             g = gradient(r, step)
             buf[r] = g.clone() if buf[r] is None else momentum * buf[r] + g
             local[r] = local[r] - lr * buf[r]
         if (step + 1) % h == 0:
-            shared = shared - torch.stack([shared - local[r] for r in live]).mean(0)
+            again = twice and at <= step < at + h
+            shared = shared - torch.stack([sent(r, shared - local[r], step, again) for r in live]).mean(0)
             for r in live:
                 local[r] = shared.clone()
     return shared
@@ -236,6 +253,24 @@ def test_diloco_survivors_redo_the_round_without_the_lost_worker(tmp_path: Path,
         assert change["workers"] == [victim] and change["members"] == survivors
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
     assert not torch.allclose(diloco_reference(victim, STEPS, None, STEPS), expected, atol=1e-3)
+
+
+@pytest.mark.slow  # CI: compressed all-reduce's kill test, the same redo from the state before the step
+def test_compressed_diloco_survivors_redo_the_sync_and_a_restarted_worker_joins(tmp_path: Path):
+    """Top-k pseudo-gradients with error feedback: worker 0 killed mid-round (step 5); the
+    survivors redo the round's sync from their residuals as it began, and worker 0, started
+    again, joins at a round's end with an empty residual of its own."""
+    settings = {**DILOCO, **TOPK}
+    _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, settings)
+    back = joined["joined_at_step"]
+    assert lost["workers"] == [0] and joined["workers"] == [0] and back % DILOCO["sync_every"] == 0
+    expected = diloco_reference(0, 5, back, steps, compress=TOPK["compress"])
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    twice = diloco_reference(0, 5, back, steps, compress=TOPK["compress"], twice=True)
+    assert not torch.allclose(twice, expected, atol=1e-3)  # residuals that kept the interrupted sync's
+    assert not torch.allclose(diloco_reference(0, 5, back, steps), expected, atol=1e-3)  # the compression is in it
 
 
 def test_diloco_restarted_worker_joins_at_a_rounds_end(tmp_path: Path):

@@ -15,13 +15,12 @@ It runs with :class:`AllReduceSettings`, which :mod:`distrain.assemble` makes fr
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from distrain.algorithms.base import Algorithm, RunFacts, StepContext
+from distrain.algorithms.base import Algorithm, RunFacts, StepContext, clone_state
 from distrain.algorithms.hierarchical import build_hierarchy
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
@@ -277,7 +276,7 @@ class AllReduce(Algorithm):
         """The compressor's state (error-feedback residuals, momentum correction's velocity, the
         adaptive policy's) as the step in flight began: compressing moved it, and the redo
         compresses the same gradients again."""
-        return None if self._before is None else {"compressor": self._before}
+        return None if self._before is None else {**self.state_dict(), "compressor": self._before}
 
     def keeps_local_gradients(self) -> bool:
         return self.keep_local and self._launched == len(self.buckets)
@@ -319,8 +318,7 @@ class AllReduce(Algorithm):
             return
         if self.compression is not None:
             if self.keep_local:  # elastic: what a redo of this step starts from
-                self._before = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                                for k, v in self.compression.state_dict().items()}
+                self._before = clone_state(self.compression.state_dict())
             # ctx.epoch counts the step being finished; the schedule wants the epochs done before it.
             self.compression.average(self.transport, step=ctx.step, epochs_done=ctx.epoch * ctx.step / (ctx.step + 1),
                                      ratio=self.compress_ratio(ctx))

@@ -63,6 +63,11 @@ def copy_module(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def clone_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a flat state dict that later in-place changes of its tensors leave alone."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
+
+
 class FlatParams:
     """The trainable parameters of a model seen as one vector (copied in and out): a model on
     the GPU is read into a CPU vector with one copy across."""
@@ -244,9 +249,10 @@ class Algorithm:
         """After a loss (``realigns``): make every survivor's model their average (collective)."""
 
     def state_before_step(self) -> dict[str, Any] | None:
-        """Elastic runs: this worker's state (as :meth:`state_dict` gives it) from before the step
-        in flight changed it, which a redo of that step starts from; None where a step changes
-        no such state (only the parameters and the optimizer, which the redo starts from anyway)."""
+        """Elastic runs, once a lost peer interrupted a step: this worker's state (a whole
+        :meth:`state_dict`) with what the step had already changed as it was before it, which a
+        redo of the step starts from; None where a step changes nothing the redo does not start
+        from anyway (its parameters and optimizer state are those it began with)."""
         return None
 
     def membership_changed(self) -> None:

@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from distrain.algorithms.base import Algorithm, RunFacts, StepContext, copy_module
+from distrain.algorithms.base import Algorithm, RunFacts, StepContext, clone_state, copy_module
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo
 from distrain.compress.collective import allreduce_compressed
@@ -156,9 +156,10 @@ class DiLoCo(Algorithm):
     compresses = True  # the pseudo-gradient
     local_steps = True  # the inner optimizer's learning rate is scaled for the local batch
     rescales_lr = False  # ... so it does not change with the members
-    # Elastic (one fragment, no overlap, no compression, a fixed H): a sync a lost peer
-    # interrupted is redone over the survivors with their own pseudo-gradients (the inner steps
-    # are local), and a worker that joins enters at a round's end.
+    # Elastic (one fragment, no overlap, a fixed H): a sync a lost peer interrupted is redone
+    # over the survivors with their own pseudo-gradients (the inner steps are local), compressed
+    # from the compressor's state as the sync began, and a worker that joins enters at a round's
+    # end (with empty residuals of its own).
     redo_needs_gradients = False
     redo_when_behind = True
     settings: DiLoCoSettings
@@ -166,12 +167,18 @@ class DiLoCo(Algorithm):
     @classmethod
     def survives(cls, settings: DiLoCoSettings) -> bool:
         s, r = settings, settings.run
-        return (s.fragments == 1 and s.overlap_steps == 0 and s.sync_every != AUTO and s.compression.spec == "none"
-                and r.device == "cpu" and 1 < r.workers and r.min_workers < r.workers)
+        return (s.fragments == 1 and s.overlap_steps == 0 and s.sync_every != AUTO and r.device == "cpu"
+                and 1 < r.workers and r.min_workers < r.workers)
 
     @property
     def elastic(self) -> bool:
-        return self.compressor is None and len(self.bounds) == 1 and self.overlap == 0 and not self.auto
+        return len(self.bounds) == 1 and self.overlap == 0 and not self.auto
+
+    def state_before_step(self) -> dict[str, Any] | None:
+        """With a compressor: the state with its compressor's as the interrupted sync began
+        (compressing the pseudo-gradient moved the error-feedback residuals; the redo compresses
+        the same pseudo-gradient again)."""
+        return None if self._before is None else {**self.state_dict(), "compressor": self._before}
 
     def __init__(self, settings: DiLoCoSettings) -> None:
         super().__init__(settings, settings.compression)
@@ -200,6 +207,7 @@ class DiLoCo(Algorithm):
         self._compute_since_sync = 0.0  # compute seconds of the inner steps since the last sync
         self._last_ratio = 0.0  # the adaptive policy's last ratio for a round
         self._interrupted: list[int] = []  # fragments whose exchange a lost peer interrupted (elastic)
+        self._before: dict[str, Any] | None = None  # see state_before_step
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
@@ -295,8 +303,14 @@ class DiLoCo(Algorithm):
         else:
             info = CompressInfo(step=self.inner_steps, key=fragment, ratio=self._round_ratio(fragment),
                                 worker=self.transport.rank)
-            delta = allreduce_compressed(self.transport, self.compressor, delta, info,
-                                         sparse_collective=self.settings.compression.sparse_collective)
+            if self.keep_local:  # elastic: what a redo of this sync compresses from
+                self._before = clone_state(self.compressor.state_dict())
+            try:
+                delta = allreduce_compressed(self.transport, self.compressor, delta, info,
+                                             sparse_collective=self.settings.compression.sparse_collective)
+            except Exception:
+                self._interrupted.append(fragment)  # redone over the survivors (elastic runs)
+                raise
         self._pending.append(_Pending(fragment, self.inner_steps + self.overlap, delta, handle))
         self.synced_at[fragment] = self.inner_steps
         self._compute_since_sync = 0.0
