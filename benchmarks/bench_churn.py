@@ -4,7 +4,8 @@ killed every 30 s with restarts on.
 For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2``,
 ``ps`` (with 2 servers; a worker is killed), ``ps-server`` (ps with 2 servers, one of them
 killed: the other takes over its parameters; started again, it takes them back), ``adpsgd`` and
-``prague`` go on too), on the default
+``prague`` go on too; ``allreduce-group_topk`` and ``diloco-int8`` are those algorithms with
+``--compress group_topk:0.01`` and ``--compress int8``), on the default
 job (``distrain train``: MNIST-1D, the CNN, 4 workers; DiLoCo for 45 epochs, see ``EPOCHS``) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -71,9 +72,10 @@ WORKERS = 4
 TIMEOUT_S = 600
 #: Flags an algorithm needs besides ``--algorithm`` (ps: two servers; the victim is a worker,
 #: or for ``ps-server`` one of the servers).
-EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2")}
+EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2"),
+         "allreduce-group_topk": ("--compress", "group_topk:0.01"), "diloco-int8": ("--compress", "int8")}
 #: Cases that run another algorithm than their name.
-ALGORITHM = {"ps-server": "ps"}
+ALGORITHM = {"ps-server": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco"}
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
@@ -82,7 +84,7 @@ NO_RESTARTS: set[str] = set()
 #: them in about 5 s here (930 steps of about 6 ms), and a restarted worker needs about 3 s to
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.
 #: 45 epochs take about as long as all-reduce's default job (about 16 s).
-EPOCHS = {"diloco": 45}
+EPOCHS = {"diloco": 45, "diloco-int8": 45}
 
 
 def children(pid: int) -> list[int]:
