@@ -184,6 +184,21 @@ def per_run(row: dict[str, Any], out: Path) -> list[dict[str, Any] | None]:
     return runs
 
 
+def run_configs(scenario: str, overrides: dict[str, Any], configs: list[dict[str, Any]], repeats: int, out: Path,
+                script: str) -> tuple[TrainConfig, dict[str, Any]]:
+    """Run ``configs`` (each ``repeats`` times, the first one the baseline) on ``scenario``'s
+    links and job with ``overrides`` over its settings, into ``out``, as ``script`` (its command
+    line for the comparison's record): the base configuration and the comparison."""
+    grid, train, _ = load_scenario(SCENARIOS[scenario].relative_to(ROOT))
+    train.update(overrides)
+    base = TrainConfig.from_dict({"progress": False, **train})
+    grid = Grid(algorithms=[], compress=["none"], networks=grid.networks, baselines=[], configs=configs,
+                repeats=repeats, out=out, baseline=configs[0]["label"], scenario=grid.scenario)
+    comparison = run_comparison(grid, base, echo=lambda line: print(line, flush=True),
+                                command=" ".join(["python", script, *sys.argv[1:]]))
+    return base, comparison
+
+
 def column(runs: list[dict[str, Any] | None], key: str) -> list[Any]:
     return [None if r is None else r.get(key) for r in runs]
 

@@ -33,11 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench_diloco import CONFIGS, RESULTS, ROOT, SCENARIOS, SETTINGS, column, per_run
+from bench_diloco import CONFIGS, RESULTS, ROOT, SCENARIOS, SETTINGS, column, per_run, run_configs
 from provenance import check_repeats, ratio_spread, spread, write_result
 
-from distrain.compare import Grid, load_scenario, run_comparison
-from distrain.config import TrainConfig
 from distrain.train.metrics import read_metrics
 
 STEPS_PER_EPOCH = 1414  # windows of 64 a step over the text (bench_diloco's SETTINGS)
@@ -65,17 +63,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "diloco_length.json")
     args = parser.parse_args()
     check_repeats(parser, args.repeats)
-    grid, train, _ = load_scenario(SCENARIOS["lm-lan"].relative_to(ROOT))
     # steps are ceil(epochs x 1,414): a hair under the exact fraction, as bench_diloco's 0.1808
-    train.update({**SETTINGS, "epochs": round(args.steps / STEPS_PER_EPOCH - 5e-5, 4),
-                  "eval_every": 64 / STEPS_PER_EPOCH})
-    base = TrainConfig.from_dict({"progress": False, **train})
+    overrides = {**SETTINGS, "epochs": round(args.steps / STEPS_PER_EPOCH - 5e-5, 4), "eval_every": 64 / STEPS_PER_EPOCH}
     out = args.out.parent / "diloco-length"
-    grid = Grid(algorithms=[], compress=["none"], networks=grid.networks, baselines=[], configs=RUN,
-                repeats=args.repeats, out=out, baseline=RUN[0]["label"], scenario=grid.scenario)
     start = time.perf_counter()
-    comparison = run_comparison(grid, base, echo=lambda line: print(line, flush=True),
-                                command=" ".join(["python", "benchmarks/bench_diloco_length.py", *sys.argv[1:]]))
+    base, comparison = run_configs("lm-lan", overrides, RUN, args.repeats, out, "benchmarks/bench_diloco_length.py")
     rows = {row["label"]: row for row in comparison["configs"]}
     runs = {label: per_run(row, out) for label, row in rows.items()}
     steps = sorted({r["steps"] for rs in runs.values() for r in rs if r is not None})

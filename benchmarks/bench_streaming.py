@@ -31,11 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench_diloco import CONFIGS, RESULTS, ROOT, SCENARIOS, SETTINGS, column, per_run
+from bench_diloco import CONFIGS, RESULTS, ROOT, SCENARIOS, SETTINGS, column, per_run, run_configs
 from provenance import check_repeats, ratio_spread, spread, write_result
-
-from distrain.compare import Grid, load_scenario, run_comparison
-from distrain.config import TrainConfig
 
 PLAIN, STREAMING = (next(c for c in CONFIGS if c["label"] == label) for label in ("diloco-h64", "diloco-h64-streaming"))
 RUN: list[dict] = [{**PLAIN}, {**STREAMING, "label": "streaming"},
@@ -49,17 +46,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "diloco_streaming.json")
     args = parser.parse_args()
     check_repeats(parser, args.repeats)
-    grid, train, _ = load_scenario(SCENARIOS["lm-edge"].relative_to(ROOT))
-    train.update(SETTINGS)
-    if args.epochs is not None:
-        train["epochs"] = args.epochs
-    base = TrainConfig.from_dict({"progress": False, **train})
+    overrides = {**SETTINGS, **({"epochs": args.epochs} if args.epochs is not None else {})}
     out = args.out.parent / "diloco-streaming"
-    grid = Grid(algorithms=[], compress=["none"], networks=grid.networks, baselines=[], configs=RUN,
-                repeats=args.repeats, out=out, baseline=RUN[0]["label"], scenario=grid.scenario)
     start = time.perf_counter()
-    comparison = run_comparison(grid, base, echo=lambda line: print(line, flush=True),
-                                command=" ".join(["python", "benchmarks/bench_streaming.py", *sys.argv[1:]]))
+    base, comparison = run_configs("lm-edge", overrides, RUN, args.repeats, out, "benchmarks/bench_streaming.py")
     runs = {row["label"]: per_run(row, out) for row in comparison["configs"]}
     configs = {label: {key: spread(column(rs, key)) for key in
                        ("final_val_loss", "time_to_target_s", "step_s", "peak_send_bytes_per_s")} for label, rs in runs.items()}
