@@ -83,11 +83,15 @@ def test_a_lost_node_joins_again_with_the_others_state(tmp_path: Path):
 
 def test_a_failure_on_one_node_stops_the_other_and_is_named(tmp_path: Path):
     """Rank 3 (node 1) fails; node 0's ranks would wait for it in a collective: node 0's launcher
-    learns of the failure from the rendezvous, stops them and names it; nothing is left running."""
+    learns of the failure from the rendezvous, stops them and names it; nothing is left running.
+    Rank 3 drops its connections before it fails, so node 0's ranks fail first, for want of it:
+    node 0's launcher still names rank 3's failure as the cause, not its own ranks'."""
     (tmp_path / "job.py").write_text(textwrap.dedent("""
-        import torch.distributed as dist
+        import time, torch.distributed as dist
         dist.init_process_group("gloo")
         if dist.get_rank() == 3:
+            dist.destroy_process_group()
+            time.sleep(1.0)  # node 0's ranks have failed by now
             raise RuntimeError("boom on purpose")
         dist.barrier()
     """))

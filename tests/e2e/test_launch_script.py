@@ -3,6 +3,7 @@ nothing left running; and wrap() in a plain single process."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -86,6 +87,26 @@ def test_a_failing_rank_stops_all_and_is_named(tmp_path: Path):
         "distrain: rank 2 failed: RuntimeError: boom on purpose (exit status 1)"
     assert sorted(line for line in done.stdout.splitlines() if "started" in line) == \
         [f"[rank {r}] started" for r in range(3)]
+    assert orphans == []
+
+
+def test_the_failure_that_caused_the_others_is_named_though_it_ended_last(tmp_path: Path):
+    # rank 2 drops its connections, so ranks 0 and 1 fail first ("Connection closed by peer"),
+    # and only then fails itself: its error, not theirs, is the job's cause
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import time, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 2:
+            dist.destroy_process_group()
+            time.sleep(1.0)  # the others have failed by now
+            raise RuntimeError("boom on purpose")
+        dist.barrier()
+    """))
+    done, orphans = launch(["--workers", "3", "--timeout", "60", "job.py"], tmp_path)
+    assert done.returncode == 1
+    assert re.search("Connection (closed|reset) by peer", done.stderr)  # the others did fail first, for want of rank 2
+    assert done.stderr.strip().splitlines()[-1] == \
+        "distrain: rank 2 failed: RuntimeError: boom on purpose (exit status 1)"
     assert orphans == []
 
 

@@ -58,6 +58,11 @@ _TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 #: The first line of a Python warning ("FILE:LINE: SomeWarning: text"; the source line follows,
 #: indented): never the cause of a failure, so not kept for its message.
 _WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
+#: A failure that is the consequence of another process's: its connection to a peer that died
+#: was closed (gloo, NCCL). The launcher waits up to ``ROOT_CAUSE_WAIT_S`` for the failure that
+#: caused it, on this node or another, and names that one instead.
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited", re.IGNORECASE)
+ROOT_CAUSE_WAIT_S = 3.0
 
 
 @dataclass
@@ -381,10 +386,14 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                 procs.append(again)
             continue
         if failed is not None:
+            failed, code, elsewhere = _root_cause(procs, failed, code, store, nodes)
+            if elsewhere is not None:  # this node's failure followed another node's
+                _stop_all(procs)
+                print(f"distrain: stopped {len(procs)} processes of node {nodes.node_rank}: {elsewhere} "  # type: ignore[union-attr]
+                      f"(rank {failed.rank} here lost its connection: {failed.cause(code)})", file=sys.stderr)
+                return 1
             announce_failure(store, nodes, f"rank {failed.rank} failed")  # the other nodes stop at once
             _stop_all(procs)
-            for t in failed.threads:
-                t.join(timeout=5)  # its last lines are read before they are quoted
             print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}", file=sys.stderr)
             return 1
         if all(c == 0 or p in lost for p, c in zip(procs, codes, strict=True)):
@@ -407,6 +416,30 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                   f"(ranks still running: {stuck}); stopped them (raise --timeout if a rank needs longer)",
                   file=sys.stderr)
             return 1
+        time.sleep(0.05)
+
+
+def _root_cause(procs: list[_Process], failed: _Process, code: int, store: Any,
+                nodes: Nodes | None) -> tuple[_Process, int, str | None]:
+    """The failure to name for the job: ``failed``, unless it only lost its connection to a peer
+    that died first. Then, for up to ``ROOT_CAUSE_WAIT_S`` seconds, a process of this node that
+    failed for a reason of its own, or another node's announced failure (the third value), is
+    the cause; if none shows, ``failed`` is."""
+    deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
+    while True:
+        for t in failed.threads:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))  # its last lines are read before they are judged
+        if not _LOST_PEER.search(failed.cause(code)):
+            return failed, code, None
+        elsewhere = _failed_elsewhere(store, nodes)
+        if elsewhere is not None:
+            return failed, code, elsewhere
+        own = [(p, c) for p in procs if p is not failed and (c := p.proc.poll()) not in (None, 0)
+               and not any(t.is_alive() for t in p.threads) and not _LOST_PEER.search(p.cause(c))]
+        if own:
+            return own[0][0], int(own[0][1]), None  # type: ignore[arg-type]
+        if time.monotonic() > deadline:
+            return failed, code, None
         time.sleep(0.05)
 
 
