@@ -3,27 +3,36 @@
 bench_diloco's lm-lan job runs 256 steps, four outer steps at H = 64, where DiLoCo ended 7.5%
 above all-reduce in final validation loss. This runs the same job (the ``lm-lan`` scenario: 4
 workers, the GPT micro on the Python standard library's text, Adam at a constant 0.004, plain
-averaging as the outer step, bench_diloco's evaluation on 256 validation windows) for 1,024 steps
-(16 outer steps, 0.72 of an epoch of the text), two configurations, each ``--repeats`` times (repeat k
-with seed + k), one configuration's repeats after the other's:
+averaging as the outer step unless a configuration says otherwise, bench_diloco's evaluation on
+256 validation windows) for 1,024 steps (0.72 of an epoch of the text): all-reduce and the DiLoCo
+configurations named by ``--configs``, each ``--repeats`` times (repeat k with seed + k), one
+configuration's repeats after the other's:
 
-- ``allreduce``: distrain's gradient all-reduce (bench_diloco's row of the same name);
-- ``diloco-h64``: DiLoCo at H = 64 (bench_diloco's row of the same name).
+- ``allreduce``: distrain's gradient all-reduce (bench_diloco's row of the same name), always;
+- ``diloco-h64``: DiLoCo at H = 64, plain averaging (bench_diloco's row; 16 outer steps);
+- ``diloco-auto``: DiLoCo with ``--sync-every auto`` (bench_diloco's row): H from the measured
+  step time and the link, so that exchanges cost at most 10% of compute;
+- ``diloco-h16-nesterov``: DiLoCo at H = 16 (64 outer steps) with the outer Nesterov step at lr
+  0.7, momentum 0.9 (DiLoCo's published outer optimizer, distrain's default), which the scenario's
+  256-step runs by hand found overshooting over a few outer steps.
 
-Figures (fixed before the run): the median over repeats of the per-repeat ratio of diloco-h64's
-final validation loss (on all the validation text) to all-reduce's, with min and max (the
-issue's lm-lan target: <= 1.02); and, at every evaluation on a multiple of 256 steps (each one
-right after a sync at H = 64, so that both models are whole; at the last step, the final
-evaluation), the same ratio of the evaluation's loss, which shows how the gap moves with the run's
-length. With a constant learning rate and a
-warm-up counted in steps, a run's first 256 steps are those of bench_diloco's 256-step run.
+Figures (fixed before the run), for each DiLoCo configuration: the median over repeats of the
+per-repeat ratio of its final validation loss (on all the validation text) to all-reduce's, with
+min and max (the issue's lm-lan target: <= 1.02); and, at every evaluation on a multiple of 256
+steps (at the last step, the final evaluation), the same ratio of the evaluation's loss, which
+shows how the gap moves with the run's length. DiLoCo's evaluations are of the shared (outer)
+parameters, a whole model at any step. With a constant learning rate and a warm-up counted in
+steps, a run's first 256 steps are those of bench_diloco's 256-step run.
 
     python benchmarks/bench_diloco_length.py              # 3 repeats, about 50 minutes on 2 cores
     python benchmarks/bench_diloco_length.py --repeats 1 --steps 128   # a quick look
+    python benchmarks/bench_diloco_length.py --configs diloco-auto,diloco-h16-nesterov \
+        --out benchmarks/results/diloco_length_auto_nesterov.json
 
-Writes ``benchmarks/results/diloco_length.json``; the runs stay under
-``benchmarks/results/diloco-length/`` (not committed). The figures are losses at equal tokens,
-which do not depend on the machine's speed.
+Writes ``benchmarks/results/diloco_length.json`` (or ``--out``); the runs stay beside it, under
+``benchmarks/results/diloco-length/`` (the file's name with dashes; not committed). The figures
+are losses at equal tokens, which do not depend on the machine's speed. Run from the repository's
+root.
 """
 
 from __future__ import annotations
@@ -41,7 +50,10 @@ from distrain.train.metrics import read_metrics
 STEPS_PER_EPOCH = 1414  # windows of 64 a step over the text (bench_diloco's SETTINGS)
 LONG = 1024
 EVERY = 256  # the evaluations compared along the run
-RUN: list[dict] = [next(c for c in CONFIGS if c["label"] == label) for label in ("allreduce", "diloco-h64")]
+#: DiLoCo configurations of this script's own, beside bench_diloco's
+EXTRA: list[dict] = [{"label": "diloco-h16-nesterov", "algorithm": "diloco", "sync_every": 16,
+                      "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9}]
+CHOICES = {c["label"]: c for c in [*CONFIGS, *EXTRA] if c.get("algorithm") == "diloco"}
 
 
 def evaluations(row: dict, out: Path) -> list[dict[int, float] | None]:
@@ -60,38 +72,47 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=LONG, help="the run's steps (a quick look: fewer)")
+    parser.add_argument("--configs", default="diloco-h64",
+                        help=f"comma-separated DiLoCo configurations beside all-reduce: {', '.join(CHOICES)}")
     parser.add_argument("--out", type=Path, default=RESULTS / "diloco_length.json")
     args = parser.parse_args()
     check_repeats(parser, args.repeats)
+    chosen = [label for label in args.configs.split(",") if label]
+    if not chosen or set(chosen) - set(CHOICES) or len(set(chosen)) != len(chosen):
+        parser.error(f"--configs: choose among {', '.join(CHOICES)}, each once, got {args.configs!r}")
+    run = [next(c for c in CONFIGS if c["label"] == "allreduce"), *(CHOICES[label] for label in chosen)]
     # steps are ceil(epochs x 1,414): a hair under the exact fraction, as bench_diloco's 0.1808
     overrides = {**SETTINGS, "epochs": round(args.steps / STEPS_PER_EPOCH - 5e-5, 4), "eval_every": 64 / STEPS_PER_EPOCH}
-    out = args.out.parent / "diloco-length"
+    out = args.out.parent / args.out.stem.replace("_", "-")  # the runs, beside the result file
     start = time.perf_counter()
-    base, comparison = run_configs("lm-lan", overrides, RUN, args.repeats, out, "benchmarks/bench_diloco_length.py")
+    base, comparison = run_configs("lm-lan", overrides, run, args.repeats, out, "benchmarks/bench_diloco_length.py")
     rows = {row["label"]: row for row in comparison["configs"]}
     runs = {label: per_run(row, out) for label, row in rows.items()}
     steps = sorted({r["steps"] for rs in runs.values() for r in rs if r is not None})
     configs = {label: {key: spread(column(rs, key)) for key in ("final_val_loss", "step_s")}
                for label, rs in runs.items()}
-    final = ratio_spread(column(runs["diloco-h64"], "final_val_loss"), column(runs["allreduce"], "final_val_loss"))
+    final = {label: ratio_spread(column(runs[label], "final_val_loss"), column(runs["allreduce"], "final_val_loss"))
+             for label in chosen}
     curves = {label: evaluations(row, out) for label, row in rows.items()}
     along = {}
     for step in range(EVERY, max(steps or [0]) + 1, EVERY):
         pick = {label: [None if c is None else c.get(step) for c in cs] for label, cs in curves.items()}
-        along[str(step)] = {"allreduce": spread(pick["allreduce"]), "diloco-h64": spread(pick["diloco-h64"]),
-                            "ratio": ratio_spread(pick["diloco-h64"], pick["allreduce"])}
+        along[str(step)] = {**{label: spread(values) for label, values in pick.items()},
+                            "ratio": {label: ratio_spread(pick[label], pick["allreduce"]) for label in chosen}}
+    met = {label: f["median"] is not None and f["median"] <= 1.02 for label, f in final.items()}
     result = {"scenario_file": str(SCENARIOS["lm-lan"].relative_to(ROOT)), "repeats": args.repeats,
-              "epochs": base.run.epochs, "steps": steps, "configurations": RUN, "configs": configs,
-              "final_loss_diloco_over_allreduce": final, "target": "<= 1.02",
-              "met": final["median"] is not None and final["median"] <= 1.02,
+              "epochs": base.run.epochs, "steps": steps, "configurations": run, "configs": configs,
+              "final_loss_over_allreduce": final, "target": "<= 1.02", "met": met,
               "evaluation_loss_ratio_along_the_run": along, "elapsed_s": time.perf_counter() - start}
     write_result(args.out, result, argv=sys.argv)
-    for step, value in along.items():
-        r = value["ratio"]
-        print(f"step {step}: diloco-h64 / allreduce evaluation loss: median {r['median']} "
-              f"(min {r['min']}, max {r['max']})", flush=True)
-    print(f"final validation loss, diloco-h64 / allreduce: median {final['median']} (min {final['min']}, "
-          f"max {final['max']}); target <= 1.02: {'met' if result['met'] else 'not met'}", flush=True)
+    for label in chosen:
+        for step, value in along.items():
+            r = value["ratio"][label]
+            print(f"step {step}: {label} / allreduce evaluation loss: median {r['median']} "
+                  f"(min {r['min']}, max {r['max']})", flush=True)
+        f = final[label]
+        print(f"final validation loss, {label} / allreduce: median {f['median']} (min {f['min']}, "
+              f"max {f['max']}); target <= 1.02: {'met' if met[label] else 'not met'}", flush=True)
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
     return 0
 
