@@ -665,6 +665,7 @@ class DistributedOptimizer:
         if growth is None or growth.at != self.steps:
             return
         since, membership = time.perf_counter(), self.membership
+        self.algorithm.before_admission()
         change = self._rebuild(lambda: membership.grow(growth, self.steps, since))
         self._take_state(0, receive=False)  # the members keep their own (DiLoCo's inner state differs)
         log.warning("worker %d: worker(s) %s joined after step %d; %d workers go on (in %.2f s)", self.id,

@@ -53,6 +53,7 @@ def main() -> None:
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
     world = int(os.environ["WORLD_SIZE"])
 
+    syncs: set[int] = set()
     returned = []  # the step after which a lost parameter server was back
     server_back = os.environ.get("ELASTIC_SERVER_BACK") == "1"  # a parameter server comes back too
 
@@ -83,13 +84,16 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
         opt.zero_grad()
+        syncs.update(getattr(opt.algorithm, "synced_at", []))  # DiLoCo: the steps its rounds ended at
     final = opt.finish()
+    syncs.update(getattr(opt.algorithm, "synced_at", []))
     if device != "cpu":
         assert final.weight.device.type == model.weight.device.type == device, (final.weight.device, device)
     torch.save({"weight": final.weight.detach().cpu().clone(), "own": model.weight.detach().cpu().clone(),
                 "workers": opt.workers, "ids": opt.ids,
                 "steps": opt.steps, "changes": [c.record() for c in opt.changes],
-                "rounds": opt.algorithm.metrics().get("gossip_rounds", 0), "server_back": returned}, out / f"worker{me}.pt")
+                "rounds": opt.algorithm.metrics().get("gossip_rounds", 0), "server_back": returned,
+                "syncs": sorted(syncs - {0})}, out / f"worker{me}.pt")
 
 
 if __name__ == "__main__":

@@ -197,12 +197,14 @@ DILOCO = {"algorithm": "diloco", "sync_every": 4, "outer_optimizer": "sgd", "out
 
 
 def diloco_reference(victim: int, at: int, back: int | None, steps: int, h: int = 4, lr: float = 0.1,
-                     momentum: float = 0.9, compress: str | None = None, twice: bool = False) -> torch.Tensor:
+                     momentum: float = 0.9, compress: str | None = None, twice: bool = False,
+                     syncs: list[int] | None = None) -> torch.Tensor:
     """The shared parameters after ``steps`` inner steps: ``victim`` is gone from step ``at`` (its
     round's progress with it) until step ``back``, a round's end, where it takes the first other
     worker's parameters and momentum. ``compress``: each worker's pseudo-gradient is what that
     compressor sends of it, with error feedback (a joiner's residual starts empty); ``twice``: the
-    survivors' residuals take the pseudo-gradient of the first sync after ``at`` twice."""
+    survivors' residuals take the pseudo-gradient of the first sync after ``at`` twice. Rounds
+    end every ``h`` steps, or at the step counts ``syncs`` (``--sync-every auto``)."""
     from distrain.compress import CompressInfo, build_compressor
 
     dim = gradient(0, 0).numel()
@@ -230,7 +232,7 @@ def diloco_reference(victim: int, at: int, back: int | None, steps: int, h: int 
             g = gradient(r, step)
             buf[r] = g.clone() if buf[r] is None else momentum * buf[r] + g
             local[r] = local[r] - lr * buf[r]
-        if (step + 1) % h == 0:
+        if (step + 1 in syncs) if syncs is not None else (step + 1) % h == 0:
             again = twice and at <= step < at + h
             shared = shared - torch.stack([sent(r, shared - local[r], step, again) for r in live]).mean(0)
             for r in live:
@@ -286,6 +288,27 @@ def test_diloco_restarted_worker_joins_at_a_rounds_end(tmp_path: Path):
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
     assert not torch.allclose(diloco_reference(0, 5, None, steps), expected, atol=1e-3)
     assert not torch.allclose(diloco_reference(0, 8, back, steps), expected, atol=1e-3)  # its round's progress died with it
+
+
+@pytest.mark.slow  # CI: the join test above covers DiLoCo's redo and join; this one adds H's agreement
+def test_diloco_with_auto_h_survivors_agree_on_h_and_a_restarted_worker_joins(tmp_path: Path):
+    """--sync-every auto (H from 2 to 6, chosen from measured times at every round's end): worker
+    0 killed mid-round (step 5); the survivors redo the round's sync among themselves and agree
+    on the next H; worker 0, started again, joins at a round's end with the members' H. Every
+    worker ends on the reference computed from the rounds the run made."""
+    settings = {**DILOCO, "sync_every": "auto", "sync_every_min": 2, "sync_every_max": 6}
+    _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, settings)
+    syncs, back = results[1]["syncs"], joined["joined_at_step"]
+    assert lost["workers"] == [0] and lost["members"] == [1, 2, 3] and joined["workers"] == [0]
+    assert syncs[0] == 2 and back in syncs and syncs[-1] == steps  # the first round is H = 2; the last ends the run
+    expected = diloco_reference(0, 5, back, steps, syncs=syncs)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        assert [s for s in result["syncs"] if s >= back] == [s for s in syncs if s >= back], r  # the same rounds
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    assert not torch.allclose(diloco_reference(0, 5, None, steps, syncs=syncs), expected, atol=1e-3)
+    end = min(s for s in syncs if s > 5)  # worker 0's progress in the round it was lost in died with it
+    assert not torch.allclose(diloco_reference(0, end, back, steps, syncs=syncs), expected, atol=1e-3)
 
 
 #: D-PSGD on the complete graph with uniform weights, adapt then combine: every step averages the

@@ -259,6 +259,10 @@ class Algorithm:
         """Called on the algorithm rebuilt over a new group once its state is loaded (a loss or a
         join): state tied to the old group's shape may be reset here."""
 
+    def before_admission(self) -> None:
+        """At the step the members agreed to admit joiners, before the group opens to them
+        (collective over the members): what must hold for a joiner to enter there."""
+
     def admission_step(self, proposed: int) -> int:
         """The first step count from ``proposed`` on at which a worker may join (every step by
         default; a round's boundary for algorithms that sync every so many steps)."""

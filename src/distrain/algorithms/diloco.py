@@ -156,10 +156,11 @@ class DiLoCo(Algorithm):
     compresses = True  # the pseudo-gradient
     local_steps = True  # the inner optimizer's learning rate is scaled for the local batch
     rescales_lr = False  # ... so it does not change with the members
-    # Elastic (one fragment, no overlap, a fixed H): a sync a lost peer interrupted is redone
-    # over the survivors with their own pseudo-gradients (the inner steps are local), compressed
-    # from the compressor's state as the sync began, and a worker that joins enters at a round's
-    # end (with empty residuals of its own).
+    # Elastic (one fragment, no overlap): a sync a lost peer interrupted is redone over the
+    # survivors with their own pseudo-gradients (the inner steps are local), compressed from the
+    # compressor's state as the sync began, and a worker that joins enters at a round's end (with
+    # empty residuals of its own). With --sync-every auto, the survivors then agree on the next
+    # period's H among themselves, and a joiner takes the members' H and next sync.
     redo_needs_gradients = False
     redo_when_behind = True
     settings: DiLoCoSettings
@@ -167,12 +168,12 @@ class DiLoCo(Algorithm):
     @classmethod
     def survives(cls, settings: DiLoCoSettings) -> bool:
         s, r = settings, settings.run
-        return (s.fragments == 1 and s.overlap_steps == 0 and s.sync_every != AUTO and r.device == "cpu"
+        return (s.fragments == 1 and s.overlap_steps == 0 and r.device == "cpu"
                 and 1 < r.workers and r.min_workers < r.workers)
 
     @property
     def elastic(self) -> bool:
-        return len(self.bounds) == 1 and self.overlap == 0 and not self.auto
+        return len(self.bounds) == 1 and self.overlap == 0
 
     def state_before_step(self) -> dict[str, Any] | None:
         """With a compressor: the state with its compressor's as the interrupted sync began
@@ -193,6 +194,10 @@ class DiLoCo(Algorithm):
         self._step_seconds: float | None = None  # compute seconds per inner step of the last period
         self._recorded_at_sync = 0  # transport.stats.recorded when the pending exchange started
         self._proposed: int | None = None  # this worker's proposal for H at the last sync
+        self._choose_h = False  # auto: a period's sync is applied and the next H not agreed yet
+        #: the inner step count of the sync before the last one (the round a lost worker's
+        #: progress died in began there, see :meth:`kept_steps`)
+        self.previous_sync = 0
         self.nesterov = s.outer_optimizer == "nesterov"
         self.outer_lr, self.outer_momentum = float(s.outer_lr), float(s.outer_momentum)
         self.fragments_wanted, self.overlap = int(s.fragments), int(s.overlap_steps)
@@ -261,6 +266,7 @@ class DiLoCo(Algorithm):
                     self._period_ends()
                 self._start_sync(i)
         if self._apply_due(flush=last) and self.auto and not last:
+            self._choose_h = True
             self._next_period()
 
     def _period_ends(self) -> None:
@@ -289,6 +295,7 @@ class DiLoCo(Algorithm):
                      self._sync_seconds or 0.0, self._step_seconds)
         self.sync_every = agreed
         self.next_sync = max(self.synced_at) + agreed
+        self._choose_h = False
 
     def _start_sync(self, fragment: int) -> None:
         """Start averaging ``fragment``'s pseudo-gradient; its outer step is applied when due."""
@@ -298,6 +305,8 @@ class DiLoCo(Algorithm):
         delta = self.shared[lo:hi].to(local.device, local.dtype) - local
         handle = None
         self._recorded_at_sync = self.transport.stats.recorded  # auto times the exchange's messages
+        if self.synced_at[fragment] != self.inner_steps:  # (not a redo of this step's sync)
+            self.previous_sync = self.synced_at[fragment]
         if self.compressor is None:
             handle = self.transport.all_reduce(delta)
         else:
@@ -384,11 +393,35 @@ class DiLoCo(Algorithm):
         interrupted, self._interrupted = self._interrupted, []
         for fragment in interrupted:
             self._start_sync(fragment)
-        self._apply_due(flush=True)
+        if self._apply_due(flush=True) and self.auto and self.inner_steps != self.total_steps:
+            self._choose_h = True  # the period's end: the survivors choose the next H
+        if self._choose_h:
+            self._next_period()
 
     def admission_step(self, proposed: int) -> int:
-        """A worker joins at a round's end, where every member holds the shared parameters."""
-        return -(-proposed // self.sync_every) * self.sync_every
+        """A worker joins at a round's end, where every member holds the shared parameters. With
+        ``--sync-every auto`` the rounds after the current one are not known yet: one that
+        ``proposed`` passes is taken at the current H (:meth:`before_admission` ends the round
+        there if H changes before it)."""
+        if not self.auto:
+            return -(-proposed // self.sync_every) * self.sync_every
+        if proposed <= self.next_sync:
+            return self.next_sync
+        return self.next_sync + -(-(proposed - self.next_sync) // self.sync_every) * self.sync_every
+
+    def before_admission(self) -> None:
+        """``--sync-every auto``, at the step the members agreed to admit joiners: if it is not a
+        round's end (H changed since the agreement), the members sync there, ending the round
+        early, so the joiners enter holding the shared parameters as at any round's end
+        (collective: every member is at that step)."""
+        if self.inner_steps > max(self.synced_at):
+            log.info("diloco: the round ends at step %d, where workers join", self.inner_steps)
+            self._period_ends()
+            for i in range(len(self.bounds)):
+                self._start_sync(i)
+            if self._apply_due(flush=True) and self.auto:
+                self._choose_h = True
+                self._next_period()
 
     @property
     def admission_every(self) -> int:
@@ -396,25 +429,33 @@ class DiLoCo(Algorithm):
         so one that asks in the first three quarters of a round enters at its end (looking once
         a round let it wait up to two, and short runs ended first: bench_churn's restart case
         failed 8 of 20 against 4 when looking every step)."""
-        return max(1, self.sync_every // 4)
+        return max(1, (self.h_min if self.auto else self.sync_every) // 4)  # auto: the same all run long
 
     def kept_steps(self, lost_at: int) -> int:
         """A worker lost in a round (found at its sync, after ``lost_at`` steps) leaves only the
-        rounds before it in the shared parameters."""
-        return max(0, (lost_at - 1) // self.sync_every * self.sync_every)
+        rounds before it in the shared parameters: those up to the last sync before ``lost_at``."""
+        if not self.auto:
+            return max(0, (lost_at - 1) // self.sync_every * self.sync_every)
+        last = max(self.synced_at)
+        return last if last < lost_at else self.previous_sync
 
     def replica_state(self) -> list[torch.Tensor]:
         interrupted = torch.zeros(len(self.bounds), dtype=torch.int64)
         interrupted[self._interrupted] = 1
         counters = torch.tensor([self.inner_steps, self.outer_steps, *self.synced_at], dtype=torch.int64)
-        return [self.shared, self.buffer, torch.tensor(self.has_buffer, dtype=torch.int64), counters, interrupted]
+        periods = torch.tensor([self.sync_every, self.next_sync, self.previous_sync, int(self._choose_h)],
+                               dtype=torch.int64)
+        return [self.shared, self.buffer, torch.tensor(self.has_buffer, dtype=torch.int64), counters, interrupted,
+                periods]
 
     def load_replica_state(self, tensors: list[torch.Tensor]) -> None:
-        _, _, has_buffer, counters, interrupted = tensors  # shared and buffer were broadcast in place
+        _, _, has_buffer, counters, interrupted, periods = tensors  # shared and buffer were broadcast in place
         self.has_buffer = [bool(v) for v in has_buffer.tolist()]
         self.inner_steps, self.outer_steps = int(counters[0]), int(counters[1])
         self.synced_at = [int(v) for v in counters[2:].tolist()]
         self._interrupted = [i for i, v in enumerate(interrupted.tolist()) if v]
+        sync_every, self.next_sync, self.previous_sync, choose_h = (int(v) for v in periods.tolist())
+        self.sync_every, self._choose_h = sync_every, bool(choose_h)
         self._resumed = True
 
     def end(self) -> None:
@@ -470,7 +511,8 @@ class DiLoCo(Algorithm):
             "shared": self.shared.clone(), "buffer": self.buffer.clone(),
             "has_buffer": torch.tensor(self.has_buffer, dtype=torch.bool), "inner_steps": self.inner_steps,
             "synced_at": torch.tensor(self.synced_at, dtype=torch.int64), "outer_steps": self.outer_steps,
-            "sync_every": self.sync_every, "next_sync": self.next_sync,
+            "sync_every": self.sync_every, "next_sync": self.next_sync, "previous_sync": self.previous_sync,
+            "choose_h": self._choose_h,
             "pending": [{"fragment": p.fragment, "due": p.due, "delta": p.delta.detach().cpu().clone()}
                         for p in self._pending],
             "interrupted": torch.tensor(self._interrupted, dtype=torch.int64),
@@ -487,6 +529,8 @@ class DiLoCo(Algorithm):
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
         if self.auto and "next_sync" in state:
             self.sync_every, self.next_sync = int(state["sync_every"]), int(state["next_sync"])
+        self.previous_sync = int(state.get("previous_sync", max(0, max(self.synced_at) - self.sync_every)))
+        self._choose_h = bool(state.get("choose_h", False))
         device = self.params[0].device if self.params else torch.device("cpu")
         self._pending = [_Pending(int(p["fragment"]), int(p["due"]), p["delta"].to(device), None)
                          for p in state.get("pending", [])]
