@@ -328,6 +328,46 @@ def test_auto_settings_are_checked():
             TrainConfig.from_dict({"algorithm": "diloco", **settings}).validate()
 
 
+def _admission_body(rank: int, world: int) -> dict:
+    net = model()
+    inner = torch.optim.SGD(net.parameters(), lr=INNER_LR)
+    cfg = TrainConfig.from_dict({"algorithm": "diloco", "workers": WORKERS, "sync_every": "auto",
+                                 "sync_every_min": 2, "sync_every_max": 8, "outer_optimizer": "sgd", "outer_lr": 1.0,
+                                 "outer_momentum": 0.0})
+    algorithm = build_algorithm("diloco", cfg)
+    algorithm.setup(net, inner, Transport())
+    algorithm.start(100, 100)
+    for step in range(3):  # the first round (H = 2) ends at step 2; step 3 is in the next one
+        inner.zero_grad()
+        loss_of(net, rank, step).backward()
+        ctx = StepContext(step=step, epoch=0.0, batch_size=5)
+        algorithm.after_backward(ctx)
+        algorithm.apply_update(ctx)
+        algorithm.after_update(ctx)
+    mid = (algorithm.synced_at[0], algorithm.next_sync, algorithm.admission_step(3))
+    local = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    algorithm.before_admission()
+    return {"mid": mid, "local": local, "synced_at": algorithm.synced_at[0], "next_sync": algorithm.next_sync,
+            "sync_every": algorithm.sync_every, "kept": algorithm.kept_steps(3),
+            "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+            "shared": algorithm.shared.clone()}
+
+
+def test_auto_members_end_the_round_where_workers_join_when_it_is_not_a_rounds_end():
+    """--sync-every auto: should the agreed admission step fall inside a round (H changed after
+    the agreement), the members sync there before the joiners enter: both hold the average of
+    their local models (plain averaging) and the next round runs from that step."""
+    results = run_group(_admission_body, WORKERS)
+    for r in results:
+        synced, next_sync, admit = r["mid"]
+        assert synced == 2 and next_sync > 3 and admit == next_sync  # inside the round; joins are planned at its end
+        assert r["synced_at"] == 3 and r["next_sync"] == 3 + r["sync_every"] and r["kept"] == 2
+        mean = torch.stack([q["local"] for q in results]).mean(0)
+        torch.testing.assert_close(r["shared"], mean)
+        torch.testing.assert_close(r["params"], mean)
+    assert not torch.allclose(results[0]["local"], results[1]["local"])  # the round had moved them apart
+
+
 @pytest.mark.timeout(180)
 def test_auto_raises_h_on_a_slow_link_and_every_worker_follows_the_same_periods(tmp_path):
     from distrain.algorithms.diloco import propose_sync_every
