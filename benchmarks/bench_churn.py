@@ -5,7 +5,8 @@ For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, `
 ``ps`` (with 2 servers; a worker is killed), ``ps-server`` (ps with 2 servers, one of them
 killed: the other takes over its parameters; started again, it takes them back), ``adpsgd`` and
 ``prague`` go on too; ``allreduce-group_topk`` and ``diloco-int8`` are those algorithms with
-``--compress group_topk:0.01`` and ``--compress int8``), on the default
+``--compress group_topk:0.01`` and ``--compress int8``, ``diloco-auto`` DiLoCo with
+``--sync-every auto``), on the default
 job (``distrain train``: MNIST-1D, the CNN, 4 workers; DiLoCo for 45 epochs, see ``EPOCHS``) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -24,7 +25,9 @@ Recovery time: from the kill (the time the killed process wrote before dying) to
 agreement with the new group open (``unix_time`` of the change in ``summary.json``): detection,
 agreement and rebuild. Where the members do not change (``ps``, ``adpsgd``, ``prague``: the others
 drop the lost worker), from the kill to its first declaration as dead in the store: detection.
-Reported: median, min and max over the runs.
+Reported: median, min and max over the runs. Also ``rebuild_s``, from the failure a survivor saw
+to the new group (the change's ``recovery_s``): DiLoCo's workers exchange nothing within a round,
+so they see a loss at the round's sync, up to a round after the kill, training on meanwhile.
 
 Accuracy: final test accuracy of the kill run minus the no-fault run of the same seed; median,
 min and max, and how many are within 1 point.
@@ -73,9 +76,10 @@ TIMEOUT_S = 600
 #: Flags an algorithm needs besides ``--algorithm`` (ps: two servers; the victim is a worker,
 #: or for ``ps-server`` one of the servers).
 EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2"),
-         "allreduce-group_topk": ("--compress", "group_topk:0.01"), "diloco-int8": ("--compress", "int8")}
+         "allreduce-group_topk": ("--compress", "group_topk:0.01"), "diloco-int8": ("--compress", "int8"),
+         "diloco-auto": ("--sync-every", "auto")}
 #: Cases that run another algorithm than their name.
-ALGORITHM = {"ps-server": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco"}
+ALGORITHM = {"ps-server": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco"}
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
@@ -84,7 +88,7 @@ NO_RESTARTS: set[str] = set()
 #: them in about 5 s here (930 steps of about 6 ms), and a restarted worker needs about 3 s to
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.
 #: 45 epochs take about as long as all-reduce's default job (about 16 s).
-EPOCHS = {"diloco": 45, "diloco-int8": 45}
+EPOCHS = {"diloco": 45, "diloco-int8": 45, "diloco-auto": 45}
 
 
 def children(pid: int) -> list[int]:
@@ -195,6 +199,8 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
            "workers_at_end": summary["workers_at_end"] if summary else None,
            "final_test_accuracy": summary["final_test_accuracy"] if summary else None,
            "recovery_s": lost[0]["unix_time"] - killed_at if lost and killed_at else None,
+           # from the failure a survivor saw to the new group (DiLoCo sees it at its round's sync)
+           "rebuild_s": lost[0].get("recovery_s") if lost else None,
            "lost": lost[0]["workers"] if lost else None,
            "returned": sorted(WORKERS + int(s) for s in (summary or {}).get("returned_servers", {})),
            # ps-server with a restart: from the kill to the server serving its range again
@@ -287,6 +293,7 @@ def kill_part(tmp: Path, algorithm: str, seeds: int, result: dict) -> None:
         "restart_passed": sum(r["passed"] for r in restarts), "restart_runs": len(restarts),
         "hung": sum(r["hung"] for r in rows), "left_running": sum(bool(r["left_running"]) for r in rows),
         "recovery_s": spread(recoveries),
+        "rebuild_s": spread([r["rebuild_s"] for r in rows if r.get("rebuild_s") is not None]),
         "accuracy_minus_no_fault": spread(gaps),
         "within_1_point": sum(abs(g) <= 0.01 for g in gaps),
         "recovery_at_most_3_s": bool(recoveries) and statistics.median(recoveries) <= 3.0,
