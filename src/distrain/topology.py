@@ -279,31 +279,43 @@ class NodeMap:
     """Workers grouped into nodes of ``workers_per_node`` consecutive ranks (the last may be smaller).
 
     The first rank of a node is its leader. Ranks on one node share fast links (shared memory,
-    NVLink); links between nodes are the slow ones.
+    NVLink); links between nodes are the slow ones. With ``ids`` (the worker id of each rank, a
+    group of the members left after a loss, say) a worker's node is that of its id, and the nodes
+    are those the ids are on, numbered from 0 in order, so a node that lost its leader is led by
+    its next member, and one with no member left is gone.
 
     Example::
 
         nodes = NodeMap(world_size=8, workers_per_node=4)
         nodes.node_of(5), nodes.members(1), nodes.leaders   # 1, [4, 5, 6, 7], [0, 4]
+        NodeMap(3, 2, ids=(1, 2, 3)).leaders                # [0, 1]: ids 1 and 2 lead
     """
 
     world_size: int
     workers_per_node: int
+    ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.workers_per_node < 1:
             raise ConfigError("--workers-per-node", f"must be an integer >= 1, got {self.workers_per_node!r}")
 
+    def _node_of_id(self, rank: int) -> int:
+        return (rank if self.ids is None else self.ids[rank]) // self.workers_per_node
+
+    @property
+    def _nodes(self) -> list[int]:
+        return sorted({self._node_of_id(r) for r in range(self.world_size)})
+
     @property
     def num_nodes(self) -> int:
-        return -(-self.world_size // self.workers_per_node)
+        return len(self._nodes)
 
     def node_of(self, rank: int) -> int:
-        return rank // self.workers_per_node
+        return self._nodes.index(self._node_of_id(rank))
 
     def members(self, node: int) -> list[int]:
-        start = node * self.workers_per_node
-        return list(range(start, min(start + self.workers_per_node, self.world_size)))
+        wanted = self._nodes[node]
+        return [r for r in range(self.world_size) if self._node_of_id(r) == wanted]
 
     @property
     def leaders(self) -> list[int]:

@@ -38,6 +38,12 @@ def gradient(worker: int, step: int) -> torch.Tensor:
     return torch.randn(DIM, generator=g, dtype=torch.float64)
 
 
+def leaders(opt: "distrain.DistributedOptimizer") -> list[int] | None:
+    """Hierarchical all-reduce: the ids of the nodes' leaders in the workers' last group."""
+    hierarchy = getattr(opt.algorithm, "hierarchy", None)
+    return None if hierarchy is None else [opt.ids[r] for r in hierarchy.nodes.map.leaders]
+
+
 def main() -> None:
     out, steps, victim, at, where = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     torch.set_num_threads(1)
@@ -93,6 +99,7 @@ def main() -> None:
                 "workers": opt.workers, "ids": opt.ids,
                 "steps": opt.steps, "changes": [c.record() for c in opt.changes],
                 "rounds": opt.algorithm.metrics().get("gossip_rounds", 0), "server_back": returned,
+                "leaders": leaders(opt),
                 "syncs": sorted(syncs - {0})}, out / f"worker{me}.pt")
 
 

@@ -191,6 +191,24 @@ def test_a_restarted_worker_joins_with_the_others_state(tmp_path: Path):
     assert not torch.allclose(reference(0, at + 1, back, steps), expected)  # the survivors redid step 3 without it
 
 
+@pytest.mark.slow  # CI: the flat all-reduce join test above; the same redo, over other groups
+def test_hierarchical_all_reduce_goes_on_without_a_nodes_leader_and_takes_it_back(tmp_path: Path):
+    """--workers-per-node 2 (nodes {0, 1} and {2, 3}): worker 0, node 0's leader, killed at step
+    3; the survivors redo the step over the nodes of their ids (worker 1 alone leads node 0),
+    and worker 0, started again, joins node 0 at a step's end. Every worker ends on the flat
+    reference: the same sums, node by node."""
+    at = 3
+    _, results, steps, lost, joined = rejoin(tmp_path, 0, at, {"workers_per_node": 2})
+    assert lost["workers"] == [0] and lost["lost_at_step"] == at and joined["members"] == [1, 2, 3, 0]
+    back = joined["joined_at_step"]
+    expected = reference(0, at, back, steps)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        assert result["leaders"] == [1, 2], r  # node 0 of ids 0 and 1, node 1 of ids 2 and 3
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(reference(0, at + 1, back, steps), expected)  # the survivors redid step 3 without it
+
+
 #: DiLoCo as model averaging: H inner steps of SGD with momentum, then the shared parameters become
 #: the live workers' average (outer SGD, learning rate 1, no momentum).
 DILOCO = {"algorithm": "diloco", "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}

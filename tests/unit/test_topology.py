@@ -142,6 +142,13 @@ def test_node_map():
     assert nodes.members(2) == [6] and nodes.same_node(3, 5) and not nodes.same_node(2, 3)
     with pytest.raises(ConfigError):
         NodeMap(world_size=4, workers_per_node=0)
+    # the members of an elastic run keep their ids, and so their nodes: ids 0 and 4 lost of 6
+    # (nodes {0, 1}, {2, 3}, {4, 5}); one joined again last
+    left = NodeMap(world_size=5, workers_per_node=2, ids=(1, 2, 3, 5, 0))
+    assert left.num_nodes == 3 and [left.node_of(r) for r in range(5)] == [0, 1, 1, 2, 0]
+    assert left.members(0) == [0, 4] and left.leaders == [0, 1, 3]
+    gone = NodeMap(world_size=2, workers_per_node=2, ids=(2, 5))  # node {0, 1} has no member left
+    assert gone.num_nodes == 2 and gone.leaders == [0, 1] and not gone.same_node(0, 1)
 
 
 def test_decentralized_settings_are_checked_before_any_worker_starts():

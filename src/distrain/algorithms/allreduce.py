@@ -262,15 +262,17 @@ class AllReduce(Algorithm):
 
     @classmethod
     def survives(cls, settings: AllReduceSettings) -> bool:
-        """Flat all-reduce on the CPU, compressed or not, whose survivors redo the step (see :attr:`elastic`)."""
+        """All-reduce on the CPU, flat (compressed or not) or hierarchical, whose survivors redo
+        the step (see :attr:`elastic`)."""
         r = settings.run
-        return not settings.workers_per_node and r.device == "cpu" and 1 < r.workers and r.min_workers < r.workers
+        return r.device == "cpu" and 1 < r.workers and r.min_workers < r.workers
 
     @property
     def elastic(self) -> bool:
-        """Survivors of a lost worker redo the step without it: flat all-reduce. Compressed, each
-        redoes it from its compressor's state before the step (:meth:`state_before_step`)."""
-        return self.hierarchy is None
+        """Survivors of a lost worker redo the step without it. Compressed, each redoes it from
+        its compressor's state before the step (:meth:`state_before_step`); hierarchical, over
+        the nodes of the survivors' ids (a node that lost its leader is led by its next member)."""
+        return True
 
     def state_before_step(self) -> dict[str, Any] | None:
         """The compressor's state (error-feedback residuals, momentum correction's velocity, the

@@ -41,7 +41,8 @@ def global_rank(transport: Transport, group_rank: int) -> int:
 
 
 def node_process_groups(workers: int, workers_per_node: int, timeout: float | None = None,
-                        ranks: list[int] | None = None) -> tuple[list[dist.ProcessGroup], dist.ProcessGroup]:
+                        ranks: list[int] | None = None,
+                        ids: list[int] | None = None) -> tuple[list[dist.ProcessGroup], dist.ProcessGroup]:
     """Create the process group of every node, then the group of node leaders.
 
     ``dist.new_group`` is collective over the whole world: every process (parameter servers
@@ -53,10 +54,11 @@ def node_process_groups(workers: int, workers_per_node: int, timeout: float | No
         workers_per_node: ranks per node; the last node may be smaller.
         timeout: seconds any collective in these groups may take (None: the backend's default).
         ranks: the global rank of every worker (default: ``0..workers-1``).
+        ids: the worker id of every worker, which places it on its node (default: its rank).
     """
     wait = None if timeout is None else datetime.timedelta(seconds=timeout)
     ranks = list(range(workers)) if ranks is None else ranks
-    nodes = NodeMap(workers, workers_per_node)
+    nodes = NodeMap(workers, workers_per_node, None if ids is None else tuple(ids))
     groups = [dist.new_group([ranks[r] for r in nodes.members(node)], timeout=wait) for node in range(nodes.num_nodes)]
     return groups, dist.new_group([ranks[r] for r in nodes.leaders], timeout=wait)
 
@@ -70,19 +72,21 @@ class NodeGroups:
         timeout: seconds any collective in these groups may take (None: the backend's default).
         workers: how many of the parent group's ranks are workers (default: all; the others,
             parameter servers, come last and must call :func:`node_process_groups` meanwhile).
+        ids: the worker id of each of them, which places it on its node (default: its rank; the
+            members of an elastic run after a loss keep their ids, and so their nodes).
     """
 
     def __init__(self, transport: Transport, workers_per_node: int, timeout: float | None = None,
-                 workers: int | None = None) -> None:
+                 workers: int | None = None, ids: list[int] | None = None) -> None:
         self.parent = transport
         workers = transport.world_size if workers is None else workers
-        self.map = NodeMap(workers, workers_per_node)
+        self.map = NodeMap(workers, workers_per_node, None if ids is None else tuple(ids))
         rank = transport.rank
         self.node = self.map.node_of(rank)
         self.is_leader = self.map.leaders[self.node] == rank
         link = transport.link_model
         node_groups, leaders = node_process_groups(workers, workers_per_node, timeout,
-                                                   [global_rank(transport, r) for r in range(workers)])
+                                                   [global_rank(transport, r) for r in range(workers)], ids)
         self.intra: Transport = Transport(node_groups[self.node], link_model=link)
         self.inter = Transport(leaders, link_model=link) if self.is_leader else None
         # group rank -> global rank, for folding the counters into the parent's
@@ -163,4 +167,4 @@ def build_hierarchy(transport: Transport, workers_per_node: int, *, own_ring: bo
         raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
     if k >= transport.world_size:
         log.info("--workers-per-node %d >= %d workers: one node, no inter-node traffic", k, transport.world_size)
-    return HierarchicalAllReduce(NodeGroups(transport, k, timeout=timeout))
+    return HierarchicalAllReduce(NodeGroups(transport, k, timeout=timeout, ids=transport.ids))

@@ -290,6 +290,12 @@ class Transport:
             backend = "gloo"
         self._stages_cuda = "nccl" not in backend
 
+    @property
+    def ids(self) -> list[int]:
+        """The worker id of each group rank (their global ranks unless the group was built over
+        the members of an elastic run, whose ids stay theirs)."""
+        return list(self._ids)
+
     def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
         """What a send hands to the backend: ``tensor``, or its CPU copy (see :meth:`_open`)."""
         return tensor.cpu() if tensor.is_cuda and self._stages_cuda else tensor
