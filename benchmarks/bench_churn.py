@@ -6,7 +6,7 @@ For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, `
 killed: the other takes over its parameters; started again, it takes them back), ``adpsgd`` and
 ``prague`` go on too; ``allreduce-group_topk`` and ``diloco-int8`` are those algorithms with
 ``--compress group_topk:0.01`` and ``--compress int8``, ``diloco-auto`` DiLoCo with
-``--sync-every auto``), on the default
+``--sync-every auto``, ``allreduce-hierarchical`` all-reduce with ``--workers-per-node 2``), on the default
 job (``distrain train``: MNIST-1D, the CNN, 4 workers; DiLoCo for 45 epochs, see ``EPOCHS``) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -77,9 +77,10 @@ TIMEOUT_S = 600
 #: or for ``ps-server`` one of the servers).
 EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2"),
          "allreduce-group_topk": ("--compress", "group_topk:0.01"), "diloco-int8": ("--compress", "int8"),
-         "diloco-auto": ("--sync-every", "auto")}
+         "diloco-auto": ("--sync-every", "auto"), "allreduce-hierarchical": ("--workers-per-node", "2")}
 #: Cases that run another algorithm than their name.
-ALGORITHM = {"ps-server": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco"}
+ALGORITHM = {"ps-server": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco",
+             "allreduce-hierarchical": "allreduce"}
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
