@@ -38,6 +38,7 @@ root.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,10 @@ def main() -> int:
     parser.add_argument("--configs", default="diloco-h64",
                         help=f"comma-separated DiLoCo configurations beside all-reduce: {', '.join(CHOICES)}")
     parser.add_argument("--out", type=Path, default=RESULTS / "diloco_length.json")
+    parser.add_argument("--figures-only", action="store_true",
+                        help="the figures again from the runs beside --out (comparison.json), without running any; "
+                             "a configuration whose runs are not all there (a run stopped early) is left out, "
+                             "and the result says so")
     args = parser.parse_args()
     check_repeats(parser, args.repeats)
     chosen = [label for label in args.configs.split(",") if label]
@@ -85,8 +90,18 @@ def main() -> int:
     overrides = {**SETTINGS, "epochs": round(args.steps / STEPS_PER_EPOCH - 5e-5, 4), "eval_every": 64 / STEPS_PER_EPOCH}
     out = args.out.parent / args.out.stem.replace("_", "-")  # the runs, beside the result file
     start = time.perf_counter()
-    base, comparison = run_configs("lm-lan", overrides, run, args.repeats, out, "benchmarks/bench_diloco_length.py")
-    rows = {row["label"]: row for row in comparison["configs"]}
+    if args.figures_only:
+        comparison = json.loads((out / "comparison.json").read_text())
+        epochs = comparison["settings"]["run"]["epochs"] if "run" in comparison.get("settings", {}) else overrides["epochs"]
+    else:
+        base, comparison = run_configs("lm-lan", overrides, run, args.repeats, out, "benchmarks/bench_diloco_length.py")
+        epochs = base.run.epochs
+    rows = {row["label"]: row for row in comparison["configs"]
+            if sum(r.get("status") == "ok" for r in row.get("runs", [])) == args.repeats}
+    missing = [label for label in chosen if label not in rows]
+    chosen = [label for label in chosen if label in rows]
+    if "allreduce" not in rows:
+        parser.error(f"--figures-only: no complete all-reduce runs in {out}")
     runs = {label: per_run(row, out) for label, row in rows.items()}
     steps = sorted({r["steps"] for rs in runs.values() for r in rs if r is not None})
     configs = {label: {key: spread(column(rs, key)) for key in ("final_val_loss", "step_s")}
@@ -101,10 +116,15 @@ def main() -> int:
                             "ratio": {label: ratio_spread(pick[label], pick["allreduce"]) for label in chosen}}
     met = {label: f["median"] is not None and f["median"] <= 1.02 for label, f in final.items()}
     result = {"scenario_file": str(SCENARIOS["lm-lan"].relative_to(ROOT)), "repeats": args.repeats,
-              "epochs": base.run.epochs, "steps": steps, "configurations": run, "configs": configs,
+              "epochs": epochs, "steps": steps, "configurations": run, "configs": configs,
+              "not_complete": missing,
+              **({"runs_from": {k: comparison.get(k) for k in ("created", "command", "machine")}}
+                 if args.figures_only else {}),
               "final_loss_over_allreduce": final, "target": "<= 1.02", "met": met,
               "evaluation_loss_ratio_along_the_run": along, "elapsed_s": time.perf_counter() - start}
     write_result(args.out, result, argv=sys.argv)
+    for label in missing:
+        print(f"{label}: not all {args.repeats} repeats ran; left out", flush=True)
     for label in chosen:
         for step, value in along.items():
             r = value["ratio"][label]
