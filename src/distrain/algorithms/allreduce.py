@@ -267,12 +267,10 @@ class AllReduce(Algorithm):
         r = settings.run
         return r.device == "cpu" and 1 < r.workers and r.min_workers < r.workers
 
-    @property
-    def elastic(self) -> bool:
-        """Survivors of a lost worker redo the step without it. Compressed, each redoes it from
-        its compressor's state before the step (:meth:`state_before_step`); hierarchical, over
-        the nodes of the survivors' ids (a node that lost its leader is led by its next member)."""
-        return True
+    #: Survivors of a lost worker redo the step without it. Compressed, each redoes it from its
+    #: compressor's state before the step (:meth:`state_before_step`); hierarchical, over the
+    #: nodes of the survivors' ids (a node that lost its leader is led by its next member).
+    elastic = True
 
     def state_before_step(self) -> dict[str, Any] | None:
         """The compressor's state (error-feedback residuals, momentum correction's velocity, the

@@ -266,7 +266,6 @@ class DiLoCo(Algorithm):
                     self._period_ends()
                 self._start_sync(i)
         if self._apply_due(flush=last) and self.auto and not last:
-            self._choose_h = True
             self._next_period()
 
     def _period_ends(self) -> None:
@@ -284,6 +283,7 @@ class DiLoCo(Algorithm):
         thus shows in the period that follows the first exchange over it. Every worker proposes
         its H and they take the mean (one all-reduce of a number), so all agree."""
         assert self.transport is not None
+        self._choose_h = True  # until the workers agree (a loss on the way leaves it owed to the redo)
         wanted = propose_sync_every(self._sync_seconds, self._step_seconds, self.comm_overhead, self.h_min, self.h_max,
                                     current=self.sync_every)
         self._proposed = wanted
@@ -393,10 +393,9 @@ class DiLoCo(Algorithm):
         interrupted, self._interrupted = self._interrupted, []
         for fragment in interrupted:
             self._start_sync(fragment)
-        if self._apply_due(flush=True) and self.auto and self.inner_steps != self.total_steps:
-            self._choose_h = True  # the period's end: the survivors choose the next H
-        if self._choose_h:
-            self._next_period()
+        applied = self._apply_due(flush=True)
+        if self._choose_h or (applied and self.auto and self.inner_steps != self.total_steps):
+            self._next_period()  # the period's end: the survivors choose the next H
 
     def admission_step(self, proposed: int) -> int:
         """A worker joins at a round's end, where every member holds the shared parameters. With
@@ -420,7 +419,6 @@ class DiLoCo(Algorithm):
             for i in range(len(self.bounds)):
                 self._start_sync(i)
             if self._apply_due(flush=True) and self.auto:
-                self._choose_h = True
                 self._next_period()
 
     @property
