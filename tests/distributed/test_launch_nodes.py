@@ -41,6 +41,8 @@ def finish(proc: subprocess.Popen, timeout: float = 100) -> tuple[int, str]:
     return proc.returncode, err
 
 
+# CI: the node failure test below, and test_elastic.py's joins (the same admission, one node)
+@pytest.mark.slow
 def test_a_lost_node_joins_again_with_the_others_state(tmp_path: Path):
     """Node 1 (workers 2 and 3) is lost as step 3 begins: worker 2 kills its launcher, and worker 3
     dies with it. Node 0's workers redo step 3 without them and go on. Node 1 started again with

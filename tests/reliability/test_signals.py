@@ -118,3 +118,32 @@ def test_a_worker_ends_when_its_launcher_is_killed(use_prctl):
     finally:
         proc.kill()
         kill_tagged(tag)
+
+
+@pytest.mark.parametrize("use_pidfd", [True, False])
+def test_a_worker_forked_by_a_fork_server_ends_when_its_launcher_is_killed(use_pidfd):
+    """A local worker is the child of its launcher's fork server, which outlives the launcher
+    while the worker lives: the worker watches the launcher itself (its pidfd, or polling)."""
+    import subprocess
+    import sys
+
+    from tests.reliability.common import cli_env
+
+    tag = uuid.uuid4().hex
+    worker = ("import sys, time; from distrain.launch.common import die_with; "
+              f"how = die_with(int(sys.argv[1]), use_pidfd={use_pidfd}); print(how, flush=True); time.sleep(60)")
+    server = (f"import os, subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', {worker!r}, str(os.getppid())]); "
+              "time.sleep(60)")
+    launcher = (f"import subprocess, sys, time; s = subprocess.Popen([sys.executable, '-c', {server!r}], start_new_session=True); "
+                "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], env=cli_env(tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == ("pidfd" if use_pidfd else "poll")
+        assert len(tagged(tag)) == 3
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_for(lambda: len(tagged(tag)) == 1, 5, "the worker to notice")  # the fork server stays: it was not asked
+    finally:
+        proc.kill()
+        kill_tagged(tag)

@@ -26,7 +26,6 @@ import copy
 import inspect
 import json
 import logging
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -48,9 +47,10 @@ from distrain.errors import ConfigError, DataError, DistrainError
 from distrain.launch.common import (
     configure_worker_logging,
     default_run_dir,
-    die_with_parent,
+    enter_worker,
     exit_now,
     free_port,
+    worker_context,
 )
 from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
@@ -275,8 +275,9 @@ def peer_label(peer: Peer) -> str:
     return peer.name if peer.option is None else f"{peer.name}:{peer.option}"
 
 
-def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: str, peer: Peer, launcher: int) -> None:
-    die_with_parent(launcher)  # as distrain's own workers: nobody outlives the launcher
+def _worker(rank: int, world: int, cfg: TrainConfig, init_method: str, run_dir: str, peer: Peer, launcher: int,
+            environ: dict[str, str]) -> None:
+    enter_worker(launcher, environ)  # as distrain's own workers: nobody outlives the launcher
     configure_worker_logging(rank)
     code = 0
     try:
@@ -314,10 +315,11 @@ def launch_peer(cfg: TrainConfig, peer: Peer) -> dict[str, Any]:
     preflight(cfg)
     addr = cfg.cluster.master_addr
     port = cfg.cluster.master_port or free_port(addr)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     with peer.serve(cfg, run_dir):
         procs = [ctx.Process(target=_worker, name=f"distrain-{peer.name}-{rank}",
-                             args=(rank, cfg.cluster.workers, cfg, f"tcp://{addr}:{port}", str(run_dir), peer, os.getpid()))
+                             args=(rank, cfg.cluster.workers, cfg, f"tcp://{addr}:{port}", str(run_dir), peer, os.getpid(),
+                                   dict(os.environ)))
                  for rank in range(cfg.cluster.workers)]
         try:
             for p in procs:

@@ -30,11 +30,12 @@ from distrain.launch.common import (
     claim_run_dir,
     configure_worker_logging,
     default_run_dir,
-    die_with_parent,
+    enter_worker,
     exit_now,
     free_port,
     run_role,
     server_count,
+    worker_context,
 )
 from distrain.runtime.faults import Interrupted
 from distrain.runtime.health import declare_dead, declared_dead
@@ -60,8 +61,8 @@ FAILURES = "failures"
 
 
 def _worker(rank: int, world: int, cfg: TrainConfig, addr: str, port: int, run_dir: str, user: dict[str, Any],
-            launcher: int, joining: bool = False) -> None:
-    die_with_parent(launcher)  # nobody outlives the launcher, even one killed outright
+            launcher: int, environ: dict[str, str], joining: bool = False) -> None:
+    enter_worker(launcher, environ)  # nobody outlives the launcher, even one killed outright
     configure_worker_logging(rank)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))  # heartbeats and stop requests meet in the store
     code = 0
@@ -247,7 +248,8 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
                  loss_fn: Any = None) -> dict[str, Any]:
     """Train with ``cfg.cluster.workers`` local processes; returns the run summary.
 
-    Workers are started with the ``spawn`` method, so ``model_fn``, ``loss_fn`` and the data sets
+    Workers are started from a fork server, as by ``spawn`` (see
+    :func:`~distrain.launch.common.worker_context`), so ``model_fn``, ``loss_fn`` and the data sets
     must be picklable (module-level functions, not lambdas) when there is more than one worker.
     """
     if cfg.network.emulation == "netns":  # emulation: each worker in its own shaped network namespace
@@ -261,6 +263,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     nprocs = cfg.cluster.workers + server_count(cfg)
     if nprocs == 1:
         return run_in_process(cfg, run_dir, **user)
+    ctx = worker_context()  # (its fork server imports torch while the checks below run)
     preflight(cfg, train_set)
     finished = finished_before_start(cfg, run_dir, nprocs)
     if finished is not None:
@@ -274,9 +277,8 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     # The store lives here, not in a worker: heartbeats, stop requests and failure notes outlive
     # any worker that dies.
     store = store_of(addr, port, cfg.cluster.timeout, host=True)
-    ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, name=f"distrain-worker-{rank}",
-                         args=(rank, nprocs, cfg, addr, port, str(run_dir), user, os.getpid()))
+                         args=(rank, nprocs, cfg, addr, port, str(run_dir), user, os.getpid(), dict(os.environ)))
              for rank in range(nprocs)]
     signals = _Signals(procs).install()
     survives = algorithm_survives(cfg)
@@ -285,7 +287,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
 
     def start_again(rank: int) -> mp.Process:
         p = ctx.Process(target=_worker, name=f"distrain-worker-{rank}",
-                        args=(rank, nprocs, cfg, addr, port, str(run_dir), user, os.getpid(), True))
+                        args=(rank, nprocs, cfg, addr, port, str(run_dir), user, os.getpid(), dict(os.environ), True))
         procs.append(p)  # signalled and stopped with the others
         p.start()
         return p
