@@ -386,6 +386,7 @@ class DistributedOptimizer:
                 self.steps = self.algorithm.join()
             else:
                 self._take_state(0)
+                self.algorithm.entered()
             self.changes.append(self._joined_change(joined))
             self._started = True
             self._begin()
@@ -834,8 +835,9 @@ class DistributedOptimizer:
 
     def end(self) -> None:
         """This worker's training is over (:meth:`finish` begins with it): parameter servers stop
-        serving once every worker has ended, and workers they lost on the way are recorded."""
-        self.algorithm.end()
+        serving once every worker has ended, and workers they lost on the way are recorded. In an
+        elastic run, a peer lost on the way leaves it to the survivors (DiLoCo's last syncs)."""
+        self._collective(lambda: self.algorithm.end())
         if not self.algorithm.synchronous:  # admissions while this worker drained
             self._note_gossip_joins()
         if self.joins is not None:  # a worker started again from now on finds the run over

@@ -10,7 +10,9 @@ and 4 steps after that. With ``node``, ``VICTIM`` kills its launcher (SIGKILL) a
 begins, taking that launcher's node with it (``distrain launch --nnodes``), and the workers go on
 until every worker of the run is back (``--join``) and 4 steps after that.
 
-``SETTINGS`` (optional) is a JSON object of wrap() settings (e.g. DiLoCo's). With
+``SETTINGS`` (optional) is a JSON object of wrap() settings (e.g. DiLoCo's); with ``"split":
+true`` in it the parameter vector is two tensors (its halves: DiLoCo's fragments are cut between
+tensors). With
 ``ELASTIC_DEVICE=cuda`` in the environment the model and its gradients are on the GPU, the
 workers sharing it over gloo. With ``ELASTIC_STACKS=S``, a worker still running after S seconds
 prints every thread's stack (what a hung run waits on).
@@ -38,6 +40,22 @@ def gradient(worker: int, step: int) -> torch.Tensor:
     return torch.randn(DIM, generator=g, dtype=torch.float64)
 
 
+class Split(torch.nn.Module):
+    """The parameter vector as two tensors, its halves; ``weight`` is the whole vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(1, DIM // 2, dtype=torch.float64))
+        self.b = torch.nn.Parameter(torch.zeros(1, DIM - DIM // 2, dtype=torch.float64))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([self.a, self.b], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, : DIM // 2] @ self.a.T + x[:, DIM // 2 :] @ self.b.T
+
+
 def leaders(opt: "distrain.DistributedOptimizer") -> list[int] | None:
     """Hierarchical all-reduce: the ids of the nodes' leaders in the workers' last group."""
     hierarchy = getattr(opt.algorithm, "hierarchy", None)
@@ -50,9 +68,12 @@ def main() -> None:
     if os.environ.get("ELASTIC_STACKS"):
         faulthandler.dump_traceback_later(float(os.environ["ELASTIC_STACKS"]))
     device = os.environ.get("ELASTIC_DEVICE", "cpu")
-    model = torch.nn.Linear(DIM, 1, bias=False).double().to(device)
-    torch.nn.init.zeros_(model.weight)
     settings = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    if settings.pop("split", False):
+        model: torch.nn.Module = Split().to(device)
+    else:
+        model = torch.nn.Linear(DIM, 1, bias=False).double().to(device)
+        torch.nn.init.zeros_(model.weight)
     if device != "cpu":
         settings.setdefault("backend", "gloo")
     opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), **settings)

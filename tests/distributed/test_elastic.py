@@ -293,6 +293,7 @@ def test_compressed_diloco_survivors_redo_the_sync_and_a_restarted_worker_joins(
     assert not torch.allclose(diloco_reference(0, 5, back, steps), expected, atol=1e-3)  # the compression is in it
 
 
+@pytest.mark.slow  # CI: the streaming join test below, the same redo and join with an exchange in flight
 def test_diloco_restarted_worker_joins_at_a_rounds_end(tmp_path: Path):
     """Worker 0 killed mid-round (step 5): the survivors redo the round's sync among themselves; it
     starts again and joins at a round's end with the shared parameters and a member's state."""
@@ -327,6 +328,102 @@ def test_diloco_with_auto_h_survivors_agree_on_h_and_a_restarted_worker_joins(tm
     assert not torch.allclose(diloco_reference(0, 5, None, steps, syncs=syncs), expected, atol=1e-3)
     end = min(s for s in syncs if s > 5)  # worker 0's progress in the round it was lost in died with it
     assert not torch.allclose(diloco_reference(0, end, back, steps, syncs=syncs), expected, atol=1e-3)
+
+
+#: Streaming DiLoCo as model averaging: two fragments (the halves of the parameter vector), the
+#: first synced when the step count is 2 modulo 4, the second at multiples of 4, each exchange
+#: applied one inner step after its sync.
+STREAMING = {**DILOCO, "split": True, "fragments": 2, "overlap_steps": 1}
+
+
+def streaming_reference(victim: int, at: int, back: int | None, steps: int, h: int = 4, overlap: int = 1,
+                        lr: float = 0.1, momentum: float = 0.9, sent_late: bool = False) -> torch.Tensor:
+    """:data:`STREAMING`'s shared parameters after ``steps`` inner steps, then its end (every
+    fragment that moved since its sync syncs, every exchange is applied): each exchange averages
+    the pseudo-gradients of the workers live as it began, as they were then, and is applied
+    ``overlap`` steps later, when every live worker's fragment takes the shared one. ``victim``
+    is gone from step ``at`` until step ``back``, where it takes the shared parameters (not yet
+    those of an exchange still to be applied) and the first other worker's momentum.
+    ``sent_late``: the exchange begun just after the loss sends the pseudo-gradients as they are
+    when it is applied instead."""
+    dim = gradient(0, 0).numel()
+    bounds = [(0, dim // 2), (dim // 2, dim)]
+    offsets = [2 % h, 0]
+    shared = torch.zeros(dim, dtype=torch.float64)
+    local = {r: shared.clone() for r in range(WORKERS)}
+    buf: dict[int, torch.Tensor | None] = dict.fromkeys(range(WORKERS))
+    pending: list[tuple[int, int, list[int], torch.Tensor | None]] = []  # fragment, due, senders, sum
+    synced = [0, 0]
+
+    def mean(i: int, senders: list[int]) -> torch.Tensor:
+        lo, hi = bounds[i]
+        return torch.stack([shared[lo:hi] - local[r][lo:hi] for r in senders]).mean(0)
+
+    def apply(i: int, senders: list[int], total: torch.Tensor | None, live: list[int]) -> None:
+        lo, hi = bounds[i]
+        shared[lo:hi] -= mean(i, senders) if total is None else total
+        for r in live:
+            local[r][lo:hi] = shared[lo:hi]
+
+    live = list(range(WORKERS))
+    for step in range(steps):
+        live = [r for r in range(WORKERS) if not (r == victim and at <= step < (steps if back is None else back))]
+        if step == back:
+            leader = min(r for r in live if r != victim)
+            local[victim], buf[victim] = shared.clone(), buf[leader].clone()
+        for r in live:
+            g = gradient(r, step)
+            buf[r] = g.clone() if buf[r] is None else momentum * buf[r] + g
+            local[r] = local[r] - lr * buf[r]
+        count = step + 1
+        for i, offset in enumerate(offsets):
+            if count % h == offset:
+                late = sent_late and count == at + 1
+                pending.append((i, count + overlap, list(live), None if late else mean(i, live)))
+                synced[i] = count
+        while pending and pending[0][1] <= count:
+            i, _, senders, total = pending.pop(0)
+            apply(i, senders, total, live)
+    for i in range(len(bounds)):
+        if synced[i] < steps:
+            pending.append((i, steps, list(live), mean(i, live)))
+    for i, _, senders, total in pending:
+        apply(i, senders, total, live)
+    return shared
+
+
+def test_streaming_diloco_redoes_an_overlapped_exchange_and_a_restarted_worker_joins(tmp_path: Path):
+    """Streaming DiLoCo (two fragments, one step of overlap): worker 0 killed as step 5 begins;
+    the survivors find it gone at the exchange begun after step 5, one step later, and exchange
+    again among themselves the pseudo-gradients they sent then (their parameters moved since).
+    Started again, it joins at a round's end while the second fragment's exchange is in flight,
+    with the shared parameters, that exchange's sum and a member's momentum."""
+    _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, STREAMING)
+    back = joined["joined_at_step"]
+    assert lost["workers"] == [0] and lost["members"] == [1, 2, 3]
+    assert joined["workers"] == [0] and back % DILOCO["sync_every"] == 0
+    expected = streaming_reference(0, 5, back, steps)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    assert not torch.allclose(streaming_reference(0, 5, back, steps, sent_late=True), expected, atol=1e-3)
+    assert not torch.allclose(streaming_reference(0, 5, None, steps), expected, atol=1e-3)
+
+
+@pytest.mark.slow  # CI: the streaming join test above
+def test_streaming_diloco_survivors_redo_the_last_exchange_as_the_run_ends(tmp_path: Path):
+    """Worker 2 killed as step 7 begins: the second fragment's exchange begun after step 7 is due
+    one step after the run's last, so the survivors find the loss as they end (their last syncs
+    flushed in ``finish()``), exchange again what they sent, and end on the same model."""
+    done = launch(tmp_path, 2, 7, "start", settings=STREAMING)
+    assert done.returncode == 0, done.stderr
+    expected = streaming_reference(2, 7, None, STEPS)
+    for r in (0, 1, 3):
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        [change] = result["changes"]
+        assert change["workers"] == [2] and change["members"] == [0, 1, 3]
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    assert not torch.allclose(streaming_reference(2, STEPS, None, STEPS), expected, atol=1e-3)
 
 
 #: D-PSGD on the complete graph with uniform weights, adapt then combine: every step averages the

@@ -295,3 +295,18 @@ def test_a_users_shard_after_a_loss_is_the_split_over_the_members():
         assert part == split(cfg, data, 3)[rank].tolist() and opt.total_steps == 20
         seen += part
     assert sorted(seen) == list(range(120))
+
+
+@pytest.mark.parametrize("lost_at,kept", [(2, 0), (3, 0), (5, 2), (6, 2), (7, 4), (8, 4), (9, 6)])
+def test_streaming_diloco_keeps_the_steps_every_fragment_synced(lost_at, kept):
+    """Two fragments synced at step counts 2 and 0 modulo 4, each exchange applied a step after
+    its sync: a worker lost when the others had done ``lost_at`` steps (found at an exchange
+    begun at ``lost_at + 1``, or waited for there) is in the model up to the last sync whose
+    exchange had completed before, in every fragment: the fewest steps over the fragments
+    (after 6 steps, say, the exchange begun at 6 is lost; those begun at 2 and 4 completed)."""
+    from distrain.assemble import build_algorithm
+    from distrain.config import TrainConfig
+
+    cfg = TrainConfig.from_dict({"algorithm": "diloco", "workers": 4, "sync_every": 4, "fragments": 2,
+                                 "overlap_steps": 1})
+    assert build_algorithm("diloco", cfg).kept_steps(lost_at) == kept

@@ -320,6 +320,10 @@ class Algorithm:
     def load_replica_state(self, tensors: list[torch.Tensor]) -> None:
         """Take a member's :meth:`replica_state` (after a broadcast into this worker's own)."""
 
+    def entered(self) -> None:
+        """On a worker that joined a running job, once it holds a member's parameters, optimizer
+        state and :meth:`replica_state`: what differs for a newcomer (default: nothing)."""
+
     def transports(self) -> list[Transport]:
         """Transports besides the loop's (an algorithm's own process groups, over the same
         ranks): their traffic counts as this worker's."""

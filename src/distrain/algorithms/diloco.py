@@ -146,6 +146,12 @@ class _Pending:
     due: int
     delta: torch.Tensor  # the summed pseudo-gradient (complete once ``handle`` is waited for)
     handle: Handle | None
+    count: int  # the workers whose pseudo-gradients the sum holds (its mean divides by them)
+    #: elastic runs, a dense exchange: this worker's own pseudo-gradient as it was sent (the
+    #: sum overwrites ``delta`` in place), which a redo over the survivors sends again
+    own: torch.Tensor | None = None
+    #: a lost peer interrupted it: ``delta`` holds ``own`` again, to be exchanged over the survivors
+    lost: bool = False
 
 
 class DiLoCo(Algorithm):
@@ -156,11 +162,13 @@ class DiLoCo(Algorithm):
     compresses = True  # the pseudo-gradient
     local_steps = True  # the inner optimizer's learning rate is scaled for the local batch
     rescales_lr = False  # ... so it does not change with the members
-    # Elastic (one fragment, no overlap): a sync a lost peer interrupted is redone over the
-    # survivors with their own pseudo-gradients (the inner steps are local), compressed from the
-    # compressor's state as the sync began, and a worker that joins enters at a round's end (with
-    # empty residuals of its own). With --sync-every auto, the survivors then agree on the next
-    # period's H among themselves, and a joiner takes the members' H and next sync.
+    # Elastic: an exchange a lost peer interrupted is redone over the survivors with their own
+    # pseudo-gradients as they were sent (the inner steps are local; with --overlap-steps the
+    # worker has stepped on since), compressed from the compressor's state as the sync began, and
+    # a worker that joins enters at a round's end (with empty residuals of its own) holding the
+    # shared parameters and any exchange still to be applied. With --sync-every auto, the
+    # survivors then agree on the next period's H among themselves, and a joiner takes the
+    # members' H and next sync.
     redo_needs_gradients = False
     redo_when_behind = True
     settings: DiLoCoSettings
@@ -168,12 +176,13 @@ class DiLoCo(Algorithm):
     @classmethod
     def survives(cls, settings: DiLoCoSettings) -> bool:
         s, r = settings, settings.run
-        return (s.fragments == 1 and s.overlap_steps == 0 and r.device == "cpu"
+        # auto with an overlap: the agreement on H follows each exchange's apply, T steps on (not elastic)
+        return ((s.sync_every != AUTO or s.overlap_steps == 0) and r.device == "cpu"
                 and 1 < r.workers and r.min_workers < r.workers)
 
     @property
     def elastic(self) -> bool:
-        return len(self.bounds) == 1 and self.overlap == 0
+        return not (self.auto and self.overlap)
 
     def state_before_step(self) -> dict[str, Any] | None:
         """With a compressor: the state with its compressor's as the interrupted sync began
@@ -254,6 +263,7 @@ class DiLoCo(Algorithm):
             self.shared.copy_(self._flat())
 
     def after_update(self, ctx: StepContext) -> None:
+        self._exchange_again()  # a loss found outside a step (or a checkpoint saved after one)
         self.inner_steps += 1
         self._compute_since_sync += ctx.compute_seconds
         if self.adaptive is not None:
@@ -307,7 +317,9 @@ class DiLoCo(Algorithm):
         self._recorded_at_sync = self.transport.stats.recorded  # auto times the exchange's messages
         if self.synced_at[fragment] != self.inner_steps:  # (not a redo of this step's sync)
             self.previous_sync = self.synced_at[fragment]
+        own = None
         if self.compressor is None:
+            own = delta.clone() if self.keep_local else None  # elastic: what a redo sends again
             handle = self.transport.all_reduce(delta)
         else:
             info = CompressInfo(step=self.inner_steps, key=fragment, ratio=self._round_ratio(fragment),
@@ -319,8 +331,11 @@ class DiLoCo(Algorithm):
                                              sparse_collective=self.settings.compression.sparse_collective)
             except Exception:
                 self._interrupted.append(fragment)  # redone over the survivors (elastic runs)
+                if self._before is not None:  # ... from the residuals as the sync began
+                    self.compressor.load_state_dict(clone_state(self._before))
                 raise
-        self._pending.append(_Pending(fragment, self.inner_steps + self.overlap, delta, handle))
+        self._pending.append(_Pending(fragment, self.inner_steps + self.overlap, delta, handle,
+                                      self.transport.world_size, own))
         self.synced_at[fragment] = self.inner_steps
         self._compute_since_sync = 0.0
 
@@ -352,13 +367,15 @@ class DiLoCo(Algorithm):
             try:
                 pending.handle.wait()
             except Exception:
-                self._interrupted.append(pending.fragment)  # redone over the survivors (elastic runs)
+                self._pending.insert(0, pending)  # redone over the survivors (elastic runs)
+                self._exchanges_lost()
                 raise
+            pending.handle = None
         if self.auto:
             self._sync_seconds = self._exchange_seconds()
         i = pending.fragment
         lo, hi = self.bounds[i]
-        delta = pending.delta.div(self.transport.world_size).to("cpu", torch.float32)
+        delta = pending.delta.div(pending.count).to("cpu", torch.float32)
         self._last_delta_norm = float(delta.norm())
         mu, buffer = self.outer_momentum, self.buffer[lo:hi]
         if mu > 0:
@@ -387,13 +404,34 @@ class DiLoCo(Algorithm):
         assert self.transport is not None
         return sum(e.delay for e in self.transport.stats.since(self._recorded_at_sync))
 
+    def _exchanges_lost(self) -> None:
+        """A lost peer broke the group: every dense exchange still in flight on it is to be
+        redone over the survivors from this worker's own pseudo-gradient as it was sent (elastic
+        runs keep it; otherwise the loss stands)."""
+        flying = [p for p in self._pending if p.handle is not None]
+        if any(p.own is None for p in flying):
+            return
+        for p in flying:
+            p.delta, p.handle, p.lost = p.own.clone(), None, True
+
+    def _exchange_again(self) -> None:
+        """Exchange again, over the current group, every exchange a lost peer interrupted (a
+        rebuild's :meth:`state_dict` kept them); each is applied at its step as before."""
+        assert self.transport is not None
+        for p in self._pending:
+            if p.lost:
+                self._recorded_at_sync = self.transport.stats.recorded
+                p.handle, p.count, p.lost = self.transport.all_reduce(p.delta), self.transport.world_size, False
+
     def redo(self, ctx: StepContext) -> None:
-        """Over the survivors: the syncs a lost peer interrupted, with this worker's pseudo-gradient
-        (its parameters have not moved since), and their outer steps."""
+        """Over the survivors: the exchanges a lost peer interrupted, with this worker's
+        pseudo-gradients as they were sent (a compressed one compressed again from the residuals
+        as its sync began: the parameters have not moved since), and the outer steps due."""
         interrupted, self._interrupted = self._interrupted, []
+        self._exchange_again()
         for fragment in interrupted:
             self._start_sync(fragment)
-        applied = self._apply_due(flush=True)
+        applied = self._apply_due(flush=self.inner_steps == self.total_steps)
         if self._choose_h or (applied and self.auto and self.inner_steps != self.total_steps):
             self._next_period()  # the period's end: the survivors choose the next H
 
@@ -430,36 +468,73 @@ class DiLoCo(Algorithm):
         return max(1, (self.h_min if self.auto else self.sync_every) // 4)  # auto: the same all run long
 
     def kept_steps(self, lost_at: int) -> int:
-        """A worker lost in a round (found at its sync, after ``lost_at`` steps) leaves only the
-        rounds before it in the shared parameters: those up to the last sync before ``lost_at``."""
+        """A worker lost in a round (found in the step after ``lost_at`` steps: at the exchange
+        begun there, or at the wait, ``--overlap-steps`` T later, of the one begun T steps before)
+        leaves only the rounds whose exchange had completed in the shared parameters: those up to
+        the last sync at most ``lost_at - T`` (syncs are more than T steps apart). Streaming, each
+        fragment holds the steps up to its own such sync: the fewest over the fragments counts
+        (the others learned from some of the later steps' samples too)."""
         if not self.auto:
-            return max(0, (lost_at - 1) // self.sync_every * self.sync_every)
+            h, last, count = self.sync_every, lost_at - self.overlap, self.fragments_wanted
+            offsets = getattr(self, "offsets", [((i + 1) * h // count) % h for i in range(count)])  # (before setup)
+            return max(0, min((last - offset) // h * h + offset if last >= offset else 0 for offset in offsets))
         last = max(self.synced_at)
         return last if last < lost_at else self.previous_sync
 
     def replica_state(self) -> list[torch.Tensor]:
+        """The shared parameters, the outer momentum, the counters and the exchanges still to be
+        applied (each fragment's at most: ``--overlap-steps`` is shorter than the steps between
+        two syncs), as fixed shapes: their sums in one vector shaped as the parameters, and per
+        fragment its step due (-1: none), the workers it sums and whether it is to be redone."""
         interrupted = torch.zeros(len(self.bounds), dtype=torch.int64)
         interrupted[self._interrupted] = 1
         counters = torch.tensor([self.inner_steps, self.outer_steps, *self.synced_at], dtype=torch.int64)
         periods = torch.tensor([self.sync_every, self.next_sync, self.previous_sync, int(self._choose_h)],
                                dtype=torch.int64)
+        sums = torch.zeros_like(self.shared)
+        pending = torch.tensor([[-1, 0, 0]] * len(self.bounds), dtype=torch.int64)
+        for p in self.state_dict()["pending"]:  # (waited for: complete, or to be redone)
+            lo, hi = self.bounds[p["fragment"]]
+            sums[lo:hi] = p["delta"]
+            pending[p["fragment"]] = torch.tensor([p["due"], p["count"], int(p["lost"])])
         return [self.shared, self.buffer, torch.tensor(self.has_buffer, dtype=torch.int64), counters, interrupted,
-                periods]
+                periods, sums, pending]
 
     def load_replica_state(self, tensors: list[torch.Tensor]) -> None:
-        _, _, has_buffer, counters, interrupted, periods = tensors  # shared and buffer were broadcast in place
+        # shared and buffer were broadcast in place
+        _, _, has_buffer, counters, interrupted, periods, sums, pending = tensors
         self.has_buffer = [bool(v) for v in has_buffer.tolist()]
         self.inner_steps, self.outer_steps = int(counters[0]), int(counters[1])
         self.synced_at = [int(v) for v in counters[2:].tolist()]
         self._interrupted = [i for i, v in enumerate(interrupted.tolist()) if v]
         sync_every, self.next_sync, self.previous_sync, choose_h = (int(v) for v in periods.tolist())
         self.sync_every, self._choose_h = sync_every, bool(choose_h)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        flying = sorted((due, i, count, bool(lost)) for i, (due, count, lost) in enumerate(pending.tolist()) if due >= 0)
+        self._pending = []
+        for due, i, count, lost in flying:
+            lo, hi = self.bounds[i]
+            delta = sums[lo:hi].to(device, self.params[0].dtype)
+            self._pending.append(_Pending(i, due, delta, None, count, delta.clone() if lost else None, lost))
         self._resumed = True
+
+    def entered(self) -> None:
+        """A worker that joined holds a member's state: its parameters start from the shared ones
+        (the member's are part-way through the fragments' rounds: its pseudo-gradients are to
+        hold this worker's own steps only)."""
+        assert self.model is not None
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.shared[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     def end(self) -> None:
         """A stop between syncs (SIGTERM, or a user loop that ends mid-period): sync what moved
         since its last sync and apply every pending exchange, so the final model holds every step
         (collective: every worker ends at the same step)."""
+        self._interrupted = []  # (elastic: a sync a lost peer interrupted is begun again below)
+        self._exchange_again()
         for i in range(len(self.bounds)):
             if self.inner_steps > self.synced_at[i]:
                 self._start_sync(i)
@@ -503,7 +578,13 @@ class DiLoCo(Algorithm):
         to be applied (waited for here: its sum is saved, applied at its step after a resume)."""
         for pending in self._pending:
             if pending.handle is not None:
-                pending.handle.wait()
+                try:
+                    pending.handle.wait()
+                except Exception:  # a lost peer (a rebuild's state): exchanged again over the survivors
+                    self._exchanges_lost()
+                    if pending.handle is not None:
+                        raise
+                    continue
                 pending.handle = None
         state: dict[str, Any] = {
             "shared": self.shared.clone(), "buffer": self.buffer.clone(),
@@ -511,7 +592,9 @@ class DiLoCo(Algorithm):
             "synced_at": torch.tensor(self.synced_at, dtype=torch.int64), "outer_steps": self.outer_steps,
             "sync_every": self.sync_every, "next_sync": self.next_sync, "previous_sync": self.previous_sync,
             "choose_h": self._choose_h,
-            "pending": [{"fragment": p.fragment, "due": p.due, "delta": p.delta.detach().cpu().clone()}
+            "pending": [{"fragment": p.fragment, "due": p.due, "delta": p.delta.detach().cpu().clone(),
+                         "count": p.count, "lost": p.lost,
+                         **({"own": p.own.detach().cpu().clone()} if p.own is not None else {})}
                         for p in self._pending],
             "interrupted": torch.tensor(self._interrupted, dtype=torch.int64),
         }
@@ -530,7 +613,10 @@ class DiLoCo(Algorithm):
         self.previous_sync = int(state.get("previous_sync", max(0, max(self.synced_at) - self.sync_every)))
         self._choose_h = bool(state.get("choose_h", False))
         device = self.params[0].device if self.params else torch.device("cpu")
-        self._pending = [_Pending(int(p["fragment"]), int(p["due"]), p["delta"].to(device), None)
+        world = self.transport.world_size if self.transport is not None else self.settings.run.workers
+        self._pending = [_Pending(int(p["fragment"]), int(p["due"]), p["delta"].to(device), None,
+                                  int(p.get("count", world)), p["own"].to(device) if "own" in p else None,
+                                  bool(p.get("lost", False)))
                          for p in state.get("pending", [])]
         self._interrupted = [int(v) for v in state.get("interrupted", torch.zeros(0)).tolist()]
         if self.compressor is not None and "compressor" in state:

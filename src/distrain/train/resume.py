@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 #: same model and optimizer state at a checkpoint, and one group spans them all (flat: not
 #: ``--workers-per-node``), so any member's file serves any new worker. DiLoCo's workers hold
 #: the same model only at a round's end (after its sync), and the shared parameters and outer
-#: state only where a round is one sync of the whole model at a fixed H (its elastic
-#: configuration, :func:`resize_setting`): its sets saved there serve any number of workers.
+#: state only where a round is one sync of the whole model at a fixed H (one fragment, no
+#: overlap, uncompressed: :func:`resize_setting`): its sets saved there serve any number of workers.
 RESIZABLE = ("allreduce", "diloco")
 #: The checkpoint entry giving the number of workers whose global batch sets the run's steps per
 #: epoch (its first workers'); absent: the checkpoint's ``world_size``.
@@ -62,7 +62,8 @@ def epoch_workers(state: dict[str, Any] | None, world: int) -> int:
 
 def resize_setting(cfg: Any) -> str:
     """The setting of ``cfg`` (a TrainConfig) that keeps its algorithm from changing the number of
-    workers on resume, as a flag (``""``: none): DiLoCo's outside its elastic configuration.
+    workers on resume, as a flag (``""``: none): DiLoCo's other than one sync of the whole model,
+    uncompressed, at a fixed H.
 
     Example::
 
