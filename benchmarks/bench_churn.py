@@ -6,7 +6,9 @@ For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, `
 killed: the other takes over its parameters; started again, it takes them back), ``adpsgd`` and
 ``prague`` go on too; ``allreduce-group_topk`` and ``diloco-int8`` are those algorithms with
 ``--compress group_topk:0.01`` and ``--compress int8``, ``diloco-auto`` DiLoCo with
-``--sync-every auto``, ``allreduce-hierarchical`` all-reduce with ``--workers-per-node 2``), on the default
+``--sync-every auto``, ``diloco-streaming`` DiLoCo in 4 fragments whose exchanges overlap 4 inner
+steps (``--fragments 4 --overlap-steps 4``), ``allreduce-hierarchical`` all-reduce with
+``--workers-per-node 2``), on the default
 job (``distrain train``: MNIST-1D, the CNN, 4 workers; DiLoCo for 45 epochs, see ``EPOCHS``) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -77,10 +79,11 @@ TIMEOUT_S = 600
 #: or for ``ps-server`` one of the servers).
 EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2"),
          "allreduce-group_topk": ("--compress", "group_topk:0.01"), "diloco-int8": ("--compress", "int8"),
-         "diloco-auto": ("--sync-every", "auto"), "allreduce-hierarchical": ("--workers-per-node", "2")}
+         "diloco-auto": ("--sync-every", "auto"), "allreduce-hierarchical": ("--workers-per-node", "2"),
+         "diloco-streaming": ("--fragments", "4", "--overlap-steps", "4")}
 #: Cases that run another algorithm than their name.
 ALGORITHM = {"ps-server": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco",
-             "allreduce-hierarchical": "allreduce"}
+             "allreduce-hierarchical": "allreduce", "diloco-streaming": "diloco"}
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
@@ -89,7 +92,7 @@ NO_RESTARTS: set[str] = set()
 #: them in about 5 s here (930 steps of about 6 ms), and a restarted worker needs about 3 s to
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.
 #: 45 epochs take about as long as all-reduce's default job (about 16 s).
-EPOCHS = {"diloco": 45, "diloco-int8": 45, "diloco-auto": 45}
+EPOCHS = {"diloco": 45, "diloco-int8": 45, "diloco-auto": 45, "diloco-streaming": 45}
 
 
 def children(pid: int) -> list[int]:
