@@ -337,7 +337,8 @@ STREAMING = {**DILOCO, "split": True, "fragments": 2, "overlap_steps": 1}
 
 
 def streaming_reference(victim: int, at: int, back: int | None, steps: int, h: int = 4, overlap: int = 1,
-                        lr: float = 0.1, momentum: float = 0.9, sent_late: bool = False) -> torch.Tensor:
+                        lr: float = 0.1, momentum: float = 0.9, sent_late: bool = False, compress: str | None = None,
+                        twice: bool = False) -> torch.Tensor:
     """:data:`STREAMING`'s shared parameters after ``steps`` inner steps, then its end (every
     fragment that moved since its sync syncs, every exchange is applied): each exchange averages
     the pseudo-gradients of the workers live as it began, as they were then, and is applied
@@ -345,9 +346,15 @@ def streaming_reference(victim: int, at: int, back: int | None, steps: int, h: i
     is gone from step ``at`` until step ``back``, where it takes the shared parameters (not yet
     those of an exchange still to be applied) and the first other worker's momentum.
     ``sent_late``: the exchange begun just after the loss sends the pseudo-gradients as they are
-    when it is applied instead."""
+    when it is applied instead. ``compress``: each worker sends what that compressor makes of its
+    pseudo-gradient, with error feedback per fragment (a joiner's residuals start empty);
+    ``twice``: the survivors' residuals take the pseudo-gradient of the sync just after the loss
+    twice."""
+    from distrain.compress import CompressInfo, build_compressor
+
     dim = gradient(0, 0).numel()
     bounds = [(0, dim // 2), (dim // 2, dim)]
+    feedback = {r: build_compressor(compress, residual_device="cpu") for r in range(WORKERS)} if compress else {}
     offsets = [2 % h, 0]
     shared = torch.zeros(dim, dtype=torch.float64)
     local = {r: shared.clone() for r in range(WORKERS)}
@@ -355,9 +362,17 @@ def streaming_reference(victim: int, at: int, back: int | None, steps: int, h: i
     pending: list[tuple[int, int, list[int], torch.Tensor | None]] = []  # fragment, due, senders, sum
     synced = [0, 0]
 
-    def mean(i: int, senders: list[int]) -> torch.Tensor:
+    def mean(i: int, senders: list[int], count: int = 0) -> torch.Tensor:
         lo, hi = bounds[i]
-        return torch.stack([shared[lo:hi] - local[r][lo:hi] for r in senders]).mean(0)
+        deltas = [shared[lo:hi] - local[r][lo:hi] for r in senders]
+        if compress:
+            info = [CompressInfo(step=count, key=i, worker=r) for r in senders]
+            if twice and count == at + 1:
+                for r, delta, about in zip(senders, deltas, info, strict=True):
+                    feedback[r].compress(delta, about)
+            deltas = [feedback[r].decompress(*feedback[r].compress(delta, about))
+                      for r, delta, about in zip(senders, deltas, info, strict=True)]
+        return torch.stack(deltas).mean(0)
 
     def apply(i: int, senders: list[int], total: torch.Tensor | None, live: list[int]) -> None:
         lo, hi = bounds[i]
@@ -371,6 +386,8 @@ def streaming_reference(victim: int, at: int, back: int | None, steps: int, h: i
         if step == back:
             leader = min(r for r in live if r != victim)
             local[victim], buf[victim] = shared.clone(), buf[leader].clone()
+            if compress:
+                feedback[victim] = build_compressor(compress, residual_device="cpu")
         for r in live:
             g = gradient(r, step)
             buf[r] = g.clone() if buf[r] is None else momentum * buf[r] + g
@@ -379,14 +396,14 @@ def streaming_reference(victim: int, at: int, back: int | None, steps: int, h: i
         for i, offset in enumerate(offsets):
             if count % h == offset:
                 late = sent_late and count == at + 1
-                pending.append((i, count + overlap, list(live), None if late else mean(i, live)))
+                pending.append((i, count + overlap, list(live), None if late else mean(i, live, count)))
                 synced[i] = count
         while pending and pending[0][1] <= count:
             i, _, senders, total = pending.pop(0)
             apply(i, senders, total, live)
     for i in range(len(bounds)):
         if synced[i] < steps:
-            pending.append((i, steps, list(live), mean(i, live)))
+            pending.append((i, steps, list(live), mean(i, live, steps)))
     for i, _, senders, total in pending:
         apply(i, senders, total, live)
     return shared
@@ -408,6 +425,25 @@ def test_streaming_diloco_redoes_an_overlapped_exchange_and_a_restarted_worker_j
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
     assert not torch.allclose(streaming_reference(0, 5, back, steps, sent_late=True), expected, atol=1e-3)
     assert not torch.allclose(streaming_reference(0, 5, None, steps), expected, atol=1e-3)
+
+
+@pytest.mark.slow  # CI: the streaming join test above, and compressed all-reduce's kill test
+def test_compressed_streaming_diloco_survivors_redo_the_sync_and_a_restarted_worker_joins(tmp_path: Path):
+    """Top-k pseudo-gradients with error feedback per fragment, streamed: worker 0 killed as step
+    5 begins; the survivors find it gone at the first fragment's sync after step 5 (a compressed
+    exchange completes at its sync) and sync again from their residuals as that sync began;
+    started again, worker 0 joins with empty residuals of its own."""
+    settings = {**STREAMING, **TOPK}
+    _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, settings)
+    back = joined["joined_at_step"]
+    assert lost["workers"] == [0] and joined["workers"] == [0] and back % DILOCO["sync_every"] == 0
+    expected = streaming_reference(0, 5, back, steps, compress=TOPK["compress"])
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    assert not torch.allclose(streaming_reference(0, 5, back, steps, compress=TOPK["compress"], twice=True),
+                              expected, atol=1e-3)  # residuals that kept the interrupted sync's
+    assert not torch.allclose(streaming_reference(0, 5, back, steps), expected, atol=1e-3)  # the compression is in it
 
 
 @pytest.mark.slow  # CI: the streaming join test above

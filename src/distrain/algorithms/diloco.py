@@ -320,7 +320,11 @@ class DiLoCo(Algorithm):
         own = None
         if self.compressor is None:
             own = delta.clone() if self.keep_local else None  # elastic: what a redo sends again
-            handle = self.transport.all_reduce(delta)
+            try:
+                handle = self.transport.all_reduce(delta)
+            except Exception:
+                self._interrupted.append(fragment)  # begun again over the survivors (elastic runs)
+                raise
         else:
             info = CompressInfo(step=self.inner_steps, key=fragment, ratio=self._round_ratio(fragment),
                                 worker=self.transport.rank)
