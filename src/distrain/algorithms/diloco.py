@@ -374,7 +374,7 @@ class DiLoCo(Algorithm):
                 self._pending.insert(0, pending)  # redone over the survivors (elastic runs)
                 self._exchanges_lost()
                 raise
-            pending.handle = None
+            pending.handle, pending.own = None, None
         if self.auto:
             self._sync_seconds = self._exchange_seconds()
         i = pending.fragment
@@ -589,7 +589,7 @@ class DiLoCo(Algorithm):
                     if pending.handle is not None:
                         raise
                     continue
-                pending.handle = None
+                pending.handle, pending.own = None, None  # (complete: nothing to send again)
         state: dict[str, Any] = {
             "shared": self.shared.clone(), "buffer": self.buffer.clone(),
             "has_buffer": torch.tensor(self.has_buffer, dtype=torch.bool), "inner_steps": self.inner_steps,
