@@ -209,6 +209,14 @@ def test_hierarchical_all_reduce_goes_on_without_a_nodes_leader_and_takes_it_bac
     assert not torch.allclose(reference(0, at + 1, back, steps), expected)  # the survivors redid step 3 without it
 
 
+def every_worker_on(results: dict[int, dict], steps: int, expected: torch.Tensor) -> None:
+    """Every worker of a DiLoCo run ended with all of them, after ``steps`` steps, on ``expected``
+    (its shared parameters are float32)."""
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)
+
+
 #: DiLoCo as model averaging: H inner steps of SGD with momentum, then the shared parameters become
 #: the live workers' average (outer SGD, learning rate 1, no momentum).
 DILOCO = {"algorithm": "diloco", "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}
@@ -285,9 +293,7 @@ def test_compressed_diloco_survivors_redo_the_sync_and_a_restarted_worker_joins(
     back = joined["joined_at_step"]
     assert lost["workers"] == [0] and joined["workers"] == [0] and back % DILOCO["sync_every"] == 0
     expected = diloco_reference(0, 5, back, steps, compress=TOPK["compress"])
-    for r, result in results.items():
-        assert result["workers"] == WORKERS and result["steps"] == steps, r
-        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    every_worker_on(results, steps, expected)
     twice = diloco_reference(0, 5, back, steps, compress=TOPK["compress"], twice=True)
     assert not torch.allclose(twice, expected, atol=1e-3)  # residuals that kept the interrupted sync's
     assert not torch.allclose(diloco_reference(0, 5, back, steps), expected, atol=1e-3)  # the compression is in it
@@ -302,9 +308,7 @@ def test_diloco_restarted_worker_joins_at_a_rounds_end(tmp_path: Path):
     assert lost["workers"] == [0] and lost["members"] == [1, 2, 3]
     assert joined["workers"] == [0] and back % DILOCO["sync_every"] == 0
     expected = diloco_reference(0, 5, back, steps)
-    for r, result in results.items():
-        assert result["workers"] == WORKERS and result["steps"] == steps, r
-        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    every_worker_on(results, steps, expected)
     assert not torch.allclose(diloco_reference(0, 5, None, steps), expected, atol=1e-3)
     assert not torch.allclose(diloco_reference(0, 8, back, steps), expected, atol=1e-3)  # its round's progress died with it
 
@@ -420,9 +424,7 @@ def test_streaming_diloco_redoes_an_overlapped_exchange_and_a_restarted_worker_j
     assert lost["workers"] == [0] and lost["members"] == [1, 2, 3]
     assert joined["workers"] == [0] and back % DILOCO["sync_every"] == 0
     expected = streaming_reference(0, 5, back, steps)
-    for r, result in results.items():
-        assert result["workers"] == WORKERS and result["steps"] == steps, r
-        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    every_worker_on(results, steps, expected)
     assert not torch.allclose(streaming_reference(0, 5, back, steps, sent_late=True), expected, atol=1e-3)
     assert not torch.allclose(streaming_reference(0, 5, None, steps), expected, atol=1e-3)
 
@@ -438,9 +440,7 @@ def test_compressed_streaming_diloco_survivors_redo_the_sync_and_a_restarted_wor
     back = joined["joined_at_step"]
     assert lost["workers"] == [0] and joined["workers"] == [0] and back % DILOCO["sync_every"] == 0
     expected = streaming_reference(0, 5, back, steps, compress=TOPK["compress"])
-    for r, result in results.items():
-        assert result["workers"] == WORKERS and result["steps"] == steps, r
-        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    every_worker_on(results, steps, expected)
     assert not torch.allclose(streaming_reference(0, 5, back, steps, compress=TOPK["compress"], twice=True),
                               expected, atol=1e-3)  # residuals that kept the interrupted sync's
     assert not torch.allclose(streaming_reference(0, 5, back, steps), expected, atol=1e-3)  # the compression is in it

@@ -120,6 +120,12 @@ def fragment_bounds(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def sync_offsets(sync_every: int, fragments: int) -> list[int]:
+    """When each of ``fragments`` fragments syncs: the inner step count modulo ``sync_every``
+    (fragment i at ``(i + 1) * H // F``, the last at the period's end, 0)."""
+    return [((i + 1) * sync_every // fragments) % sync_every for i in range(fragments)]
+
+
 @dataclass(frozen=True, kw_only=True)
 class DiLoCoSettings:
     """What DiLoCo runs with."""
@@ -236,7 +242,7 @@ class DiLoCo(Algorithm):
         self.bounds = fragment_bounds([p.numel() for p in self.params], self.fragments_wanted)
         count = len(self.bounds)
         #: when fragment i syncs: the inner step count modulo H
-        self.offsets = [((i + 1) * self.sync_every // count) % self.sync_every for i in range(count)]
+        self.offsets = sync_offsets(self.sync_every, count)
         #: the inner step count at each fragment's last sync
         self.synced_at = [0] * count
         #: the shared parameters each fragment's period started from (CPU, float32)
@@ -486,8 +492,8 @@ class DiLoCo(Algorithm):
         fragment holds the steps up to its own such sync: the fewest over the fragments counts
         (the others learned from some of the later steps' samples too)."""
         if not self.auto:
-            h, last, count = self.sync_every, lost_at - self.overlap, self.fragments_wanted
-            offsets = getattr(self, "offsets", [((i + 1) * h // count) % h for i in range(count)])  # (before setup)
+            h, last = self.sync_every, lost_at - self.overlap
+            offsets = getattr(self, "offsets", None) or sync_offsets(h, self.fragments_wanted)  # (before setup)
             return max(0, min((last - offset) // h * h + offset if last >= offset else 0 for offset in offsets))
         last = max(self.synced_at)
         return last if last < lost_at else self.previous_sync
