@@ -2,7 +2,8 @@
 killed every 30 s with restarts on.
 
 For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2``,
-``ps`` (with 2 servers; a worker is killed), ``ps-server`` (ps with 2 servers, one of them
+``ps`` (with 2 servers; a worker is killed), ``ps-async`` (the same with ``--ps-mode async``:
+kills only, its lost workers are not started again), ``ps-server`` (ps with 2 servers, one of them
 killed: the other takes over its parameters; started again, it takes them back), ``adpsgd`` and
 ``prague`` go on too; ``allreduce-group_topk`` and ``diloco-int8`` are those algorithms with
 ``--compress group_topk:0.01`` and ``--compress int8``, ``diloco-auto`` DiLoCo with
@@ -77,17 +78,17 @@ WORKERS = 4
 TIMEOUT_S = 600
 #: Flags an algorithm needs besides ``--algorithm`` (ps: two servers; the victim is a worker,
 #: or for ``ps-server`` one of the servers).
-EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2"),
+EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2"), "ps-async": ("--servers", "2", "--ps-mode", "async"),
          "allreduce-group_topk": ("--compress", "group_topk:0.01"), "diloco-int8": ("--compress", "int8"),
          "diloco-auto": ("--sync-every", "auto"), "allreduce-hierarchical": ("--workers-per-node", "2"),
          "diloco-streaming": ("--fragments", "4", "--overlap-steps", "4")}
 #: Cases that run another algorithm than their name.
-ALGORITHM = {"ps-server": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco",
+ALGORITHM = {"ps-server": "ps", "ps-async": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco",
              "allreduce-hierarchical": "allreduce", "diloco-streaming": "diloco"}
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
-NO_RESTARTS: set[str] = set()
+NO_RESTARTS: set[str] = {"ps-async"}
 #: Epochs of the kill cases where the default job's 15 are too short for a restart: DiLoCo trains
 #: them in about 5 s here (930 steps of about 6 ms), and a restarted worker needs about 3 s to
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.

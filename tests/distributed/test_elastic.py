@@ -604,6 +604,27 @@ def test_parameter_servers_serve_the_workers_left(tmp_path: Path):
     assert not torch.allclose(ps_reference(victim, STEPS), expected, atol=1e-4)
 
 
+def test_asynchronous_parameter_servers_serve_the_workers_left(tmp_path: Path):
+    """``--ps-mode async`` with ``--max-staleness 0``, two servers, worker 0 killed as step 3
+    begins: each server's receive from it fails at once (a receive per worker, not from any), the
+    others' pushes of step 3, held back by it, are answered, and from then on a round of the
+    momentum is the three survivors' pushes: the sync run's result, summed over --workers."""
+    victim, at = 0, 3
+    settings = {"algorithm": "ps", "ps_mode": "async", "max_staleness": 0}
+    done = launch(tmp_path, victim, at, "start", "--servers", "2", settings=settings)
+    assert done.returncode == 0, done.stderr
+    assert f"lost worker {victim} after its push {at}" in done.stderr
+    expected = ps_reference(victim, at)
+    survivors = sorted(set(range(WORKERS)) - {victim})
+    for r in survivors:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        [change] = result["changes"]
+        assert (change["event"], change["workers"], change["members"]) == ("lost", [victim], survivors), change
+        assert result["steps"] == STEPS and result["ids"] == survivors, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(ps_reference(victim, at + 1), expected, atol=1e-3)  # its push of step 3 never came
+
+
 def ps_join_reference(victim: int, at: int, back: int, steps: int, lr: float = 0.1,
                       momentum: float = 0.9, fresh: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """What the two servers compute, in their float32 and on their own shards ([0, 5) and [5, 10)):

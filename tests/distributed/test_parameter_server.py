@@ -44,6 +44,30 @@ def test_round_momentum_equals_one_sgd_step_per_round(momentum, weight_decay):
         torch.testing.assert_close(shard, ref.detach(), rtol=1e-5, atol=1e-6, msg=f"round {r}")
 
 
+@pytest.mark.parametrize("momentum,weight_decay", [(0.9, 0.0), (0.5, 0.01)])
+@pytest.mark.parametrize("before", [1, 2])  # pushes of the round in progress as a pusher is lost (2: it is complete)
+def test_round_momentum_after_a_lost_pusher_is_one_sgd_step_per_round_of_the_others(momentum, weight_decay, before):
+    """Three pushers, one lost in round 1 after ``before`` pushes of the others: that round and
+    every later one is one SGD step on the sum of the remaining two pushers' gradients."""
+    torch.manual_seed(0)
+    start = torch.randn(20)
+    shard = start.clone()
+    opt = RoundMomentumSGD(shard, momentum, weight_decay, 3)
+    ref = torch.nn.Parameter(start.clone())
+    sgd = torch.optim.SGD([ref], lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    for r in range(4):
+        grads = [ref.detach() * (i + 1) / 3 + torch.randn(20) for i in range(3 if r == 0 else 2)]
+        for i, g in enumerate(grads):
+            if r == 1 and i == before:
+                opt.resize(2)
+            opt.step(g.clone(), lr=0.1)
+        if r == 1 and before == 2:
+            opt.resize(2)
+        ref.grad = sum(grads)
+        sgd.step()
+        torch.testing.assert_close(shard, ref.detach(), rtol=1e-5, atol=1e-6, msg=f"round {r}")
+
+
 def test_async_momentum_keeps_the_total_inertia():
     for momentum in (0.5, 0.9, 0.95, 0.99):
         assert async_momentum(momentum, pushers=4, max_staleness=0) == momentum  # sync's rounds

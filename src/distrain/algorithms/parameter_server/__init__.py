@@ -57,7 +57,7 @@ payload's size, checked by the server before it allocates); each pull is the flo
 shard. When a worker's training ends it sends ``[-1, 0]`` (:data:`STOP`) to every server, which
 serves until every worker has.
 
-Elastic (``--ps-mode sync``, flat, ``--min-workers`` below ``--workers``): a server whose
+Elastic (flat, ``--min-workers`` below ``--workers``): a server whose
 receive from a worker fails (the worker's process died: its connection resets) declares it
 dead in the store and serves the others; the round in progress completes without that
 worker's push (or with it, if it arrived first: a gradient counts once), and every later round
@@ -67,7 +67,12 @@ another, so nothing is redone. The workers look in the store once a second for w
 servers lost (:meth:`ParameterServer.newly_lost`): the loss becomes a change of members, and
 ``distrain train`` splits the data again over the survivors (the learning rate stays: the servers
 scale it). At the end the survivors and the servers each register as
-finished and close the run over those that did (:func:`survivors_transport`).
+finished and close the run over those that did (:func:`survivors_transport`). Asynchronous
+servers receive from every worker in a thread of its own (:class:`~.server.Inbox`; a receive from
+any peer would wait on after one died): a lost worker holds nobody back under ``--max-staleness``,
+and a round of :class:`RoundMomentumSGD` is the survivors' pushes from then on, the round in
+progress included (:meth:`RoundMomentumSGD.resize`), so that with ``--max-staleness 0`` the run is
+still the synchronous one. A lost server, or joins (``--max-restarts``), are for sync mode only.
 
 A lost worker joins again when the launcher starts it again (``--max-restarts``): it asks in the
 store (:meth:`~distrain.runtime.membership.Membership.enter`), and the workers and the servers,

@@ -47,7 +47,7 @@ def admissions(store: dist.Store | None, workers: list[int], me: int, settings: 
     none, or the run is not elastic): the workers and the servers each look there at every step's
     end, and admit them together at the step agreed in the store (see
     :meth:`~distrain.runtime.membership.Membership.admit`)."""
-    if store is None or not elastic_servers(settings) or not store.check([RESTARTS_KEY]):
+    if store is None or not elastic_servers(settings) or settings.ps_mode != "sync" or not store.check([RESTARTS_KEY]):
         return None
     return Membership(store, list(workers), me, timeout=settings.run.timeout)
 
@@ -102,6 +102,7 @@ def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, s
 
 
 def servers_return(settings: PSSettings) -> bool:
-    """Whether a lost server is taken over by the others and may return (elastic, uncompressed
-    pushes, two servers or more): a launcher then starts lost servers again too."""
-    return elastic_servers(settings) and not settings.compression.enabled and settings.servers > 1
+    """Whether a lost server is taken over by the others and may return (elastic, synchronous,
+    uncompressed pushes, two servers or more): a launcher then starts lost servers again too."""
+    return (elastic_servers(settings) and settings.ps_mode == "sync" and not settings.compression.enabled
+            and settings.servers > 1)

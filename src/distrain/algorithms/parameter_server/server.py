@@ -6,6 +6,8 @@ See :mod:`distrain.algorithms.parameter_server` for how the pieces fit.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -45,7 +47,7 @@ from distrain.algorithms.parameter_server.wire import (
     send_state,
 )
 from distrain.comm.store_group import StoreGroup
-from distrain.comm.transport import Handle, Transport
+from distrain.comm.transport import Handle, Transport, blocked
 from distrain.compress.pushes import PushDecoder
 from distrain.compress.registry import build_compressor
 from distrain.errors import WorkerFailure
@@ -428,45 +430,77 @@ class ShardServer:
         return control or self.transport
 
     def _run_async(self) -> None:
-        """Apply pushes in arrival order; hold back answers to workers too far ahead."""
+        """Apply pushes in arrival order; hold back answers to workers too far ahead. Each
+        pusher's messages arrive in a thread of its own (:class:`Inbox`), so that a worker whose
+        process died is found at once (its receive fails) in an elastic run: declared dead, it
+        holds nobody back, and rounds count the live pushers (:meth:`RoundMomentumSGD.resize`)."""
         n, limit = len(self.pushers), self.settings.max_staleness
-        index = {w: i for i, w in enumerate(self.pushers)}
         clocks = self.clocks  # from a state sent at the start, else zeros
         ended = [False] * n
         pulled = [self.updates] * n  # self.updates when each pusher last got the parameters (a resumed run: its start)
-        waiting: deque[int] = deque()
-        header = torch.zeros(2, dtype=torch.int64)
-        grad = torch.zeros(self.shard.numel())
-        while not all(ended):
-            worker = self.transport.recv_any(header)
-            clock = int(header[0])
-            if worker in index and clock == STATE:
-                send_state(self.transport, self.optimizer_state(), worker)
-                continue
-            if worker in index and clock == STOP and not ended[index[worker]] and worker not in waiting:
-                ended[index[worker]] = True
-            elif worker not in index or clock != clocks[index[worker]] + 1 or ended[index[worker]]:
-                raise WorkerFailure(f"server {self.index}: unexpected push (worker {worker}, clock {clock})")
-            else:
-                handle = self._recv_push(grad, worker)
-                if handle is not None:
-                    handle.wait()
-                clocks[index[worker]] = clock
-                self.steps = max(self.steps, clock)
-                stale_rounds = (self.updates - pulled[index[worker]]) // n
-                lr = float(header[1:].clone().view(torch.float64))
-                self._step(grad.div_(self.num_workers), lr, 1 / (1 + stale_rounds))
-                waiting.append(worker)
-                self._stop_requested(clock)
-            # a worker that has ended holds nobody back
-            slowest = min((c for c, done in zip(clocks, ended, strict=True) if not done), default=None)
-            for w in [w for w in waiting if slowest is None or clocks[index[w]] - slowest <= limit]:
-                waiting.remove(w)
-                pulled[index[w]] = self.updates
-                self.transport.send(self.shard.data, w).wait()
+        waiting: deque[int] = deque()  # rows of the pushers whose answer is held back
+        inbox = Inbox(self, list(range(n)))
+        try:
+            while not all(ended):
+                maybe_injected_kill(self.transport.rank, self.steps)  # fault injection for tests
+                message = inbox.next()
+                i, worker = message.row, self.pushers[message.row]
+                if message.failed is not None:
+                    self._lose_async(i, message.failed, clocks[i], ended, waiting)
+                elif message.clock == STATE:
+                    send_state(self.transport, self.optimizer_state(), worker)
+                elif message.clock == STOP and not ended[i] and i not in waiting:
+                    ended[i] = True
+                elif message.clock != clocks[i] + 1 or ended[i]:
+                    raise WorkerFailure(f"server {self.index}: unexpected push (worker {worker}, clock {message.clock})")
+                else:
+                    clocks[i] = message.clock
+                    self.steps = max(self.steps, message.clock)
+                    stale_rounds = (self.updates - pulled[i]) // max(1, n - len(self.lost_pushers))
+                    self._step(message.grad.div_(self.num_workers), message.lr, 1 / (1 + stale_rounds))
+                    waiting.append(i)
+                    self._stop_requested(message.clock)
+                if message.failed is None:
+                    inbox.release(i)
+                # a worker that has ended (or was lost) holds nobody back
+                slowest = min((c for c, done in zip(clocks, ended, strict=True) if not done), default=None)
+                for j in [j for j in waiting if slowest is None or clocks[j] - slowest <= limit]:
+                    waiting.remove(j)
+                    pulled[j] = self.updates
+                    try:
+                        self.transport.send(self.shard.data, self.pushers[j]).wait()
+                    except Exception as exc:
+                        if not (elastic_servers(self.settings) and is_comm_error(exc)):
+                            raise
+                        self._lose_async(j, exc, clocks[j], ended, waiting)
+        finally:
+            inbox.close()
         if waiting:
-            raise WorkerFailure(f"server {self.index}: workers {list(waiting)} still waiting at the end")
+            raise WorkerFailure(f"server {self.index}: workers {[self.pushers[j] for j in waiting]} still waiting "
+                                "at the end")
         self.save(self.steps)
+
+    def _lose_async(self, i: int, exc: BaseException, clock: int, ended: list[bool], waiting: deque[int]) -> None:
+        """Pusher row ``i``'s receive or answer failed: in an elastic run, if its process died,
+        the others are served without it (else the failure stops the run)."""
+        if ended[i] and self.pushers[i] in self.lost_pushers:
+            return
+        if not (elastic_servers(self.settings) and is_comm_error(exc)):
+            raise exc
+        worker = self.pushers[i]
+        ended[i] = True
+        if i in waiting:
+            waiting.remove(i)
+        self.lost_pushers.append(worker)
+        declare_dead(self._store_client(), worker)
+        live = len(self.pushers) - len(self.lost_pushers)
+        if isinstance(self.optimizer, RoundMomentumSGD):
+            self.optimizer.resize(live)
+        log.warning("server %d: lost worker %d after its push %d; serving the other %d", self.index, worker, clock,
+                    live)
+        if live < max(1, self.settings.run.min_workers):
+            raise WorkerFailure(f"server {self.index}: lost worker {worker} after its push {clock}; {live} left, "
+                                f"fewer than --min-workers {self.settings.run.min_workers}") from exc
 
     def save(self, step: int) -> None:
         if self.run_dir is None:
@@ -581,3 +615,72 @@ def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.opt
     if gather_totals:  # the workers' final gather of counters (train.loop), as a row that trained no samples
         control.control_all_gather(torch.tensor(server.totals().row, dtype=torch.float64))
     control.control_barrier()
+
+
+class Message:
+    """One pusher's message to an asynchronous server (:class:`Inbox`): a push (its clock,
+    learning rate and gradient), a request for the optimizer state, its STOP, or the failure
+    of its receive."""
+
+    __slots__ = ("clock", "failed", "grad", "lr", "row")
+
+    def __init__(self, row: int, header: torch.Tensor | None = None, grad: torch.Tensor | None = None,
+                 failed: BaseException | None = None) -> None:
+        self.row, self.grad, self.failed = row, grad, failed
+        self.clock = int(header[0]) if header is not None else 0
+        self.lr = float(header[1:].clone().view(torch.float64)) if header is not None else 0.0
+
+
+class Inbox:
+    """An asynchronous server's receives: a thread per pusher receives its header and push into
+    a buffer of its own and hands the :class:`Message` to the serving thread, then waits for
+    :meth:`release` before it receives the next one into the same buffer. A receive from one
+    peer fails when that peer's process dies (its connection resets), where a receive from any
+    peer would wait on; the thread then hands over the failure and ends. A thread ends after its
+    pusher's STOP, too."""
+
+    def __init__(self, server: ShardServer, rows: list[int]) -> None:
+        self.server = server
+        self._queue: queue.Queue[Message] = queue.Queue()
+        self._free = {i: threading.Event() for i in rows}
+        self._closed = False
+        self._threads = [threading.Thread(target=self._receive, args=(i,), daemon=True,
+                                          name=f"distrain-ps-inbox-{server.pushers[i]}") for i in rows]
+        for thread in self._threads:
+            thread.start()
+
+    def _receive(self, i: int) -> None:
+        server, worker = self.server, self.server.pushers[i]
+        header = torch.zeros(2, dtype=torch.int64)
+        grad = torch.zeros(server.shard.numel())
+        while not self._closed:
+            try:
+                server.transport.recv(header, worker).wait()
+                clock = int(header[0])
+                if clock not in (STATE, STOP):
+                    handle = server._recv_push(grad, worker)
+                    if handle is not None:
+                        handle.wait()
+            except Exception as exc:  # noqa: BLE001 - the serving thread decides
+                self._queue.put(Message(i, failed=exc))
+                return
+            self._queue.put(Message(i, header.clone(), grad))
+            if clock == STOP:
+                return
+            self._free[i].wait()
+            self._free[i].clear()
+
+    def next(self) -> Message:
+        """The next message from any pusher (blocks)."""
+        with blocked():
+            return self._queue.get()
+
+    def release(self, i: int) -> None:
+        """Pusher row ``i``'s message is served: its thread may receive the next one."""
+        self._free[i].set()
+
+    def close(self) -> None:
+        """Let threads waiting for a release end (one still receiving ends with the process)."""
+        self._closed = True
+        for event in self._free.values():
+            event.set()

@@ -108,10 +108,12 @@ class RoundMomentumSGD:
         self.buffer = torch.zeros_like(shard)  # sync's momentum buffer as of the last full round
         self.pending = torch.zeros_like(shard)  # this round's gradients so far
         self.count = 0
+        self.lr = 0.0  # the last push's learning rate
         self.decay = torch.zeros_like(shard) if weight_decay else None  # weight decay at the round's start
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor, lr: float) -> None:
+        self.lr = lr
         if self.decay is not None:
             if self.count == 0:
                 torch.mul(self.shard, self.weight_decay / self.pushes, out=self.decay)
@@ -120,6 +122,29 @@ class RoundMomentumSGD:
         self.pending.add_(grad)
         self.count += 1
         if self.count == self.pushes:
+            self.buffer.mul_(self.momentum).add_(self.pending)
+            self.pending.zero_()
+            self.count = 0
+
+    @torch.no_grad()
+    def resize(self, pushes: int) -> None:
+        """Rounds hold ``pushes`` pushes from now on (a pusher was lost). The pushes of the round
+        in progress took their shares of the momentum and the weight decay at the old count; they
+        are brought to the new one, so that the round still applies each once, and a round that
+        the pushes so far complete ends now."""
+        if pushes == self.pushes or pushes < 1:
+            return
+        old, self.pushes = self.pushes, pushes
+        if self.count:
+            lr = self.lr
+            self.shard.add_(self.buffer, alpha=-lr * self.momentum * self.count * (1 / pushes - 1 / old))
+            if self.decay is not None:  # each push added the round's weight decay / old
+                missing = self.decay * (self.count * (old / pushes - 1))
+                self.shard.add_(missing, alpha=-lr)
+                self.pending.add_(missing)
+        if self.decay is not None:
+            self.decay.mul_(old / pushes)
+        if self.count >= pushes:
             self.buffer.mul_(self.momentum).add_(self.pending)
             self.pending.zero_()
             self.count = 0

@@ -46,5 +46,5 @@ class ServerSettings(PSSettings):
 def elastic_servers(settings: PSSettings) -> bool:
     """Whether the servers go on without a lost worker (see the module docstring)."""
     r = settings.run
-    return (settings.ps_mode == "sync" and not settings.workers_per_node and r.device == "cpu" and 1 < r.workers
+    return (not settings.workers_per_node and r.device == "cpu" and 1 < r.workers
             and r.min_workers < r.workers and "TORCHELASTIC_RUN_ID" not in os.environ)
