@@ -2,8 +2,8 @@
 killed every 30 s with restarts on.
 
 For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2``,
-``ps`` (with 2 servers; a worker is killed), ``ps-async`` (the same with ``--ps-mode async``:
-kills only, its lost workers are not started again), ``ps-server`` (ps with 2 servers, one of them
+``ps`` (with 2 servers; a worker is killed), ``ps-async`` (the same with ``--ps-mode async``),
+``ps-server`` (ps with 2 servers, one of them
 killed: the other takes over its parameters; started again, it takes them back), ``adpsgd`` and
 ``prague`` go on too; ``allreduce-group_topk`` and ``diloco-int8`` are those algorithms with
 ``--compress group_topk:0.01`` and ``--compress int8``, ``diloco-auto`` DiLoCo with
@@ -88,7 +88,7 @@ ALGORITHM = {"ps-server": "ps", "ps-async": "ps", "allreduce-group_topk": "allre
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
-NO_RESTARTS: set[str] = {"ps-async"}
+NO_RESTARTS: set[str] = set()
 #: Epochs of the kill cases where the default job's 15 are too short for a restart: DiLoCo trains
 #: them in about 5 s here (930 steps of about 6 ms), and a restarted worker needs about 3 s to
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.

@@ -258,9 +258,8 @@ def _check_diloco(config: TrainConfig, name: str) -> None:
 
 
 def _check_ps(config: TrainConfig, name: str) -> None:
-    if config.cluster.max_restarts and (config.ps.ps_mode != "sync" or config.algo.workers_per_node):
-        raise ConfigError("--max-restarts", "a lost worker joins a ps run again under --ps-mode sync without "
-                                            "--workers-per-node only; use 0")
+    if config.cluster.max_restarts and config.algo.workers_per_node:
+        raise ConfigError("--max-restarts", "a lost worker joins a ps run again without --workers-per-node only; use 0")
     if config.optim.optimizer == "lars":
         raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
     if config.ps.ps_mode == "async" and config.run.resume not in ("none", ""):

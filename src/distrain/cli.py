@@ -283,7 +283,7 @@ def build_parser() -> Parser:
                         help="seconds any rendezvous or collective may take, and that the other ranks have to "
                         "finish once one has (default: %(default)s)")
     launch.add_argument("--min-workers", type=int, default=None, metavar="M",
-                        help="elastic runs (allreduce, diloco, dpsgd, d2, ps sync, adpsgd, prague): when a process "
+                        help="elastic runs (allreduce, diloco, dpsgd, d2, ps (flat), adpsgd, prague): when a process "
                         "dies the others go on while at least M "
                         "workers remain (default: 1); M = N stops every process on any loss")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="R",

@@ -306,7 +306,7 @@ class ClusterConfig:
     timeout: float = _opt(120.0, "seconds any collective or peer may take before the run fails")
     min_workers: int = _opt(1, "elastic runs: the survivors of a lost worker go on while at least this many workers "
                             "remain; --min-workers equal to --workers stops the run on any loss")
-    max_restarts: int = _opt(0, "elastic runs (allreduce, diloco, dpsgd, d2, ps sync, adpsgd, prague; local launch): start a worker that died "
+    max_restarts: int = _opt(0, "elastic runs (allreduce, diloco, dpsgd, d2, ps, adpsgd, prague; local launch): start a worker that died "
                              "again, up to this many times in all; it joins the others at a step's end with their state")
 
     def validate(self) -> None:

@@ -92,6 +92,10 @@ SETTINGS_ENV = "DISTRAIN_SETTINGS"
 #: decide when a worker stops.
 UNBOUNDED_STEPS = 2**62
 
+#: How often a worker of asynchronous parameter servers looks for the admissions of workers started
+#: again (seconds; a store request each): the servers admit them, the workers record them.
+ASYNC_JOINS_LOOK_S = 0.5
+
 
 def settings_from_env() -> dict[str, Any]:
     """The settings ``distrain launch`` put in :data:`SETTINGS_ENV` (empty when not launched by it)."""
@@ -355,6 +359,7 @@ class DistributedOptimizer:
         #: parameter servers that admit workers started again (the servers hand them the
         #: parameters; the workers only record the change): where this worker learns of joins
         self.joins = self._server_admissions(joined)
+        self._joins_looked = time.monotonic()  # asynchronous parameter servers: the last look for joiners
         self.membership = None if link is not None else joined or self._elastic_membership()
         if self.membership is not None:
             self.algorithm.keep_local = True
@@ -618,11 +623,18 @@ class DistributedOptimizer:
         not read from the store yet (a joiner's own earlier one among them) is recorded first. A
         parameter server started again after its loss takes its range back here too
         (:meth:`~distrain.algorithms.parameter_server.ParameterServer.server_back`)."""
-        assert self.joins is not None
-        growth = self.joins.planned_growth(self.steps)
-        if growth is None or growth.at != self.steps:
-            return
-        assert isinstance(self.algorithm, ParameterServer)
+        assert self.joins is not None and isinstance(self.algorithm, ParameterServer)
+        if self.algorithm.asynchronous:  # no common step: the servers admit them at once, this worker follows
+            if time.monotonic() - self._joins_looked < ASYNC_JOINS_LOOK_S:
+                return
+            self._joins_looked = time.monotonic()
+            growth = self.joins.growth_now()
+            if growth is None:
+                return
+        else:
+            growth = self.joins.planned_growth(self.steps)
+            if growth is None or growth.at != self.steps:
+                return
         since = time.perf_counter()
         change = self.joins.admit(growth, self.steps, since, self.algorithm.live_workers(),
                                   servers_from=self.config.cluster.workers)
@@ -840,7 +852,9 @@ class DistributedOptimizer:
         self._collective(lambda: self.algorithm.end())
         if not self.algorithm.synchronous:  # admissions while this worker drained
             self._note_gossip_joins()
-        if self.joins is not None:  # a worker started again from now on finds the run over
+        # A worker started again from now on finds the run over (asynchronous servers close it
+        # once every worker has ended: the others may still train).
+        if self.joins is not None and not (isinstance(self.algorithm, ParameterServer) and self.algorithm.asynchronous):
             self.joins.close()
         if self.membership is None and (lost := self.algorithm.newly_lost(force=True)):
             self._note_lost(lost)

@@ -12,7 +12,7 @@ until every worker of the run is back (``--join``) and 4 steps after that.
 
 ``SETTINGS`` (optional) is a JSON object of wrap() settings (e.g. DiLoCo's); with ``"split":
 true`` in it the parameter vector is two tensors (its halves: DiLoCo's fragments are cut between
-tensors). With
+tensors), and ``"momentum"`` is SGD's (0.9 by default). With
 ``ELASTIC_DEVICE=cuda`` in the environment the model and its gradients are on the GPU, the
 workers sharing it over gloo. With ``ELASTIC_STACKS=S``, a worker still running after S seconds
 prints every thread's stack (what a hung run waits on).
@@ -76,7 +76,8 @@ def main() -> None:
         torch.nn.init.zeros_(model.weight)
     if device != "cpu":
         settings.setdefault("backend", "gloo")
-    opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), **settings)
+    momentum = settings.pop("momentum", 0.9)
+    opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), **settings)
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
     world = int(os.environ["WORLD_SIZE"])
 

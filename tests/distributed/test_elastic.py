@@ -625,6 +625,31 @@ def test_asynchronous_parameter_servers_serve_the_workers_left(tmp_path: Path):
     assert not torch.allclose(ps_reference(victim, at + 1), expected, atol=1e-3)  # its push of step 3 never came
 
 
+@pytest.mark.slow  # CI: the kill above, and the synchronous servers' join test below (the same admission)
+def test_a_restarted_worker_joins_asynchronous_parameter_servers_again(tmp_path: Path):
+    """``--ps-mode async --max-staleness 0``, two servers, worker 0 killed as step 3 begins and
+    started again: the servers admit it as soon as it asks (no common step), each opens a link to
+    it and sends it its parameters and the clock of its slowest live worker, from which it pushes
+    the next round's gradient (never stale, holding nobody back), and at the end every worker gets
+    the servers' final parameters. Plain SGD (momentum 0) makes the result the sum of every push
+    applied, in whatever order: each worker's pushes of its steps, worker 0's of steps 0-2 and of
+    its steps after it joined, over --workers; a push lost, applied twice or counted stale
+    (halved) would show."""
+    victim, at = 0, 3
+    settings = {"algorithm": "ps", "ps_mode": "async", "max_staleness": 0, "momentum": 0}
+    done, results = restarted_run(tmp_path, victim, at, settings, "--servers", "2")
+    [joined] = [c for c in results[victim]["changes"] if c["event"] == "joined"]
+    back = joined["joined_at_step"]
+    assert at < back < results[victim]["steps"]
+    pushed = [(r, s) for r in range(WORKERS) if r != victim for s in range(results[r]["steps"])]
+    pushed += [(victim, s) for s in [*range(at), *range(back, results[victim]["steps"])]]
+    expected = -0.1 / WORKERS * sum(gradient(r, s) for r, s in pushed)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["ids"] == list(range(WORKERS)), r
+        assert [c["event"] for c in result["changes"]] == (["joined"] if r == victim else ["lost", "joined"]), r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-5)
+
+
 def ps_join_reference(victim: int, at: int, back: int, steps: int, lr: float = 0.1,
                       momentum: float = 0.9, fresh: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """What the two servers compute, in their float32 and on their own shards ([0, 5) and [5, 10)):

@@ -50,13 +50,13 @@ def test_settings_carry_the_flags():
         checkpoint_every=5, model="mlp", resume="none", epochs=3.0)
 
 
-def test_a_lost_worker_joins_a_ps_run_again_in_sync_mode_only():
+def test_a_lost_worker_joins_a_flat_ps_run_again():
     from distrain.errors import ConfigError
 
-    TrainConfig(algorithm="ps", servers=2, max_restarts=1).validate()
-    for flags in ({"ps_mode": "async"}, {"workers_per_node": 2}):
-        with pytest.raises(ConfigError, match="--max-restarts"):
-            TrainConfig(algorithm="ps", servers=2, max_restarts=1, **flags).validate()
+    for mode in ("sync", "async"):
+        TrainConfig(algorithm="ps", servers=2, max_restarts=1, ps_mode=mode).validate()
+    with pytest.raises(ConfigError, match="--max-restarts"):
+        TrainConfig(algorithm="ps", servers=2, max_restarts=1, workers_per_node=2).validate()
 
 
 def test_a_lost_worker_joins_adpsgd_and_prague_again():

@@ -72,7 +72,14 @@ servers receive from every worker in a thread of its own (:class:`~.server.Inbox
 any peer would wait on after one died): a lost worker holds nobody back under ``--max-staleness``,
 and a round of :class:`RoundMomentumSGD` is the survivors' pushes from then on, the round in
 progress included (:meth:`RoundMomentumSGD.resize`), so that with ``--max-staleness 0`` the run is
-still the synchronous one. A lost server, or joins (``--max-restarts``), are for sync mode only.
+still the synchronous one. A lost server is survived in sync mode only. A worker started again
+(``--max-restarts``) joins asynchronous servers as soon as it asks: no common step to wait for,
+the first server or worker to look in the store proposes the admission
+(:meth:`~distrain.runtime.membership.Membership.growth_now`), each server opens its link with it
+and sends it its parameters and the clock of its slowest live worker (it then pushes the next
+round's gradient: never stale, holding nobody back; two servers' clocks may differ by one, and
+the worker keeps one per server). Asynchronous workers end at different pulls: once every worker
+has ended, the servers answer each with their final parameters (:meth:`ParameterServer.end`).
 
 A lost worker joins again when the launcher starts it again (``--max-restarts``): it asks in the
 store (:meth:`~distrain.runtime.membership.Membership.enter`), and the workers and the servers,

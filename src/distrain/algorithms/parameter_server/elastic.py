@@ -47,7 +47,7 @@ def admissions(store: dist.Store | None, workers: list[int], me: int, settings: 
     none, or the run is not elastic): the workers and the servers each look there at every step's
     end, and admit them together at the step agreed in the store (see
     :meth:`~distrain.runtime.membership.Membership.admit`)."""
-    if store is None or not elastic_servers(settings) or settings.ps_mode != "sync" or not store.check([RESTARTS_KEY]):
+    if store is None or not elastic_servers(settings) or not store.check([RESTARTS_KEY]):
         return None
     return Membership(store, list(workers), me, timeout=settings.run.timeout)
 

@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How often an asynchronous server looks in the store for workers asking to join (seconds).
+JOIN_POLL_S = 0.1
+
 
 class ShardServer:
     """One server process: owns a shard of the parameters and its optimizer state.
@@ -440,15 +443,21 @@ class ShardServer:
         pulled = [self.updates] * n  # self.updates when each pusher last got the parameters (a resumed run: its start)
         waiting: deque[int] = deque()  # rows of the pushers whose answer is held back
         inbox = Inbox(self, list(range(n)))
+        looked = time.monotonic()  # when this server last looked for workers asking to join
         try:
-            while not all(ended):
+            while not all(ended) or self._admit_async(clocks, ended, pulled, inbox, closing=True):
                 maybe_injected_kill(self.transport.rank, self.steps)  # fault injection for tests
-                message = inbox.next()
+                message = inbox.next(JOIN_POLL_S if self.joins is not None else None)
+                if self.joins is not None and (message is None or time.monotonic() - looked > JOIN_POLL_S):
+                    looked = time.monotonic()
+                    self._admit_async(clocks, ended, pulled, inbox)
+                if message is None:
+                    continue
                 i, worker = message.row, self.pushers[message.row]
                 if message.failed is not None:
                     self._lose_async(i, message.failed, clocks[i], ended, waiting)
                 elif message.clock == STATE:
-                    send_state(self.transport, self.optimizer_state(), worker)
+                    send_state(self._peer(i), self.optimizer_state(), worker)
                 elif message.clock == STOP and not ended[i] and i not in waiting:
                     ended[i] = True
                 elif message.clock != clocks[i] + 1 or ended[i]:
@@ -468,7 +477,7 @@ class ShardServer:
                     waiting.remove(j)
                     pulled[j] = self.updates
                     try:
-                        self.transport.send(self.shard.data, self.pushers[j]).wait()
+                        self._peer(j).send(self.shard.data, self.pushers[j]).wait()
                     except Exception as exc:
                         if not (elastic_servers(self.settings) and is_comm_error(exc)):
                             raise
@@ -478,7 +487,50 @@ class ShardServer:
         if waiting:
             raise WorkerFailure(f"server {self.index}: workers {[self.pushers[j] for j in waiting]} still waiting "
                                 "at the end")
+        for i, worker in enumerate(self.pushers):  # every worker ends on the final parameters (it waits in end())
+            if worker in self.lost_pushers:
+                continue
+            try:
+                self._peer(i).send(self.shard.data, worker).wait()
+            except Exception as exc:
+                if not (elastic_servers(self.settings) and is_comm_error(exc)):
+                    raise
+                log.warning("server %d: worker %d left before the final parameters reached it", self.index, worker)
         self.save(self.steps)
+
+    def _admit_async(self, clocks: list[int], ended: list[bool], pulled: list[int], inbox: Inbox,
+                     closing: bool = False) -> bool:
+        """Asynchronous, where lost workers are started again: admit the workers waiting to join
+        now (no common step), agreed in the store by whichever server or worker looked first
+        (:meth:`~distrain.runtime.membership.Membership.growth_now`); each server opens its link
+        with a joiner, sends it its parameters and the clock it goes on from, and receives its
+        pushes from then on. ``closing``: every pusher has ended; close the run to joiners unless some were
+        admitted already (then serve them). Returns whether any joined."""
+        if self.joins is None:
+            return False
+        growth = self.joins.close_growth() if closing else self.joins.growth_now()
+        if growth is None:
+            return False
+        live = [w for w in self.pushers if w not in self.lost_pushers]
+        change = self.joins.admit(growth, self.steps, time.perf_counter(), live, servers_from=self.num_workers)
+        for worker in change.joined:
+            i = self.pushers.index(worker)
+            if not ended[i]:  # its loss was never seen here: its pushes would count twice
+                raise WorkerFailure(f"server {self.index}: worker {worker} joined again, but this server was still "
+                                    "serving its earlier process")
+            # It goes on from the clock of this server's slowest live pusher, the round it is in:
+            # pushing the next one, it neither holds the others back nor counts stale (each
+            # server's, which may differ by one between servers: the worker keeps one per server).
+            others = [c for j, (c, done) in enumerate(zip(clocks, ended, strict=True)) if not done and j != i]
+            clocks[i] = min(others) if others else self.steps
+            self._meet_joiner(worker, clocks[i])
+            ended[i], pulled[i] = False, self.updates
+            if isinstance(self.optimizer, RoundMomentumSGD):
+                self.optimizer.resize(len(self.pushers) - len(self.lost_pushers))
+            inbox.add(i)
+            log.info("server %d: worker %d joined at its push %d; serving %d", self.index, worker, clocks[i],
+                     len(self.pushers) - len(self.lost_pushers))
+        return bool(change.joined)
 
     def _lose_async(self, i: int, exc: BaseException, clock: int, ended: list[bool], waiting: deque[int]) -> None:
         """Pusher row ``i``'s receive or answer failed: in an elastic run, if its process died,
@@ -642,23 +694,28 @@ class Inbox:
     def __init__(self, server: ShardServer, rows: list[int]) -> None:
         self.server = server
         self._queue: queue.Queue[Message] = queue.Queue()
-        self._free = {i: threading.Event() for i in rows}
+        self._free: dict[int, threading.Event] = {}
         self._closed = False
-        self._threads = [threading.Thread(target=self._receive, args=(i,), daemon=True,
-                                          name=f"distrain-ps-inbox-{server.pushers[i]}") for i in rows]
-        for thread in self._threads:
-            thread.start()
+        for i in rows:
+            self.add(i)
 
-    def _receive(self, i: int) -> None:
+    def add(self, i: int) -> None:
+        """Receive pusher row ``i``'s messages (at the start, or once it joined again: over its link)."""
+        self._free[i] = threading.Event()
+        threading.Thread(target=self._receive, args=(i, self._free[i]), daemon=True,
+                         name=f"distrain-ps-inbox-{self.server.pushers[i]}").start()
+
+    def _receive(self, i: int, free: threading.Event) -> None:
         server, worker = self.server, self.server.pushers[i]
+        transport = server._peer(i)
         header = torch.zeros(2, dtype=torch.int64)
         grad = torch.zeros(server.shard.numel())
         while not self._closed:
             try:
-                server.transport.recv(header, worker).wait()
+                transport.recv(header, worker).wait()
                 clock = int(header[0])
                 if clock not in (STATE, STOP):
-                    handle = server._recv_push(grad, worker)
+                    handle = server._recv_push(grad, worker, transport)
                     if handle is not None:
                         handle.wait()
             except Exception as exc:  # noqa: BLE001 - the serving thread decides
@@ -667,13 +724,16 @@ class Inbox:
             self._queue.put(Message(i, header.clone(), grad))
             if clock == STOP:
                 return
-            self._free[i].wait()
-            self._free[i].clear()
+            free.wait()
+            free.clear()
 
-    def next(self) -> Message:
-        """The next message from any pusher (blocks)."""
+    def next(self, timeout: float | None = None) -> Message | None:
+        """The next message from any pusher (None: none within ``timeout`` seconds)."""
         with blocked():
-            return self._queue.get()
+            try:
+                return self._queue.get(timeout=timeout)
+            except queue.Empty:
+                return None
 
     def release(self, i: int) -> None:
         """Pusher row ``i``'s message is served: its thread may receive the next one."""

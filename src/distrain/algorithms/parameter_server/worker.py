@@ -65,6 +65,11 @@ class ParameterServer(Algorithm):
     def survives(cls, settings: PSSettings) -> bool:
         return elastic_servers(settings)
 
+    @property
+    def asynchronous(self) -> bool:
+        """``--ps-mode async``: the servers apply each push as it arrives."""
+        return self.settings.ps_mode == "async"
+
     def processes(self, workers: int) -> int:
         return workers + self.settings.servers
 
@@ -96,6 +101,9 @@ class ParameterServer(Algorithm):
         self.clock = 0
         self._clock_header = torch.zeros(2, dtype=torch.int64)  # [clock, learning rate's float64 bits]
         self._ended = False
+        self._final_pulled = False  # asynchronous: the servers' final parameters arrived (end())
+        #: asynchronous servers that admitted this worker after its loss: their clock for it minus its own
+        self._offsets: dict[int, int] = {}
         self._control: StoreGroup | None = None  # over the processes that finished (elastic, some lost)
         self._settled = False  # the processes that finished are known
         self._store: Any = None  # the rendezvous store, to read which workers the servers lost
@@ -248,7 +256,11 @@ class ParameterServer(Algorithm):
             return
         handles: list[Handle] = []
         for shard, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
-            handles.append(self.transport.send(self._clock_header, server))
+            header = self._clock_header
+            if self._offsets.get(shard):  # a worker that joined asynchronous servers: their clocks for it
+                header = header.clone()
+                header[0] += self._offsets[shard]
+            handles.append(self.transport.send(header, server))
             if self.push is None or info is None:
                 handles.append(self.transport.send(self.grad[lo:hi], server))
             else:
@@ -391,7 +403,7 @@ class ParameterServer(Algorithm):
         force, and that step (returned), where this worker's clock goes on from. The servers hold
         the optimizer state; a worker keeps none of its own but its error-feedback residuals (and
         momentum, under momentum correction), which start again from zero."""
-        me, steps, owned = self.transport.rank, set(), {}
+        me, steps, owned = self.transport.rank, {}, {}
         header = torch.zeros(3, dtype=torch.int64)
         for server in [r for r in self.transport.ranks if r != me]:  # type: ignore[attr-defined]
             s = server - self.num_workers
@@ -408,9 +420,16 @@ class ParameterServer(Algorithm):
             self.transport.recv(values, server).wait()
             scatter_ranges(self.flat, ranges, values)
             owned[s] = ranges
-            steps.add(step)
-        if len(steps) != 1:
-            raise WorkerFailure(f"worker {me}: the servers admitted it after different steps {sorted(steps)}")
+            steps[s] = step
+        if self.asynchronous:  # each server's clock for it: its slowest pusher's, which may differ by one
+            if max(steps.values()) - min(steps.values()) > 1:
+                raise WorkerFailure(f"worker {me}: the servers admitted it at clocks {steps}, more than one apart")
+            self.clock = max(steps.values())
+            self._offsets = {s: step - self.clock for s, step in steps.items()}
+        elif len(set(steps.values())) != 1:
+            raise WorkerFailure(f"worker {me}: the servers admitted it after different steps {sorted(set(steps.values()))}")
+        else:
+            self.clock = next(iter(steps.values()))
         self.layout.owned = owned
         if sum(self.layout.numel(s) for s in owned) != self.flat.numel():
             raise WorkerFailure(f"worker {me}: the live servers' ranges {owned} do not cover the {self.flat.numel()} "
@@ -418,7 +437,7 @@ class ParameterServer(Algorithm):
         if not self.layout.whole():
             log.info("worker %d: joined while servers %s hold a lost server's parameters", me, sorted(owned))
         self._flat_to_params()
-        self.clock, self._started = steps.pop(), True
+        self._started = True
         self.rejoined.add(me)
         self._known_lost = set(range(self.num_workers)) - set(self.live_workers())  # lost before it joined
         if self._spare is not None:
@@ -439,13 +458,26 @@ class ParameterServer(Algorithm):
         """The servers took the optimizer step."""
 
     def end(self) -> None:
-        """Tell every server this worker's training is over (they serve until every worker has)."""
-        if self._ended or not self.pushes:
+        """Tell every server this worker's training is over (they serve until every worker has).
+        Asynchronous servers then answer every worker with their final parameters, once every
+        worker has ended: the workers stopped at different pulls, and each ends with the model
+        every push went into (a node's leader hands it on inside the node)."""
+        if self._ended or self._final_pulled:
             return
-        self._ended = True
-        stop = torch.tensor([STOP, 0], dtype=torch.int64)
-        for h in [self._to(s).send(stop, self.servers[s]) for s in self.layout.live()]:
-            h.wait()
+        if self.pushes:
+            self._ended = True
+            stop = torch.tensor([STOP, 0], dtype=torch.int64)
+            handles = [self._to(s).send(stop, self.servers[s]) for s in self.layout.live()]
+            if self.asynchronous:  # (no takeover in async runs: every server holds its own shard)
+                handles += [self._to(s).recv(self.flat[lo:hi], self.servers[s]) for s, (lo, hi) in enumerate(self.bounds)]
+            for h in handles:
+                h.wait()
+        if self.asynchronous:
+            self._final_pulled = True
+            intra = self.nodes.intra if self.nodes is not None and self.nodes.intra.world_size > 1 else None
+            if intra is not None:
+                intra.broadcast(self.flat, src=0).wait()
+            self._flat_to_params()
 
     def control_transport(self) -> StoreGroup | None:  # type: ignore[override]
         """Once this worker's training has ended, in an elastic run: the processes that finished,
