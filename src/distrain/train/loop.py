@@ -338,7 +338,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     earlier = totals.offsets(transport.world_size)  # for the metrics lines
     if joined is not None:  # where the others are: their step, data split and learning rate
         start_step = opt.steps
-        if opt.algorithm.synchronous and cfg.data.dataset != "shards":  # the members' plan, from the store
+        if opt.algorithm.common_steps and cfg.data.dataset != "shards":  # the members' plan, from the store
             plan = plan_of(cfg, train_set, read_plan(joined, joined.epoch))
         sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule, plan, sampler)
     if rank == 0 and joined is None:
@@ -611,11 +611,11 @@ def replan(cfg: TrainConfig, opt: DistributedOptimizer, train_set: Dataset, plan
     what its epoch had left, and what a lost worker had left after the steps the model holds of
     it is dealt out over the members, see :class:`~distrain.data.sampler.DataPlan`); then the
     training set is split again over the members. A worker that joins starts on its new shard;
-    the members hand it their plan through the run's store. Asynchronous workers, at no common
-    step, start on their new shards at once."""
+    the members hand it their plan through the run's store. Asynchronous workers (asynchronous
+    parameter servers' too), at no common step, start on their new shards at once."""
     if plan is None:
         plan = DataPlan.first(split(cfg, train_set, world), cfg.data.batch_size, cfg.run.seed)
-    synchronous = opt.algorithm.synchronous
+    synchronous = opt.algorithm.common_steps
     for change in changes:
         kept = {w: min(step, opt.algorithm.kept_steps(change.step)) for w in change.lost}
         plan = plan.changed(change.members, step, kept, split(cfg, train_set, len(change.members)), carry=synchronous)

@@ -70,6 +70,10 @@ class ParameterServer(Algorithm):
         """``--ps-mode async``: the servers apply each push as it arrives."""
         return self.settings.ps_mode == "async"
 
+    @property
+    def common_steps(self) -> bool:
+        return not self.asynchronous
+
     def processes(self, workers: int) -> int:
         return workers + self.settings.servers
 
