@@ -616,7 +616,7 @@ class DistributedOptimizer:
             log.info("worker %d: lost worker(s) %s at step %d; the data is dealt out over %d workers", self.id,
                      sorted(lost), self.steps, self.workers)
 
-    def _note_joined(self) -> None:
+    def _note_joined(self, force: bool = False) -> None:
         """At a step's end, in a parameter-server run: when the workers and servers agreed to admit
         workers started again after this step, the members and the record of the change follow
         (the servers hand them the parameters), so a loop splits the data again over them. A loss
@@ -625,7 +625,7 @@ class DistributedOptimizer:
         (:meth:`~distrain.algorithms.parameter_server.ParameterServer.server_back`)."""
         assert self.joins is not None and isinstance(self.algorithm, ParameterServer)
         if self.algorithm.asynchronous:  # no common step: the servers admit them at once, this worker follows
-            if time.monotonic() - self._joins_looked < ASYNC_JOINS_LOOK_S:
+            if not force and time.monotonic() - self._joins_looked < ASYNC_JOINS_LOOK_S:
                 return
             self._joins_looked = time.monotonic()
             growth = self.joins.growth_now()
@@ -849,6 +849,8 @@ class DistributedOptimizer:
         """This worker's training is over (:meth:`finish` begins with it): parameter servers stop
         serving once every worker has ended, and workers they lost on the way are recorded. In an
         elastic run, a peer lost on the way leaves it to the survivors (DiLoCo's last syncs)."""
+        if self.joins is not None and isinstance(self.algorithm, ParameterServer) and self.algorithm.asynchronous:
+            self._note_joined(force=True)  # an admission since this worker last looked: in its record too
         self._collective(lambda: self.algorithm.end())
         if not self.algorithm.synchronous:  # admissions while this worker drained
             self._note_gossip_joins()

@@ -116,6 +116,28 @@ def test_a_restarted_worker_joins_the_parameter_servers_again(tmp_path):
         assert [line["step"] for line in lines if "loss" in line] == list(range(1, total + 1))
 
 
+@pytest.mark.slow  # CI: the kill through wrap() (tests/distributed/test_elastic.py)
+def test_a_restarted_worker_joins_asynchronous_parameter_servers_again(tmp_path):
+    """--ps-mode async --max-restarts 1: worker 0, killed at step 12, starts again; the servers
+    admit it as soon as it asks, it trains on its own shard again from then on (no data plan to
+    wait for: the others are at no common step) and the run ends with four, each on the servers'
+    final parameters."""
+    run_dir = tmp_path / "run"
+    run = run_cli([*RUN, "--algorithm", "ps", "--servers", "2", "--ps-mode", "async", "--latency", "50ms",
+                   "--max-restarts", "1", "--checkpoint-every", "1000", "--run-dir", str(run_dir)],
+                  DISTRAIN_INJECT_KILL="0:12")
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    assert "worker 0 was killed by SIGKILL; started again, it joins the others with their state" in run.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = [(c["event"], c["workers"], c["members"]) for c in summary["membership"]]
+    assert events == [("lost", [0], [1, 2, 3]), ("joined", [0], [0, 1, 2, 3])]
+    assert summary["workers_at_end"] == 4 and list(summary["lost_workers"]) == ["0"]
+    assert list(summary["joined_workers"]) == ["0"]
+    final = torch.load(run_dir / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in final.values())
+
+
 @pytest.mark.slow  # in CI the stuck worker below takes the same way out (its heartbeat stops)
 def test_a_hung_worker_is_found_by_its_silence_and_left_behind(tmp_path):
     """Worker 2 stops (SIGSTOP) at step 12: its connections stay open, but its heartbeat stops; the
