@@ -849,14 +849,14 @@ class DistributedOptimizer:
         """This worker's training is over (:meth:`finish` begins with it): parameter servers stop
         serving once every worker has ended, and workers they lost on the way are recorded. In an
         elastic run, a peer lost on the way leaves it to the survivors (DiLoCo's last syncs)."""
-        if self.joins is not None and isinstance(self.algorithm, ParameterServer) and self.algorithm.asynchronous:
+        if self.joins is not None and not self.algorithm.common_steps:  # asynchronous parameter servers
             self._note_joined(force=True)  # an admission since this worker last looked: in its record too
         self._collective(lambda: self.algorithm.end())
         if not self.algorithm.synchronous:  # admissions while this worker drained
             self._note_gossip_joins()
         # A worker started again from now on finds the run over (asynchronous servers close it
         # once every worker has ended: the others may still train).
-        if self.joins is not None and not (isinstance(self.algorithm, ParameterServer) and self.algorithm.asynchronous):
+        if self.joins is not None and self.algorithm.common_steps:
             self.joins.close()
         if self.membership is None and (lost := self.algorithm.newly_lost(force=True)):
             self._note_lost(lost)

@@ -115,12 +115,6 @@ class Algorithm:
     #: budget (``keep_going``), the loop evaluates only once training is over, and the consensus
     #: over time comes from ``consensus_history``.
     synchronous: bool = True
-
-    @property
-    def common_steps(self) -> bool:
-        """Whether the workers end every step together (a joiner then takes the members' data
-        plan at the step they admit it); asynchronous parameter servers' do not."""
-        return self.synchronous
     #: True when the algorithm checks gradients for NaN / Inf itself before sending them (those
     #: that send during backward); otherwise the loop checks them before ``after_backward``.
     checks_gradients: bool = False
@@ -164,6 +158,12 @@ class Algorithm:
     lost_servers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
     #: Lost parameter servers started again that took their parameters back (index -> when).
     returned_servers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
+
+    @property
+    def common_steps(self) -> bool:
+        """Whether the workers end every step together (a joiner then takes the members' data
+        plan at the step they admit it); asynchronous parameter servers' do not."""
+        return self.synchronous
 
     @classmethod
     def survives(cls, settings: Any) -> bool:

@@ -392,7 +392,7 @@ class ShardServer:
         self.lost_pushers = [w for w in self.pushers if w not in ranks]
         self.resume_step = self.steps = step
         log.warning("server %d: back after step %d with its parameters and their optimizer state; serving %d workers",
-                    self.index, step, len(self.pushers) - len(self.lost_pushers))
+                    self.index, step, self.live_pushers)
 
     def _with_worker(self, i: int, live: list[int], step: int, grads: torch.Tensor, fn: Any) -> Any:
         """``fn()``, an exchange with pusher row ``i`` (its result; None once the worker is lost);
@@ -403,7 +403,7 @@ class ShardServer:
         try:
             return fn()
         except Exception as exc:
-            if not (elastic_servers(self.settings) and is_comm_error(exc)):
+            if not self._survives(exc):
                 raise
             worker = self.pushers[i]
             live.remove(i)
@@ -416,6 +416,16 @@ class ShardServer:
                 raise WorkerFailure(f"server {self.index}: lost worker {worker} at step {step + 1}; {len(live)} "
                                     f"left, fewer than --min-workers {self.settings.run.min_workers}") from exc
             return None
+
+    def _survives(self, exc: BaseException) -> bool:
+        """Whether an exchange with a worker that failed with ``exc`` leaves the others served:
+        an elastic run, and the worker's process died (its connection reset)."""
+        return elastic_servers(self.settings) and is_comm_error(exc)
+
+    @property
+    def live_pushers(self) -> int:
+        """How many pushers the servers have not lost."""
+        return len(self.pushers) - len(self.lost_pushers)
 
     def _store_client(self) -> Any:
         """The rendezvous store (a client made on first use; None without one)."""
@@ -465,7 +475,7 @@ class ShardServer:
                 else:
                     clocks[i] = message.clock
                     self.steps = max(self.steps, message.clock)
-                    stale_rounds = (self.updates - pulled[i]) // max(1, n - len(self.lost_pushers))
+                    stale_rounds = (self.updates - pulled[i]) // max(1, self.live_pushers)
                     self._step(message.grad.div_(self.num_workers), message.lr, 1 / (1 + stale_rounds))
                     waiting.append(i)
                     self._stop_requested(message.clock)
@@ -479,9 +489,7 @@ class ShardServer:
                     try:
                         self._peer(j).send(self.shard.data, self.pushers[j]).wait()
                     except Exception as exc:
-                        if not (elastic_servers(self.settings) and is_comm_error(exc)):
-                            raise
-                        self._lose_async(j, exc, clocks[j], ended, waiting)
+                        self._lose_async(j, exc, clocks[j], ended, waiting)  # (raises unless survived)
         finally:
             inbox.close()
         if waiting:
@@ -493,7 +501,7 @@ class ShardServer:
             try:
                 self._peer(i).send(self.shard.data, worker).wait()
             except Exception as exc:
-                if not (elastic_servers(self.settings) and is_comm_error(exc)):
+                if not self._survives(exc):
                     raise
                 log.warning("server %d: worker %d left before the final parameters reached it", self.index, worker)
         self.save(self.steps)
@@ -525,19 +533,23 @@ class ShardServer:
             clocks[i] = min(others) if others else self.steps
             self._meet_joiner(worker, clocks[i])
             ended[i], pulled[i] = False, self.updates
-            if isinstance(self.optimizer, RoundMomentumSGD):
-                self.optimizer.resize(len(self.pushers) - len(self.lost_pushers))
+            self._rounds_follow_pushers()
             inbox.add(i)
             log.info("server %d: worker %d joined at its push %d; serving %d", self.index, worker, clocks[i],
-                     len(self.pushers) - len(self.lost_pushers))
+                     self.live_pushers)
         return bool(change.joined)
+
+    def _rounds_follow_pushers(self) -> None:
+        """Asynchronous SGD: a round of the servers' momentum is the live pushers' pushes."""
+        if isinstance(self.optimizer, RoundMomentumSGD):
+            self.optimizer.resize(self.live_pushers)
 
     def _lose_async(self, i: int, exc: BaseException, clock: int, ended: list[bool], waiting: deque[int]) -> None:
         """Pusher row ``i``'s receive or answer failed: in an elastic run, if its process died,
         the others are served without it (else the failure stops the run)."""
         if ended[i] and self.pushers[i] in self.lost_pushers:
             return
-        if not (elastic_servers(self.settings) and is_comm_error(exc)):
+        if not self._survives(exc):
             raise exc
         worker = self.pushers[i]
         ended[i] = True
@@ -545,9 +557,8 @@ class ShardServer:
             waiting.remove(i)
         self.lost_pushers.append(worker)
         declare_dead(self._store_client(), worker)
-        live = len(self.pushers) - len(self.lost_pushers)
-        if isinstance(self.optimizer, RoundMomentumSGD):
-            self.optimizer.resize(live)
+        live = self.live_pushers
+        self._rounds_follow_pushers()
         log.warning("server %d: lost worker %d after its push %d; serving the other %d", self.index, worker, clock,
                     live)
         if live < max(1, self.settings.run.min_workers):
