@@ -283,22 +283,6 @@ def test_diloco_survivors_redo_the_round_without_the_lost_worker(tmp_path: Path,
     assert not torch.allclose(diloco_reference(victim, STEPS, None, STEPS), expected, atol=1e-3)
 
 
-@pytest.mark.slow  # CI: compressed all-reduce's kill test, the same redo from the state before the step
-def test_compressed_diloco_survivors_redo_the_sync_and_a_restarted_worker_joins(tmp_path: Path):
-    """Top-k pseudo-gradients with error feedback: worker 0 killed mid-round (step 5); the
-    survivors redo the round's sync from their residuals as it began, and worker 0, started
-    again, joins at a round's end with an empty residual of its own."""
-    settings = {**DILOCO, **TOPK}
-    _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, settings)
-    back = joined["joined_at_step"]
-    assert lost["workers"] == [0] and joined["workers"] == [0] and back % DILOCO["sync_every"] == 0
-    expected = diloco_reference(0, 5, back, steps, compress=TOPK["compress"])
-    every_worker_on(results, steps, expected)
-    twice = diloco_reference(0, 5, back, steps, compress=TOPK["compress"], twice=True)
-    assert not torch.allclose(twice, expected, atol=1e-3)  # residuals that kept the interrupted sync's
-    assert not torch.allclose(diloco_reference(0, 5, back, steps), expected, atol=1e-3)  # the compression is in it
-
-
 @pytest.mark.slow  # CI: the streaming join test below, the same redo and join with an exchange in flight
 def test_diloco_restarted_worker_joins_at_a_rounds_end(tmp_path: Path):
     """Worker 0 killed mid-round (step 5): the survivors redo the round's sync among themselves; it
@@ -430,20 +414,21 @@ def test_streaming_diloco_redoes_an_overlapped_exchange_and_a_restarted_worker_j
 
 
 @pytest.mark.slow  # CI: the streaming join test above, and compressed all-reduce's kill test
-def test_compressed_streaming_diloco_survivors_redo_the_sync_and_a_restarted_worker_joins(tmp_path: Path):
-    """Top-k pseudo-gradients with error feedback per fragment, streamed: worker 0 killed as step
-    5 begins; the survivors find it gone at the first fragment's sync after step 5 (a compressed
-    exchange completes at its sync) and sync again from their residuals as that sync began;
-    started again, worker 0 joins with empty residuals of its own."""
-    settings = {**STREAMING, **TOPK}
+@pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streaming"])
+def test_compressed_diloco_survivors_redo_the_sync_and_a_restarted_worker_joins(tmp_path: Path, streaming: bool):
+    """Top-k pseudo-gradients with error feedback (per fragment when streamed): worker 0 killed
+    as step 5 begins; the survivors find it gone at the (first fragment's) sync after step 5 (a
+    compressed exchange completes at its sync) and sync again from their residuals as that sync
+    began; started again, worker 0 joins at a round's end with empty residuals of its own."""
+    settings, reference = ({**STREAMING, **TOPK}, streaming_reference) if streaming else ({**DILOCO, **TOPK}, diloco_reference)
     _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, settings)
     back = joined["joined_at_step"]
     assert lost["workers"] == [0] and joined["workers"] == [0] and back % DILOCO["sync_every"] == 0
-    expected = streaming_reference(0, 5, back, steps, compress=TOPK["compress"])
+    expected = reference(0, 5, back, steps, compress=TOPK["compress"])
     every_worker_on(results, steps, expected)
-    assert not torch.allclose(streaming_reference(0, 5, back, steps, compress=TOPK["compress"], twice=True),
-                              expected, atol=1e-3)  # residuals that kept the interrupted sync's
-    assert not torch.allclose(streaming_reference(0, 5, back, steps), expected, atol=1e-3)  # the compression is in it
+    twice = reference(0, 5, back, steps, compress=TOPK["compress"], twice=True)
+    assert not torch.allclose(twice, expected, atol=1e-3)  # residuals that kept the interrupted sync's
+    assert not torch.allclose(reference(0, 5, back, steps), expected, atol=1e-3)  # the compression is in it
 
 
 @pytest.mark.slow  # CI: the streaming join test above
