@@ -4,7 +4,9 @@ killed every 30 s with restarts on.
 For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, ``dpsgd``, ``d2``,
 ``ps`` (with 2 servers; a worker is killed), ``ps-async`` (the same with ``--ps-mode async``),
 ``ps-server`` (ps with 2 servers, one of them
-killed: the other takes over its parameters; started again, it takes them back), ``adpsgd`` and
+killed: the other takes over its parameters; started again, it takes them back),
+``ps-async-server`` (the same with ``--ps-mode async``; a lost asynchronous server is not
+started again, so no restart case), ``adpsgd`` and
 ``prague`` go on too; ``allreduce-group_topk`` and ``diloco-int8`` are those algorithms with
 ``--compress group_topk:0.01`` and ``--compress int8``, ``diloco-auto`` DiLoCo with
 ``--sync-every auto``, ``diloco-streaming`` DiLoCo in 4 fragments whose exchanges overlap 4 inner
@@ -79,16 +81,19 @@ TIMEOUT_S = 600
 #: Flags an algorithm needs besides ``--algorithm`` (ps: two servers; the victim is a worker,
 #: or for ``ps-server`` one of the servers).
 EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2"), "ps-async": ("--servers", "2", "--ps-mode", "async"),
+         "ps-async-server": ("--servers", "2", "--ps-mode", "async"),
          "allreduce-group_topk": ("--compress", "group_topk:0.01"), "diloco-int8": ("--compress", "int8"),
          "diloco-auto": ("--sync-every", "auto"), "allreduce-hierarchical": ("--workers-per-node", "2"),
          "diloco-streaming": ("--fragments", "4", "--overlap-steps", "4")}
 #: Cases that run another algorithm than their name.
-ALGORITHM = {"ps-server": "ps", "ps-async": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco",
+ALGORITHM = {"ps-server": "ps", "ps-async": "ps", "ps-async-server": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco",
              "allreduce-hierarchical": "allreduce", "diloco-streaming": "diloco"}
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
-NO_RESTARTS: set[str] = set()
+NO_RESTARTS = {"ps-async-server"}
+#: Cases whose victim is one of the two servers.
+SERVER_VICTIM = {"ps-server", "ps-async-server"}
 #: Epochs of the kill cases where the default job's 15 are too short for a restart: DiLoCo trains
 #: them in about 5 s here (930 steps of about 6 ms), and a restarted worker needs about 3 s to
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.
@@ -182,7 +187,7 @@ def useful_samples(summary: dict, batch: int) -> float:
 def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps: int, reference: float) -> dict:
     rng = random.Random(1000 * seed + restart)
     victim = rng.randrange(WORKERS)
-    if algorithm == "ps-server":  # one of the two servers (global ranks after the workers')
+    if algorithm in SERVER_VICTIM:  # one of the two servers (global ranks after the workers')
         victim = WORKERS + rng.randrange(2)
     step = rng.randint(max(1, int(0.05 * total_steps)), int((0.5 if restart else 0.95) * total_steps))
     mark = tmp / f"{algorithm}-{seed}-{restart}-mark"
@@ -213,8 +218,8 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
                       if killed_at and (summary or {}).get("returned_servers") else None)}
     row["accuracy_minus_no_fault"] = (row["final_test_accuracy"] - reference
                                       if row["final_test_accuracy"] is not None else None)
-    want = WORKERS if restart or algorithm == "ps-server" else WORKERS - 1
-    back = [victim] if restart and algorithm == "ps-server" else []  # a server started again takes its range back
+    want = WORKERS if restart or algorithm in SERVER_VICTIM else WORKERS - 1
+    back = [victim] if restart and algorithm in SERVER_VICTIM else []  # a server started again takes its range back
     row["passed"] = (out["returncode"] == 0 and not out["hung"] and not out["left_running"]
                      and row["lost"] == [victim] and row["workers_at_end"] == want and row["returned"] == back)
     if not row["passed"]:  # the whole story of a failure (its warnings, every worker's last word)

@@ -82,6 +82,7 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
 
     syncs: set[int] = set()
+    history = []  # the parameters after each of this worker's steps
     returned = []  # the step after which a lost parameter server was back
     server_back = os.environ.get("ELASTIC_SERVER_BACK") == "1"  # a parameter server comes back too
 
@@ -112,6 +113,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
         opt.zero_grad()
+        history.append(model.weight.detach().cpu().reshape(-1).clone())
         syncs.update(getattr(opt.algorithm, "synced_at", []))  # DiLoCo: the steps its rounds ended at
     final = opt.finish()
     syncs.update(getattr(opt.algorithm, "synced_at", []))
@@ -121,7 +123,7 @@ def main() -> None:
                 "workers": opt.workers, "ids": opt.ids,
                 "steps": opt.steps, "changes": [c.record() for c in opt.changes],
                 "rounds": opt.algorithm.metrics().get("gossip_rounds", 0), "server_back": returned,
-                "leaders": leaders(opt),
+                "leaders": leaders(opt), "history": torch.stack(history) if history else None,
                 "syncs": sorted(syncs - {0})}, out / f"worker{me}.pt")
 
 

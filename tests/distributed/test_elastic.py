@@ -623,6 +623,14 @@ def test_a_restarted_worker_joins_asynchronous_parameter_servers_again(tmp_path:
     victim, at = 0, 3
     settings = {"algorithm": "ps", "ps_mode": "async", "max_staleness": 0, "momentum": 0}
     done, results = restarted_run(tmp_path, victim, at, settings, "--servers", "2")
+    check_async_join(results, victim, at)
+
+
+def check_async_join(results: dict[int, dict], victim: int, at: int) -> int:
+    """Plain SGD (momentum 0) makes the servers' final parameters the sum of every push applied,
+    in whatever order: each worker's pushes of its steps, ``victim``'s of its steps before
+    ``at`` and after it joined, over --workers; every worker must end on them, a member of four.
+    Returns the step it joined at."""
     [joined] = [c for c in results[victim]["changes"] if c["event"] == "joined"]
     back = joined["joined_at_step"]
     assert at < back < results[victim]["steps"]
@@ -633,6 +641,24 @@ def test_a_restarted_worker_joins_asynchronous_parameter_servers_again(tmp_path:
         assert result["workers"] == WORKERS and result["ids"] == list(range(WORKERS)), r
         assert [c["event"] for c in result["changes"]] == (["joined"] if r == victim else ["lost", "joined"]), r
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-5)
+    return back
+
+
+@pytest.mark.slow  # CI: the asynchronous takeover and join tests, each on its own
+def test_a_worker_joins_asynchronous_servers_that_hold_a_lost_ones_parameters(tmp_path: Path):
+    """``--ps-mode async --max-staleness 0``, two servers: worker 0 killed as step 3 begins and
+    started again, server 1 killed at round 6 (the other takes over [5, 10); no restart for a
+    lost asynchronous server). The worker joins the one live server, which sends it every range it
+    holds, and pushes them all to it from then on; each push is applied once, whichever server
+    held its range (momentum 0: the result is the sum of the pushes)."""
+    victim, at, server_at = 0, 3, 6
+    settings = {"algorithm": "ps", "ps_mode": "async", "max_staleness": 0, "momentum": 0}
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:{server_at}"}
+    done = launch(tmp_path, victim, at, "rejoin", "--servers", "2", "--max-restarts", "1", settings=settings, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "took over parameters [(5, 10)] of lost server 1" in done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    assert check_async_join(results, victim, at) > server_at
 
 
 def ps_join_reference(victim: int, at: int, back: int, steps: int, lr: float = 0.1,
@@ -778,6 +804,34 @@ def test_parameter_servers_take_over_a_lost_server(tmp_path: Path):
         assert result["steps"] == STEPS and result["workers"] == WORKERS and result["changes"] == [], r
         torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
     assert not torch.allclose(reference(-1, STEPS), expected, atol=1e-4)  # the reset shows
+
+
+def test_asynchronous_servers_take_over_a_lost_server(tmp_path: Path):
+    """``--ps-mode async --max-staleness 0``, three servers over 10 parameters; server 1 is killed
+    once it applied the first push of round 3: every worker finds its pull failing, the first to
+    report it settles the takeover in the store, and each sends the two others its copy of their
+    pieces ([4, 6) and [6, 7)) and its push of round 3 again. The servers start the pieces from
+    the first copy, their momentum afresh, and serve them from then on, holding each answer on
+    the pieces back until every worker's push is redone (``--max-staleness 0``): after every step
+    each worker holds the synchronous run's parameters, with the pieces' momentum started again
+    at round 3, and ends on the servers' final ones."""
+    at, workers = 3, list(range(WORKERS))
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:{at}"}
+    settings = {"algorithm": "ps", "ps_mode": "async", "max_staleness": 0}
+    done = launch(tmp_path, -1, at, "start", "--servers", "3", settings=settings, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "took over parameters [(4, 6)] of lost server 1 at worker" in done.stderr
+    assert "took over parameters [(6, 7)] of lost server 1 at worker" in done.stderr
+    assert all(f"worker {r}: lost server 1 at its push {at}" in done.stderr for r in workers), done.stderr
+    expected = ps_takeover_reference((4, 7), at - 1)  # push 3 is round 3, the third: step 2
+    for r in workers:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["steps"] == STEPS and result["workers"] == WORKERS and result["changes"] == [], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-6)
+        for step, held in enumerate(result["history"]):  # what it pulled after each step
+            torch.testing.assert_close(held, ps_takeover_reference((4, 7), at - 1, step + 1).float().double(),
+                                       rtol=1e-6, atol=1e-6, msg=lambda m, r=r, step=step: f"worker {r}, step {step}: {m}")
+    assert not torch.allclose(ps_takeover_reference((4, 7), at), expected, atol=1e-4)  # the round reset shows
 
 
 def test_a_restarted_server_takes_its_parameters_back(tmp_path: Path):

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distrain.algorithms.parameter_server import RoundMomentumSGD, async_momentum, shard_bounds
+from distrain.algorithms.parameter_server import (
+    RoundMomentumSGD,
+    async_momentum,
+    server_optimizer,
+    shard_bounds,
+)
+from distrain.algorithms.parameter_server.server_optim import follow_pushers
 from distrain.launch import launch_local
 from distrain.runtime.checkpoint import CheckpointStore
 from tests.conftest import small_config
@@ -80,6 +86,46 @@ def test_async_momentum_keeps_the_total_inertia():
                 assert (1 - explicit) / pushers == pytest.approx(1 - momentum)
             previous = explicit
     assert async_momentum(0.9, pushers=16, max_staleness=1) == 0.0  # clipped, never negative
+
+
+@pytest.mark.parametrize("adam", [torch.optim.Adam, torch.optim.AdamW])
+def test_async_adam_after_a_lost_pusher_steps_as_if_made_for_the_others(adam):
+    """Asynchronous servers step Adam once per push at lr / P with beta1 ** (1 / P): once a pusher
+    of four is lost, a server's Adam (its state kept) steps as one made for three pushers with
+    that state; left as it was, it would not."""
+    like = adam([torch.nn.Parameter(torch.zeros(3))], lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
+    grads = [torch.randn(6, generator=torch.Generator().manual_seed(k)) for k in range(8)]
+
+    def run(follow: bool) -> torch.Tensor:
+        shard = torch.nn.Parameter(torch.zeros(6))
+        optimizer, factor = server_optimizer(like, shard, asynchronous=True, pushers=4, max_staleness=1, corrected=False)
+        for k, g in enumerate(grads):
+            if k == 4 and follow:
+                factor = follow_pushers(optimizer, like, 3)
+            shard.grad = g.clone()
+            for group in optimizer.param_groups:
+                group["lr"] = 0.01 * factor
+            optimizer.step()
+        return shard.detach().clone()
+
+    shard = torch.nn.Parameter(torch.zeros(6))
+    four, factor = server_optimizer(like, shard, asynchronous=True, pushers=4, max_staleness=1, corrected=False)
+    for g in grads[:4]:
+        shard.grad = g.clone()
+        for group in four.param_groups:
+            group["lr"] = 0.01 * factor
+        four.step()
+    three, factor = server_optimizer(like, shard, asynchronous=True, pushers=3, max_staleness=1, corrected=False)
+    three.load_state_dict(four.state_dict())
+    for group in three.param_groups:  # (load_state_dict takes the groups' settings too: three's own)
+        group["betas"] = (0.9 ** (1 / 3), 0.99)
+    for g in grads[4:]:
+        shard.grad = g.clone()
+        for group in three.param_groups:
+            group["lr"] = 0.01 * factor
+        three.step()
+    torch.testing.assert_close(run(follow=True), shard.detach(), rtol=0, atol=1e-7)
+    assert not torch.allclose(run(follow=False), shard.detach(), atol=1e-6)
 
 
 @pytest.mark.timeout(240)

@@ -99,11 +99,25 @@ it at the same step (it answered nobody; pulls land in a spare buffer, so each w
 the last parameters it answered). The live servers split its ranges between them
 (:class:`ShardLayout`), take their pieces' parameters from one worker, redo the step on them with
 every worker's gradient and a fresh optimizer state (logged), and serve their shard and pieces as
-one from then on: no step lost or applied twice. A server lost while it answered some workers and
-not others, a hung worker, async mode, node groups and a lost server with compressed pushes (or
+one from then on: no step lost or applied twice. A synchronous server lost while it answered some
+workers and not others, a hung worker, node groups and a lost server with compressed pushes (or
 the only one) still stop the run; while the servers hold another's ranges, the run cannot resume
 from its checkpoints, and a worker that joins meets the live servers only, each sending it the
 ranges it owns (:meth:`ShardServer._meet_joiner`).
+
+Asynchronous servers (``--ps-mode async``) have no common step to agree on: each worker takes a
+lost server over on its own (:meth:`ParameterServer._take_over_async`). The first worker to report
+the loss appends it to the run's order of takeovers in the store, and every worker announces the
+takeovers to the live servers in that order, so that all layouts agree: its copy of the pieces
+each server gains, and the push of its step again when that push failed. A server works out its
+pieces as the first announcement arrives (:meth:`ShardServer.gain`, in the pusher's inbox thread:
+the pushes that follow are longer), starts them from the first copy that reaches it with an
+optimizer of their own (:class:`.server.Piece`, fresh state), steps the pushes redone on them, and
+holds each answer on them back as it holds pushes, until every live pusher's push reached them
+within ``--max-staleness``. Each pusher's pushes and pulls cover the pieces of the takeovers it
+announced (``versions``). The final parameters come with the ranges each server holds, so a
+worker that ended before it saw a loss takes the pieces too. A lost asynchronous server does not
+return.
 
 A lost server started again by the launcher returns (its servers announce in the store that
 they take over, :data:`~distrain.runtime.membership.SERVERS_RETURN_KEY`, so that a launcher

@@ -101,8 +101,13 @@ def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, s
     return link, ranks
 
 
+def servers_taken_over(settings: PSSettings) -> bool:
+    """Whether a lost server's ranges are taken over by the others (elastic, uncompressed
+    pushes, two servers or more), synchronous or asynchronous."""
+    return elastic_servers(settings) and not settings.compression.enabled and settings.servers > 1
+
+
 def servers_return(settings: PSSettings) -> bool:
-    """Whether a lost server is taken over by the others and may return (elastic, synchronous,
-    uncompressed pushes, two servers or more): a launcher then starts lost servers again too."""
-    return (elastic_servers(settings) and settings.ps_mode == "sync" and not settings.compression.enabled
-            and settings.servers > 1)
+    """Whether a lost server, taken over by the others, may return (synchronous servers): a
+    launcher then starts lost servers again too."""
+    return servers_taken_over(settings) and settings.ps_mode == "sync"

@@ -27,6 +27,7 @@ from distrain.algorithms.parameter_server.elastic import (
 from distrain.algorithms.parameter_server.layout import ShardLayout, positions, shard_bounds
 from distrain.algorithms.parameter_server.server_optim import (
     RoundMomentumSGD,
+    follow_pushers,
     merged_optimizer,
     momentum_corrected,
     optimizer_settings,
@@ -37,6 +38,7 @@ from distrain.algorithms.parameter_server.server_optim import (
 from distrain.algorithms.parameter_server.settings import ServerSettings, elastic_servers
 from distrain.algorithms.parameter_server.wire import (
     HEADER,
+    NO_REDO,
     STATE,
     STOP,
     TAKEOVER,
@@ -126,6 +128,16 @@ class ShardServer:
         if self.joins is not None and servers_return(settings):  # the launcher may start a lost server again
             self.joins.store.set(SERVERS_RETURN_KEY, "1")
         self.layout: ShardLayout | None = None  # every server's ranges, from the first takeover on
+        # Asynchronous takeovers: each one's lost server and the pieces this server gained (in the
+        # run's order of takeovers), the pieces taken over so far, and how many takeovers each
+        # pusher announced (its pushes and pulls cover this server's shard and those pieces).
+        self._like = like
+        self._gains: list[tuple[int, list[tuple[int, int]]]] = []
+        self._gain_lock = threading.Lock()  # the inbox threads learn the pieces' sizes
+        self._pieces: dict[int, Piece] = {}
+        self.versions = [0] * len(self.pushers)
+        self._weights = [1.0] * len(self.pushers)  # each pusher's last push's staleness weight
+        self._held: list[tuple[int, int, int]] = []  # takeover answers held back: (row, takeover, push)
         self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
         c = settings.compression
         self.decoder = (PushDecoder(build_compressor(c.spec, error_feedback=False, seed=settings.run.seed), numel)
@@ -176,13 +188,7 @@ class ShardServer:
     def _step(self, grad: torch.Tensor, lr: float, weight: float = 1.0) -> None:
         """One optimizer step on ``grad`` (the averaged or pushed gradient) at the workers'
         learning rate ``lr``, counted ``weight``."""
-        if isinstance(self.optimizer, RoundMomentumSGD):
-            self.optimizer.step(grad.mul_(weight), lr)
-        else:
-            self.shard.grad.copy_(grad)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr * self.lr_factor * weight
-            self.optimizer.step()
+        step_shard(self.optimizer, self.shard, self.lr_factor, grad, lr, weight)
         self.updates += 1
 
     def run(self, start_step: int = 0, watch: Any = None) -> None:
@@ -322,13 +328,17 @@ class ShardServer:
         round on its push comes over that link."""
         servers = self.layout.live() if self.layout is not None else list(range(self.settings.servers))
         link = servers_link(self.joins, worker, self.transport.rank, self.settings, self.transport.link_model, servers)
-        ranges = self.layout.owned[self.index] if self.layout is not None else []
-        handles = [link.send(torch.tensor([step, self.shard.numel(), len(ranges)], dtype=torch.int64), worker)]
+        version = 0  # asynchronous: the takeovers whose pieces this server holds (all, but one still starting)
+        while version < len(self._gains) and (version in self._pieces or not self._gains[version][1]):
+            version += 1
+        ranges, values = self._holding(version)
+        handles = [link.send(torch.tensor([step, values.numel(), len(ranges)], dtype=torch.int64), worker)]
         if ranges:
             handles.append(link.send(torch.tensor(ranges, dtype=torch.int64), worker))
-        handles.append(link.send(self.shard.data, worker))
+        handles.append(link.send(values, worker))
         for h in handles:
             h.wait()
+        self.versions[self.pushers.index(worker)] = version
         self._links[self.pushers.index(worker)] = link
         self._opened.append(link)
         if worker in self.lost_pushers:
@@ -466,6 +476,8 @@ class ShardServer:
                 i, worker = message.row, self.pushers[message.row]
                 if message.failed is not None:
                     self._lose_async(i, message.failed, clocks[i], ended, waiting)
+                elif message.takeover is not None:
+                    self._take_over_async(message, clocks[i])
                 elif message.clock == STATE:
                     send_state(self._peer(i), self.optimizer_state(), worker)
                 elif message.clock == STOP and not ended[i] and i not in waiting:
@@ -476,7 +488,8 @@ class ShardServer:
                     clocks[i] = message.clock
                     self.steps = max(self.steps, message.clock)
                     stale_rounds = (self.updates - pulled[i]) // max(1, self.live_pushers)
-                    self._step(message.grad.div_(self.num_workers), message.lr, 1 / (1 + stale_rounds))
+                    self._weights[i] = 1 / (1 + stale_rounds)
+                    self._apply_push(i, message.grad.div_(self.num_workers), message.lr)
                     waiting.append(i)
                     self._stop_requested(message.clock)
                 if message.failed is None:
@@ -487,19 +500,33 @@ class ShardServer:
                     waiting.remove(j)
                     pulled[j] = self.updates
                     try:
-                        self._peer(j).send(self.shard.data, self.pushers[j]).wait()
+                        self._peer(j).send(self._values(self.versions[j]), self.pushers[j]).wait()
                     except Exception as exc:
                         self._lose_async(j, exc, clocks[j], ended, waiting)  # (raises unless survived)
+                for held in [h for h in self._held if self._pieces_caught_up(h, clocks, ended, limit)]:
+                    if held not in self._held:  # its pusher was lost on the way
+                        continue
+                    self._held.remove(held)
+                    j, m, _ = held
+                    try:
+                        self._peer(j).send(self._pieces[m].param.data, self.pushers[j]).wait()
+                    except Exception as exc:
+                        self._lose_async(j, exc, clocks[j], ended, waiting)
         finally:
             inbox.close()
-        if waiting:
-            raise WorkerFailure(f"server {self.index}: workers {[self.pushers[j] for j in waiting]} still waiting "
+        if waiting or self._held:
+            raise WorkerFailure(f"server {self.index}: workers "
+                                f"{[self.pushers[j] for j in [*waiting, *(h[0] for h in self._held)]]} still waiting "
                                 "at the end")
+        ranges, values = self._holding(len(self._gains))
+        final = [torch.tensor([values.numel(), len(ranges)], dtype=torch.int64),
+                 *([torch.tensor(ranges, dtype=torch.int64)] if ranges else []), values]
         for i, worker in enumerate(self.pushers):  # every worker ends on the final parameters (it waits in end())
             if worker in self.lost_pushers:
                 continue
             try:
-                self._peer(i).send(self.shard.data, worker).wait()
+                for h in [self._peer(i).send(t, worker) for t in final]:
+                    h.wait()
             except Exception as exc:
                 if not self._survives(exc):
                     raise
@@ -540,9 +567,97 @@ class ShardServer:
         return bool(change.joined)
 
     def _rounds_follow_pushers(self) -> None:
-        """Asynchronous SGD: a round of the servers' momentum is the live pushers' pushes."""
-        if isinstance(self.optimizer, RoundMomentumSGD):
-            self.optimizer.resize(self.live_pushers)
+        """Asynchronous: a round of the servers' SGD momentum is the live pushers' pushes, and
+        Adam steps each push at the learning rate and beta1 of that many (:func:`follow_pushers`)."""
+        for holder in [self, *self._pieces.values()]:
+            factor = follow_pushers(holder.optimizer, self._like, max(1, self.live_pushers))
+            if factor is not None:
+                holder.lr_factor = factor
+
+    def _apply_push(self, i: int, grad: torch.Tensor, lr: float) -> None:
+        """Step pusher row ``i``'s push (its gradient over ``--workers``): this server's shard,
+        then each piece of a lost server it took over that the pusher announced, in order."""
+        weight = self._weights[i]
+        main = self.shard.numel()
+        self._step(grad[:main], lr, weight)
+        offset = main
+        for m in range(self.versions[i]):
+            piece = self._pieces.get(m)
+            if piece is not None:
+                piece.step(grad[offset : offset + piece.numel], lr, weight)
+                offset += piece.numel
+
+    def _values(self, version: int) -> torch.Tensor:
+        """What a pusher that announced ``version`` takeovers pulls: the shard, then the pieces."""
+        pieces = [self._pieces[m].param.data for m in range(version) if m in self._pieces]
+        return torch.cat([self.shard.data, *pieces]) if pieces else self.shard.data
+
+    def _holding(self, version: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """The ranges this server holds after the first ``version`` takeovers (empty: its own
+        shard, no takeover) and their parameters (:meth:`_values`)."""
+        if self.layout is None or self.settings.ps_mode == "sync":
+            return (list(self.layout.owned[self.index]) if self.layout is not None else []), self.shard.data
+        taken = [r for m in range(version) if m in self._pieces for r in self._gains[m][1]]
+        return [self.layout.bounds[self.index], *taken], self._values(version)
+
+    def push_numel(self, version: int) -> int:
+        """The size of a push from a pusher that announced ``version`` takeovers."""
+        with self._gain_lock:
+            return self.shard.numel() + sum(hi - lo for _, pieces in self._gains[:version] for lo, hi in pieces)
+
+    def gain(self, m: int, lost: int, numel: int) -> list[tuple[int, int]]:
+        """The pieces of lost server ``lost``'s ranges this server takes over in the run's
+        takeover ``m`` (``numel``: the model's parameters): worked out by the first pusher's
+        inbox thread to announce it (the same for every server: :meth:`ShardLayout.take_over`)."""
+        with self._gain_lock:
+            if self.layout is None:
+                self.layout = ShardLayout(shard_bounds(numel, self.settings.servers))
+            if self.layout.numel(self.index) != self.shard.numel() and not self._gains:
+                raise WorkerFailure(f"server {self.index}: a takeover announced for a model of {numel} parameters, "
+                                    f"whose shard here would not be its {self.shard.numel()}")
+            if m == len(self._gains) and lost != self.index and lost in self.layout.live():
+                self._gains.append((lost, self.layout.take_over(lost)[self.index]))
+            elif m >= len(self._gains) or self._gains[m][0] != lost:
+                raise WorkerFailure(f"server {self.index}: takeover {m} of server {lost} announced out of the "
+                                    f"run's order ({[g[0] for g in self._gains]} so far)")
+            return self._gains[m][1]
+
+    def _take_over_async(self, message: Message, clock: int) -> None:
+        """A pusher announced takeover ``m`` of a lost server (:meth:`ParameterServer._announce`):
+        the first announcement that reaches this server starts the pieces it gains from the
+        pusher's copy, with an optimizer state of their own, fresh; a push redone (this server
+        applied it to its shard, the lost one never answered it) is stepped on the pieces and
+        answered once every live pusher's redone push or later one reached them (as
+        ``--max-staleness`` holds pushes back: see :meth:`_pieces_caught_up`)."""
+        assert message.takeover is not None
+        lost, m, redone, values = message.takeover
+        i, worker = message.row, self.pushers[message.row]
+        if self.versions[i] != m:
+            raise WorkerFailure(f"server {self.index}: worker {worker} announced takeover {m} after "
+                                f"{self.versions[i]} of them")
+        self.versions[i] = m + 1
+        pieces = self._gains[m][1]
+        if not pieces:
+            return
+        if m not in self._pieces:
+            self._pieces[m] = Piece(values, self._like, self.settings, self.live_pushers)
+            log.warning("server %d: took over parameters %s of lost server %d at worker %d's push %d (from its copy); "
+                        "their optimizer state starts from zero", self.index, pieces, lost, worker, clock)
+        if redone == NO_REDO:
+            return
+        if redone != clock:
+            raise WorkerFailure(f"server {self.index}: worker {worker} redid its push {redone} on a lost server's "
+                                f"parameters after its push {clock}")
+        self._pieces[m].step(message.grad.div_(self.num_workers), message.lr, self._weights[i])
+        self._held.append((i, m, redone))
+
+    def _pieces_caught_up(self, held: tuple[int, int, int], clocks: list[int], ended: list[bool], limit: int) -> bool:
+        """Whether the answer ``held`` (row, takeover, push redone) may go: every live pusher's
+        pushes reached the pieces up to ``limit`` behind it (one that has not announced the
+        takeover yet has its last push still to redo on them)."""
+        _, m, redone = held
+        return all(done or (clock if version > m else clock - 1) >= redone - limit
+                   for clock, done, version in zip(clocks, ended, self.versions, strict=True))
 
     def _lose_async(self, i: int, exc: BaseException, clock: int, ended: list[bool], waiting: deque[int]) -> None:
         """Pusher row ``i``'s receive or answer failed: in an elastic run, if its process died,
@@ -555,6 +670,7 @@ class ShardServer:
         ended[i] = True
         if i in waiting:
             waiting.remove(i)
+        self._held = [h for h in self._held if h[0] != i]
         self.lost_pushers.append(worker)
         declare_dead(self._store_client(), worker)
         live = self.live_pushers
@@ -574,7 +690,8 @@ class ShardServer:
         store = CheckpointStore(self.run_dir, self.transport.rank, world)
         # after a loss the set is written by the processes still serving and training
         members = [r for r in range(world) if r not in self.lost_pushers]
-        store.save(step, {"shard": self.shard.data, "optimizer": self.optimizer.state_dict(), "step": step,
+        store.save(step, {"shard": self._holding(len(self._gains))[1], "optimizer": self.optimizer.state_dict(),
+                          "step": step,
                           "model_name": self.settings.model, "algorithm_name": "ps",
                           "world_size": world, SET_SIZE_KEY: world, "steps_per_epoch": self.steps_per_epoch,
                           "total_steps": self.total_steps, "totals": self.totals().state_dict(),
@@ -680,16 +797,49 @@ def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.opt
     control.control_barrier()
 
 
+def step_shard(optimizer: torch.optim.Optimizer | RoundMomentumSGD, param: torch.nn.Parameter, lr_factor: float,
+               grad: torch.Tensor, lr: float, weight: float = 1.0) -> None:
+    """One step of a server's ``optimizer`` over ``param`` on ``grad`` at the workers' learning
+    rate ``lr`` (times ``lr_factor``), counted ``weight``."""
+    if isinstance(optimizer, RoundMomentumSGD):
+        optimizer.step(grad.mul_(weight), lr)
+    else:
+        param.grad.copy_(grad)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * lr_factor * weight
+        optimizer.step()
+
+
+class Piece:
+    """Parameters of a lost server that an asynchronous server took over, stepped with an
+    optimizer of their own (the workers' as the server's own shard is, its state fresh)."""
+
+    def __init__(self, values: torch.Tensor, like: torch.optim.Optimizer, settings: ServerSettings,
+                 pushers: int) -> None:
+        self.param = torch.nn.Parameter(values.clone())
+        self.param.grad = torch.zeros_like(self.param)
+        self.numel = self.param.numel()
+        self.optimizer, self.lr_factor = server_optimizer(
+            like, self.param, asynchronous=True, pushers=pushers, max_staleness=settings.max_staleness,
+            corrected=momentum_corrected(settings.compression, like))
+
+    def step(self, grad: torch.Tensor, lr: float, weight: float) -> None:
+        step_shard(self.optimizer, self.param, self.lr_factor, grad, lr, weight)
+
+
 class Message:
     """One pusher's message to an asynchronous server (:class:`Inbox`): a push (its clock,
-    learning rate and gradient), a request for the optimizer state, its STOP, or the failure
-    of its receive."""
+    learning rate and gradient), a request for the optimizer state, its STOP, a takeover of a
+    lost server (``takeover``: the lost server, the takeover's place in the run's order, the push
+    redone, the pusher's copy of the pieces; ``grad``: the redone push's, or None), or the
+    failure of its receive."""
 
-    __slots__ = ("clock", "failed", "grad", "lr", "row")
+    __slots__ = ("clock", "failed", "grad", "lr", "row", "takeover")
 
     def __init__(self, row: int, header: torch.Tensor | None = None, grad: torch.Tensor | None = None,
-                 failed: BaseException | None = None) -> None:
-        self.row, self.grad, self.failed = row, grad, failed
+                 failed: BaseException | None = None,
+                 takeover: tuple[int, int, int, torch.Tensor] | None = None) -> None:
+        self.row, self.grad, self.failed, self.takeover = row, grad, failed, takeover
         self.clock = int(header[0]) if header is not None else 0
         self.lr = float(header[1:].clone().view(torch.float64)) if header is not None else 0.0
 
@@ -720,23 +870,44 @@ class Inbox:
         server, worker = self.server, self.server.pushers[i]
         transport = server._peer(i)
         header = torch.zeros(2, dtype=torch.int64)
-        grad = torch.zeros(server.shard.numel())
+        grad = torch.zeros(server.push_numel(server.versions[i]))
         while not self._closed:
+            takeover: tuple[int, int, int, torch.Tensor] | None = None
             try:
                 transport.recv(header, worker).wait()
                 clock = int(header[0])
-                if clock not in (STATE, STOP):
+                if clock == TAKEOVER:
+                    takeover, redone = self._receive_takeover(transport, worker)
+                elif clock not in (STATE, STOP):
                     handle = server._recv_push(grad, worker, transport)
                     if handle is not None:
                         handle.wait()
             except Exception as exc:  # noqa: BLE001 - the serving thread decides
                 self._queue.put(Message(i, failed=exc))
                 return
-            self._queue.put(Message(i, header.clone(), grad))
+            self._queue.put(Message(i, header.clone(), grad if takeover is None else redone, takeover=takeover))
             if clock == STOP:
                 return
             free.wait()
             free.clear()
+            if takeover is not None:  # its pushes cover the pieces of this takeover from now on
+                grad = torch.zeros(server.push_numel(takeover[1] + 1))
+
+    def _receive_takeover(self, transport: Transport, worker: int) -> tuple[tuple[int, int, int, torch.Tensor],
+                                                                              torch.Tensor | None]:
+        """The rest of a takeover announcement (:meth:`ParameterServer._announce`): its fields,
+        the pusher's copy of the pieces this server gains, and the push redone on them."""
+        fields = torch.zeros(TAKEOVER_FIELDS, dtype=torch.int64)
+        transport.recv(fields, worker).wait()
+        lost, m, redone, numel = (int(v) for v in fields.tolist())
+        size = sum(hi - lo for lo, hi in self.server.gain(m, lost, numel))
+        values, grad = torch.empty(size), None
+        if size:
+            transport.recv(values, worker).wait()
+            if redone != NO_REDO:
+                grad = torch.empty(size)
+                transport.recv(grad, worker).wait()
+        return (lost, m, redone, values), grad
 
     def next(self, timeout: float | None = None) -> Message | None:
         """The next message from any pusher (None: none within ``timeout`` seconds)."""

@@ -63,6 +63,24 @@ def server_optimizer(like: torch.optim.Optimizer, shard: torch.nn.Parameter, *, 
     raise ConfigError("ps_mode", f"async servers step SGD, Adam or AdamW, not {type(like).__name__}; use ps_mode sync")
 
 
+def follow_pushers(optimizer: torch.optim.Optimizer | RoundMomentumSGD, like: torch.optim.Optimizer,
+                   pushers: int) -> float | None:
+    """An asynchronous server's ``optimizer`` (:func:`server_optimizer` of the workers'
+    ``like``) once ``pushers`` workers push (one was lost or joined), its state kept: SGD's
+    rounds hold ``pushers`` pushes (:meth:`RoundMomentumSGD.resize`); Adam / AdamW step each push
+    with ``beta1 ** (1 / pushers)``. Returns the new factor on each push's learning rate
+    (``1 / pushers``; None: it has none)."""
+    if isinstance(optimizer, RoundMomentumSGD):
+        optimizer.resize(pushers)
+        return None
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and isinstance(like, torch.optim.Adam | torch.optim.AdamW):
+        beta1, beta2 = optimizer_settings(like)["betas"]
+        for group in optimizer.param_groups:
+            group["betas"] = (beta1 ** (1 / pushers), beta2)
+        return 1 / pushers
+    return None
+
+
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The hyperparameters ``optimizer`` was made with that its constructor takes again (its
     first group's current values: a scheduler may have moved the learning rate); ConfigError

@@ -21,13 +21,20 @@ STOP = -1
 #: :data:`TAKEOVER_FIELDS` message follows; see :meth:`ShardServer._take_over`).
 TAKEOVER = -2
 #: The takeover message: lost server, the worker that sends its parameters, the step redone,
-#: the number of parameters (the whole model's).
+#: the number of parameters (the whole model's). Asynchronous servers: lost server, the
+#: takeover's place in the run's order of takeovers, the push redone (:data:`NO_REDO`: none),
+#: the number of parameters.
 TAKEOVER_FIELDS = 4
+#: An asynchronous takeover message's push redone when none is: only the parameters follow.
+NO_REDO = -1
 #: The clock of a worker's header that asks the server for its optimizer state (the state
 #: follows, :func:`send_state`; the worker's next header is its push as usual).
 STATE = -3
 #: Store keys of the workers' agreement on a lost server (see :meth:`ParameterServer._agree`).
 TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/takeover/{}/{}"
+#: Store keys of the order of asynchronous takeovers: the n-th lost server (see
+#: :meth:`ParameterServer._take_over_async`).
+ASYNC_TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/async-takeover/{}"
 #: The largest shard a server accepts, and worker 0 sends (float32 parameters): 8 GiB.
 MAX_SHARD_BYTES = 2**33
 #: The largest layout of an optimizer state a worker or server accepts (JSON bytes).

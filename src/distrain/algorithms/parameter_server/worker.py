@@ -16,7 +16,7 @@ from distrain.algorithms.hierarchical import NodeGroups
 from distrain.algorithms.parameter_server.elastic import (
     return_link,
     servers_link,
-    servers_return,
+    servers_taken_over,
     survivors_transport,
 )
 from distrain.algorithms.parameter_server.layout import (
@@ -28,8 +28,10 @@ from distrain.algorithms.parameter_server.layout import (
 from distrain.algorithms.parameter_server.server_optim import momentum_corrected
 from distrain.algorithms.parameter_server.settings import PSSettings, elastic_servers
 from distrain.algorithms.parameter_server.wire import (
+    ASYNC_TAKEOVER_KEY,
     GIB,
     MAX_SHARD_BYTES,
+    NO_REDO,
     STATE,
     STOP,
     TAKEOVER,
@@ -128,7 +130,8 @@ class ParameterServer(Algorithm):
             self.density = c.warmup(compressor.ratio)
         #: the others take over a lost server's ranges (elastic, uncompressed, two servers or more);
         #: pulls then land in a second buffer, so a failed one leaves the last parameters whole
-        self.takes_over = servers_return(settings)
+        self.takes_over = servers_taken_over(settings)
+        self._takeovers = 0  # asynchronous: the run's takeovers applied here (their order is the store's)
         #: servers that returned after their loss, each reached over the link opened as it did
         self._server_links: dict[int, Transport] = {}
         #: when each server was last lost (taken over) and returned, as this worker saw it (Unix time)
@@ -260,11 +263,7 @@ class ParameterServer(Algorithm):
             return
         handles: list[Handle] = []
         for shard, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds, strict=True)):
-            header = self._clock_header
-            if self._offsets.get(shard):  # a worker that joined asynchronous servers: their clocks for it
-                header = header.clone()
-                header[0] += self._offsets[shard]
-            handles.append(self.transport.send(header, server))
+            handles.append(self.transport.send(self._header(shard), server))
             if self.push is None or info is None:
                 handles.append(self.transport.send(self.grad[lo:hi], server))
             else:
@@ -273,6 +272,15 @@ class ParameterServer(Algorithm):
             handles.append(self.transport.recv(self.flat[lo:hi], server))
         for h in handles:
             h.wait()
+
+    def _header(self, s: int) -> torch.Tensor:
+        """This push's header for server ``s``: the clock and learning rate; a worker that joined
+        asynchronous servers sends each its own clock for it (:attr:`_offsets`)."""
+        if not self._offsets.get(s):
+            return self._clock_header
+        header = self._clock_header.clone()
+        header[0] += self._offsets[s]
+        return header
 
     def _push_pull_elastic(self) -> None:
         """The push and pull of a run whose servers may be lost: each live server's ranges; the
@@ -286,7 +294,7 @@ class ParameterServer(Algorithm):
             into = gather_ranges(self._spare, ranges) if len(ranges) == 1 else torch.empty(self.layout.numel(s))
             to = self._to(s)
             try:  # a connection already closed fails here, not at the wait
-                pending[s] = (into, [to.send(self._clock_header, server),
+                pending[s] = (into, [to.send(self._header(s), server),
                                      to.send(gather_ranges(self.grad, ranges), server),
                                      to.recv(into, server)])
             except Exception as exc:
@@ -310,8 +318,11 @@ class ParameterServer(Algorithm):
         for s in pending:  # the live servers' answers; the lost ones' ranges keep the last parameters
             if s not in dict(lost):
                 scatter_ranges(self.flat, self.layout.owned[s], gather_ranges(self._spare, self.layout.owned[s]))
-        for s, exc in lost:
-            self._take_over(s, exc)
+        if self.asynchronous:
+            self._take_over_async(dict(lost))
+        else:
+            for s, exc in lost:
+                self._take_over(s, exc)
         self._spare.copy_(self.flat)
 
     def _take_over(self, s: int, exc: BaseException) -> None:
@@ -321,13 +332,7 @@ class ParameterServer(Algorithm):
         from the parameters of the last step it answered (from one worker) with fresh optimizer
         state, redo this step on them with every live worker's gradient, and answer the new
         parameters. No step is lost or applied twice."""
-        store = self._store_client()
-        rank = self.servers[s]
-        deadline = time.monotonic() + self.settings.run.timeout
-        while store is None or not declared_dead(store, rank):  # the launcher declares an exited process dead
-            if store is None or time.monotonic() > deadline:
-                raise exc
-            time.sleep(0.02)
+        store = self._await_dead(s, exc)
         leader = self._agree(store, s)
         gained = self.layout.take_over(s)
         self.server_lost[s] = time.time()
@@ -335,25 +340,93 @@ class ParameterServer(Algorithm):
         me, numel = self.transport.rank, self.flat.numel()
         log.warning("worker %d: lost server %d at step %d; servers %s take over its parameters", me, s, self.clock,
                     [t for t, pieces in gained.items() if pieces])
-        header = self._clock_header.clone()
-        header[0] = TAKEOVER
         message = torch.tensor([s, leader, self.clock, numel], dtype=torch.int64)
+        self._send_takeover(gained, lambda t: message, values=me == leader, redo=True)
+
+    def _send_takeover(self, gained: dict[int, list[tuple[int, int]]], message: Any, values: bool,
+                       redo: bool) -> None:
+        """Announce a takeover to every live server (``gained``: the pieces each gains): a
+        :data:`TAKEOVER` header and ``message(t)``, server ``t``'s fields; to a server that gains
+        pieces, with ``values`` this worker's copy of them, with ``redo`` this step's gradient of
+        them, and then receive their parameters after it."""
         handles: list[Handle] = []
         answers: dict[int, torch.Tensor] = {}
         for t, pieces in gained.items():
             server, to = self.servers[t], self._to(t)
-            handles += [to.send(header, server), to.send(message, server)]
+            header = self._header(t).clone()
+            header[0] = TAKEOVER
+            handles += [to.send(header, server), to.send(message(t), server)]
             if not pieces:
                 continue
-            if me == leader:
+            if values:
                 handles.append(to.send(gather_ranges(self.flat, pieces).contiguous(), server))
-            handles.append(to.send(gather_ranges(self.grad, pieces).contiguous(), server))
-            answers[t] = torch.empty(sum(hi - lo for lo, hi in pieces))
-            handles.append(to.recv(answers[t], server))
+            if redo:
+                handles.append(to.send(gather_ranges(self.grad, pieces).contiguous(), server))
+                answers[t] = torch.empty(sum(hi - lo for lo, hi in pieces))
+                handles.append(to.recv(answers[t], server))
         for h in handles:
             h.wait()
-        for t, values in answers.items():
-            scatter_ranges(self.flat, gained[t], values)
+        for t, copy in answers.items():
+            scatter_ranges(self.flat, gained[t], copy)
+
+    def _await_dead(self, s: int, exc: BaseException) -> Any:
+        """Wait until server ``s``, whose exchange failed with ``exc``, is declared dead in the
+        rendezvous store (the launcher declares a process that exited), at most ``--timeout``
+        seconds (``exc`` is raised then, or at once without a store). Returns the store."""
+        store = self._store_client()
+        deadline = time.monotonic() + self.settings.run.timeout
+        while store is None or not declared_dead(store, self.servers[s]):
+            if store is None or time.monotonic() > deadline:
+                raise exc
+            time.sleep(0.02)
+        return store
+
+    def _take_over_async(self, failed: dict[int, BaseException]) -> None:
+        """Asynchronous servers ``failed`` (index -> the error of this step's exchange) are lost:
+        no step is common to the workers, so each takes over on its own. Once a server is
+        declared dead, its place in the run's order of takeovers is settled in the store (the
+        first worker to report it appends it; a lost server does not return in async runs), and
+        every worker applies the takeovers in that order (:meth:`_announce`), so that the
+        workers' and servers' layouts agree. This step's push to a failed server is redone on
+        the servers that take its ranges over."""
+        store = None
+        for s, exc in failed.items():
+            store = self._await_dead(s, exc)
+        order = {s: self._takeover_place(store, s) for s in failed}
+        while self._takeovers <= max(order.values()):
+            n = self._takeovers
+            lost = int(store.get(ASYNC_TAKEOVER_KEY.format(n)).decode())
+            if lost not in self.layout.live():
+                raise WorkerFailure(f"worker {self.transport.rank}: takeover {n} of server {lost}, which it "
+                                    "does not push to")
+            self._announce(lost, n, redo=lost in failed)
+            self._takeovers += 1
+
+    @staticmethod
+    def _takeover_place(store: Any, s: int) -> int:
+        """Server ``s``'s place in the run's order of asynchronous takeovers, appended by the
+        first worker that asks (one atomic compare-and-set per place)."""
+        n = 0
+        while True:
+            got = store.compare_set(ASYNC_TAKEOVER_KEY.format(n), "", str(s))
+            if (got.decode() if isinstance(got, bytes) else str(got)) == str(s):
+                return n
+            n += 1
+
+    def _announce(self, lost: int, n: int, redo: bool) -> None:
+        """Takeover ``n``, of asynchronous server ``lost``: tell every live server, send those
+        that take its ranges over this worker's copy of their pieces (the first copy to reach a
+        server starts them, with a fresh optimizer state) and, with ``redo``, this step's
+        gradient of the pieces, pushed again; receive their parameters after it. A server holds
+        that answer back as it holds pushes (``--max-staleness``, counted on the pieces), so with
+        ``--max-staleness 0`` every worker gets the pieces after every worker's push redone."""
+        gained = self.layout.take_over(lost)
+        self.server_lost[lost] = time.time()
+        log.warning("worker %d: lost server %d at its push %d; servers %s take over its parameters",
+                    self.transport.rank, lost, self.clock, [t for t, pieces in gained.items() if pieces])
+        self._send_takeover(gained, lambda t: torch.tensor([lost, n, int(self._header(t)[0]) if redo else NO_REDO,
+                                                            self.flat.numel()], dtype=torch.int64),
+                            values=True, redo=redo)
 
     def _agree(self, store: Any, s: int) -> int:
         """The live workers agree on taking over server ``s`` at this step: each registers its
@@ -435,6 +508,10 @@ class ParameterServer(Algorithm):
         else:
             self.clock = next(iter(steps.values()))
         self.layout.owned = owned
+        if self.asynchronous and self.takes_over:  # the takeovers so far, which the servers' ranges show
+            store = self._store_client()
+            while store.check([ASYNC_TAKEOVER_KEY.format(self._takeovers)]):
+                self._takeovers += 1
         if sum(self.layout.numel(s) for s in owned) != self.flat.numel():
             raise WorkerFailure(f"worker {me}: the live servers' ranges {owned} do not cover the {self.flat.numel()} "
                                 "parameters")
@@ -471,17 +548,63 @@ class ParameterServer(Algorithm):
         if self.pushes:
             self._ended = True
             stop = torch.tensor([STOP, 0], dtype=torch.int64)
-            handles = [self._to(s).send(stop, self.servers[s]) for s in self.layout.live()]
-            if self.asynchronous:  # (no takeover in async runs: every server holds its own shard)
-                handles += [self._to(s).recv(self.flat[lo:hi], self.servers[s]) for s, (lo, hi) in enumerate(self.bounds)]
-            for h in handles:
-                h.wait()
+            if self.asynchronous:
+                self._final_parameters(stop)
+            else:
+                for h in [self._to(s).send(stop, self.servers[s]) for s in self.layout.live()]:
+                    h.wait()
         if self.asynchronous:
             self._final_pulled = True
             intra = self.nodes.intra if self.nodes is not None and self.nodes.intra.world_size > 1 else None
             if intra is not None:
                 intra.broadcast(self.flat, src=0).wait()
             self._flat_to_params()
+
+    def _final_parameters(self, stop: torch.Tensor) -> None:
+        """Asynchronous: send every live server ``stop`` and receive its final parameters, each
+        server's as ``[numel, k]``, the ``k`` ranges it holds (0: its own shard) and their values,
+        so that pieces of a lost server it took over reach a worker that ended before it saw the
+        loss. Where servers may be taken over, one lost on the way (declared dead) is passed
+        over; ranges nobody took over keep this worker's last pull of them (logged)."""
+        dead: dict[int, BaseException] = {}
+        for s in self.layout.live():  # every server first: each answers once every worker ended on all
+            try:
+                self._to(s).send(stop, self.servers[s]).wait()
+            except Exception as exc:
+                if not (self.takes_over and is_comm_error(exc)):
+                    raise
+                dead[s] = exc
+        header = torch.zeros(2, dtype=torch.int64)
+        covered = 0
+        for s in [s for s in self.layout.live() if s not in dead]:
+            to, server = self._to(s), self.servers[s]
+            try:
+                to.recv(header, server).wait()
+                numel, k = (int(v) for v in header.tolist())
+                ranges = [self.bounds[s]]
+                if k:
+                    table = torch.zeros(k, 2, dtype=torch.int64)
+                    to.recv(table, server).wait()
+                    ranges = [(int(lo), int(hi)) for lo, hi in table.tolist()]
+                if numel != sum(hi - lo for lo, hi in ranges) or not all(0 <= lo < hi <= self.flat.numel()
+                                                                         for lo, hi in ranges):
+                    raise WorkerFailure(f"worker {self.transport.rank}: server {s} announced {numel} final "
+                                        f"parameters for its ranges {ranges}")
+                values = torch.empty(numel)
+                to.recv(values, server).wait()
+            except Exception as exc:
+                if not (self.takes_over and is_comm_error(exc)):
+                    raise
+                dead[s] = exc
+                continue
+            scatter_ranges(self.flat, ranges, values)
+            covered += numel
+        for s, exc in dead.items():
+            self._await_dead(s, exc)
+            self.server_lost.setdefault(s, time.time())
+        if covered != self.flat.numel():
+            log.warning("worker %d: servers %s were lost after its last push, before any worker took their "
+                        "parameters over; it ends on its own last pull of them", self.transport.rank, sorted(dead))
 
     def control_transport(self) -> StoreGroup | None:  # type: ignore[override]
         """Once this worker's training has ended, in an elastic run: the processes that finished,
