@@ -639,8 +639,9 @@ class ShardServer:
         pieces = self._gains[m][1]
         if not pieces:
             return
-        if m not in self._pieces:
-            self._pieces[m] = Piece(values, self._like, self.settings, self.live_pushers)
+        if m not in self._pieces:  # made as the shard's optimizer was, for the run's pushers, then the live ones
+            self._pieces[m] = Piece(values, self._like, self.settings, len(self.pushers))
+            self._rounds_follow_pushers()
             log.warning("server %d: took over parameters %s of lost server %d at worker %d's push %d (from its copy); "
                         "their optimizer state starts from zero", self.index, pieces, lost, worker, clock)
         if redone == NO_REDO:
