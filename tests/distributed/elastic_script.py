@@ -15,7 +15,8 @@ true`` in it the parameter vector is two tensors (its halves: DiLoCo's fragments
 tensors), and ``"momentum"`` is SGD's (0.9 by default). With
 ``ELASTIC_DEVICE=cuda`` in the environment the model and its gradients are on the GPU, the
 workers sharing it over gloo. With ``ELASTIC_STACKS=S``, a worker still running after S seconds
-prints every thread's stack (what a hung run waits on).
+prints every thread's stack (what a hung run waits on). With ``ELASTIC_STEPS_OF=W:N``, worker
+``W`` takes ``N`` steps instead of ``STEPS`` (asynchronous algorithms: it ends first).
 
 Usage: elastic_script.py OUT STEPS VICTIM AT WHERE [SETTINGS]
 """
@@ -80,6 +81,8 @@ def main() -> None:
     opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), **settings)
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
     world = int(os.environ["WORLD_SIZE"])
+    short = os.environ.get("ELASTIC_STEPS_OF", "").split(":")
+    own_steps = int(short[1]) if len(short) == 2 and int(short[0]) == me else steps
 
     syncs: set[int] = set()
     history = []  # the parameters after each of this worker's steps
@@ -91,7 +94,7 @@ def main() -> None:
             full = [c.step for c in opt.changes if c.joined and len(c.members) == world][:1]
             return not full or opt.steps < max(steps, full[0] + 4)
         if where != "rejoin":
-            return opt.steps < steps
+            return opt.steps < own_steps
         # (a worker that joined after the server's return finds every server whole as it joins)
         if server_back and not returned and (opt.algorithm.returned_servers
                                              or (not first_life and opt.algorithm.layout.whole())):

@@ -834,6 +834,28 @@ def test_asynchronous_servers_take_over_a_lost_server(tmp_path: Path):
     assert not torch.allclose(ps_takeover_reference((4, 7), at), expected, atol=1e-4)  # the round reset shows
 
 
+@pytest.mark.slow  # CI: the takeover above
+def test_a_worker_that_ended_takes_a_lost_asynchronous_servers_parameters_at_the_end(tmp_path: Path):
+    """``--ps-mode async --max-staleness 0``, two servers: worker 3 takes 4 steps and ends (its
+    STOP sent, it waits for the final parameters); server 1 is killed at round 6, which only
+    workers 0 to 2 reach, and they take it over. Worker 3 never pushes to a lost server: its
+    final receive from server 1 fails, and server 0's final parameters, sent with the ranges it
+    holds, cover them. Every worker ends on the same parameters: the sum of every push applied
+    (momentum 0), worker 3's four included."""
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:6", "ELASTIC_STEPS_OF": "3:4"}
+    settings = {"algorithm": "ps", "ps_mode": "async", "max_staleness": 0, "momentum": 0}
+    done = launch(tmp_path, -1, 0, "start", "--servers", "2", settings=settings, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "took over parameters [(5, 10)] of lost server 1" in done.stderr
+    assert "worker 3: lost server" not in done.stderr  # it learnt of the loss only at the end
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    assert [results[r]["steps"] for r in range(WORKERS)] == [STEPS, STEPS, STEPS, 4]
+    pushed = [(r, s) for r in range(WORKERS) for s in range(results[r]["steps"])]
+    expected = -0.1 / WORKERS * sum(gradient(r, s) for r, s in pushed)
+    for r, result in results.items():
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-5, msg=f"worker {r}")
+
+
 def test_a_restarted_server_takes_its_parameters_back(tmp_path: Path):
     """Two servers ([0, 5) and [5, 10)); server 1 is killed as step 3 begins and started again
     (--max-restarts 1): server 0 takes over [5, 10) and redoes step 3 on it (its momentum starts
