@@ -543,6 +543,8 @@ class ShardServer:
         admitted already (then serve them). Returns whether any joined."""
         if self.joins is None:
             return False
+        if not closing and any(pieces and m not in self._pieces for m, (_, pieces) in enumerate(self._gains)):
+            return False  # a takeover's pieces are still starting (their first copy queued): a joiner gets them next time
         growth = self.joins.close_growth() if closing else self.joins.growth_now()
         if growth is None:
             return False
