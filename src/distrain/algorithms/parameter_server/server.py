@@ -328,15 +328,8 @@ class ShardServer:
         round on its push comes over that link."""
         servers = self.layout.live() if self.layout is not None else list(range(self.settings.servers))
         link = servers_link(self.joins, worker, self.transport.rank, self.settings, self.transport.link_model, servers)
-        version = 0  # asynchronous: the takeovers whose pieces this server holds (all, but one still starting)
-        while version < len(self._gains) and (version in self._pieces or not self._gains[version][1]):
-            version += 1
-        ranges, values = self._holding(version)
-        handles = [link.send(torch.tensor([step, values.numel(), len(ranges)], dtype=torch.int64), worker)]
-        if ranges:
-            handles.append(link.send(torch.tensor(ranges, dtype=torch.int64), worker))
-        handles.append(link.send(values, worker))
-        for h in handles:
+        version = self._started_takeovers()  # asynchronous: its pushes cover them (sync: none)
+        for h in [link.send(t, worker) for t in self._holding_message(step, version)]:
             h.wait()
         self.versions[self.pushers.index(worker)] = version
         self._links[self.pushers.index(worker)] = link
@@ -518,9 +511,7 @@ class ShardServer:
             raise WorkerFailure(f"server {self.index}: workers "
                                 f"{[self.pushers[j] for j in [*waiting, *(h[0] for h in self._held)]]} still waiting "
                                 "at the end")
-        ranges, values = self._holding(len(self._gains))
-        final = [torch.tensor([values.numel(), len(ranges)], dtype=torch.int64),
-                 *([torch.tensor(ranges, dtype=torch.int64)] if ranges else []), values]
+        final = self._holding_message(self.steps, len(self._gains))
         for i, worker in enumerate(self.pushers):  # every worker ends on the final parameters (it waits in end())
             if worker in self.lost_pushers:
                 continue
@@ -543,7 +534,7 @@ class ShardServer:
         admitted already (then serve them). Returns whether any joined."""
         if self.joins is None:
             return False
-        if not closing and any(pieces and m not in self._pieces for m, (_, pieces) in enumerate(self._gains)):
+        if not closing and self._started_takeovers() < len(self._gains):
             return False  # a takeover's pieces are still starting (their first copy queued): a joiner gets them next time
         growth = self.joins.close_growth() if closing else self.joins.growth_now()
         if growth is None:
@@ -601,6 +592,22 @@ class ShardServer:
             return (list(self.layout.owned[self.index]) if self.layout is not None else []), self.shard.data
         taken = [r for m in range(version) if m in self._pieces for r in self._gains[m][1]]
         return [self.layout.bounds[self.index], *taken], self._values(version)
+
+    def _started_takeovers(self) -> int:
+        """How many of the run's takeovers this server has started the pieces of (or gained none
+        in), in order: a pusher whose pushes cover them all can be served."""
+        version = 0
+        while version < len(self._gains) and (version in self._pieces or not self._gains[version][1]):
+            version += 1
+        return version
+
+    def _holding_message(self, step: int, version: int) -> list[torch.Tensor]:
+        """What a worker receives as it joins, or at the end (asynchronous): ``[step, numel, k]``,
+        the ``k`` ranges this server holds after the first ``version`` takeovers (0: its own
+        shard) and their parameters (:meth:`ParameterServer._recv_holding`)."""
+        ranges, values = self._holding(version)
+        return [torch.tensor([step, values.numel(), len(ranges)], dtype=torch.int64),
+                *([torch.tensor(ranges, dtype=torch.int64)] if ranges else []), values]
 
     def push_numel(self, version: int) -> int:
         """The size of a push from a pusher that announced ``version`` takeovers."""

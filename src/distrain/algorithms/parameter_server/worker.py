@@ -481,23 +481,9 @@ class ParameterServer(Algorithm):
         the optimizer state; a worker keeps none of its own but its error-feedback residuals (and
         momentum, under momentum correction), which start again from zero."""
         me, steps, owned = self.transport.rank, {}, {}
-        header = torch.zeros(3, dtype=torch.int64)
         for server in [r for r in self.transport.ranks if r != me]:  # type: ignore[attr-defined]
             s = server - self.num_workers
-            self.transport.recv(header, server).wait()
-            step, numel, k = (int(v) for v in header.tolist())
-            ranges = [self.bounds[s]]
-            if k:
-                table = torch.zeros(k, 2, dtype=torch.int64)
-                self.transport.recv(table, server).wait()
-                ranges = [(int(lo), int(hi)) for lo, hi in table.tolist()]
-            if numel != sum(hi - lo for lo, hi in ranges) or not all(0 <= lo < hi <= self.flat.numel() for lo, hi in ranges):
-                raise WorkerFailure(f"worker {me}: server {s} announced {numel} parameters for its ranges {ranges}")
-            values = torch.empty(numel)
-            self.transport.recv(values, server).wait()
-            scatter_ranges(self.flat, ranges, values)
-            owned[s] = ranges
-            steps[s] = step
+            steps[s], owned[s] = self._recv_holding(self.transport, s)
         if self.asynchronous:  # each server's clock for it: its slowest pusher's, which may differ by one
             if max(steps.values()) - min(steps.values()) > 1:
                 raise WorkerFailure(f"worker {me}: the servers admitted it at clocks {steps}, more than one apart")
@@ -524,6 +510,27 @@ class ParameterServer(Algorithm):
         if self._spare is not None:
             self._spare.copy_(self.flat)
         return self.clock
+
+    def _recv_holding(self, transport: Transport, s: int) -> tuple[int, list[tuple[int, int]]]:
+        """Server ``s``'s parameters as it sends them to a joiner or at the end
+        (:meth:`ShardServer._holding_message`): ``[step, numel, k]``, the ``k`` ranges it holds (0:
+        its own shard), their values, written into :attr:`flat`. Returns the step and the ranges."""
+        header = torch.zeros(3, dtype=torch.int64)
+        server = self.servers[s]
+        transport.recv(header, server).wait()
+        step, numel, k = (int(v) for v in header.tolist())
+        ranges = [self.bounds[s]]
+        if k:
+            table = torch.zeros(k, 2, dtype=torch.int64)
+            transport.recv(table, server).wait()
+            ranges = [(int(lo), int(hi)) for lo, hi in table.tolist()]
+        if numel != sum(hi - lo for lo, hi in ranges) or not all(0 <= lo < hi <= self.flat.numel() for lo, hi in ranges):
+            raise WorkerFailure(f"worker {self.transport.rank}: server {s} announced {numel} parameters for its "
+                                f"ranges {ranges}")
+        values = torch.empty(numel)
+        transport.recv(values, server).wait()
+        scatter_ranges(self.flat, ranges, values)
+        return step, ranges
 
     def rejoin(self, workers: list[int]) -> None:
         """``workers`` joined again after their loss: a later loss of theirs is news again."""
@@ -561,10 +568,9 @@ class ParameterServer(Algorithm):
             self._flat_to_params()
 
     def _final_parameters(self, stop: torch.Tensor) -> None:
-        """Asynchronous: send every live server ``stop`` and receive its final parameters, each
-        server's as ``[numel, k]``, the ``k`` ranges it holds (0: its own shard) and their values,
-        so that pieces of a lost server it took over reach a worker that ended before it saw the
-        loss. Where servers may be taken over, one lost on the way (declared dead) is passed
+        """Asynchronous: send every live server ``stop`` and receive its final parameters with the
+        ranges it holds (:meth:`_recv_holding`), so that pieces of a lost server it took over reach
+        a worker that ended before it saw the loss. Where servers may be taken over, one lost on the way (declared dead) is passed
         over; ranges nobody took over keep this worker's last pull of them (logged)."""
         dead: dict[int, BaseException] = {}
         for s in self.layout.live():  # every server first: each answers once every worker ended on all
@@ -574,31 +580,16 @@ class ParameterServer(Algorithm):
                 if not (self.takes_over and is_comm_error(exc)):
                     raise
                 dead[s] = exc
-        header = torch.zeros(2, dtype=torch.int64)
         covered = 0
         for s in [s for s in self.layout.live() if s not in dead]:
-            to, server = self._to(s), self.servers[s]
             try:
-                to.recv(header, server).wait()
-                numel, k = (int(v) for v in header.tolist())
-                ranges = [self.bounds[s]]
-                if k:
-                    table = torch.zeros(k, 2, dtype=torch.int64)
-                    to.recv(table, server).wait()
-                    ranges = [(int(lo), int(hi)) for lo, hi in table.tolist()]
-                if numel != sum(hi - lo for lo, hi in ranges) or not all(0 <= lo < hi <= self.flat.numel()
-                                                                         for lo, hi in ranges):
-                    raise WorkerFailure(f"worker {self.transport.rank}: server {s} announced {numel} final "
-                                        f"parameters for its ranges {ranges}")
-                values = torch.empty(numel)
-                to.recv(values, server).wait()
+                _, ranges = self._recv_holding(self._to(s), s)
             except Exception as exc:
                 if not (self.takes_over and is_comm_error(exc)):
                     raise
                 dead[s] = exc
                 continue
-            scatter_ranges(self.flat, ranges, values)
-            covered += numel
+            covered += sum(hi - lo for lo, hi in ranges)
         for s, exc in dead.items():
             self._await_dead(s, exc)
             self.server_lost.setdefault(s, time.time())
