@@ -49,6 +49,7 @@ import os
 import time
 import warnings
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -69,9 +70,16 @@ from distrain.data.partition import labels_of, partition_indices
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.checkpoint import epoch_steps
-from distrain.runtime.faults import grads_finite, nonfinite_error, start_heartbeat, store_client
+from distrain.runtime.faults import (
+    grads_finite,
+    inject_kill_in,
+    nonfinite_error,
+    start_heartbeat,
+    store_client,
+)
 from distrain.runtime.membership import (
     JOIN_ENV,
+    NOT_ENTERED,
     Change,
     Membership,
     RunEnded,
@@ -371,8 +379,9 @@ class DistributedOptimizer:
         # so do elastic survivors (distrain's own loop stamps one for every algorithm).
         wants_heartbeat = not self.algorithm.synchronous or self.membership is not None
         world = dist.get_world_size() if joined is None else self.config.cluster.workers
-        self._heartbeat = start_heartbeat(self.id, world, ceiling=config.cluster.timeout) \
-            if heartbeat and wants_heartbeat else None
+        # (a worker that joins a group reopened with it stamps from before it asked to join)
+        self._heartbeat = joined.heartbeat if joined is not None and joined.heartbeat is not None \
+            else start_heartbeat(self.id, world, ceiling=config.cluster.timeout) if heartbeat and wants_heartbeat else None
         self.steps = 0
         self.compute_seconds = self.exposed_seconds = 0.0  # summed over this worker's steps
         #: compute seconds of the last step (forward and backward, without network waits, with
@@ -386,13 +395,15 @@ class DistributedOptimizer:
         self._last_step_end = time.perf_counter()
         self._forward_hook = model.register_forward_pre_hook(self._forward_started, prepend=True)
         self._final: torch.nn.Module | None = None
+        #: a worker that joins, until it holds a member's state
+        self._fresh = joined is not None and link is None
         if joined is not None:  # the members wait in their step's end for this worker to take their state
             if link is not None:  # the servers hand it their parameters, or a neighbour its model
                 self.steps = self.algorithm.join()
-            else:
-                self._take_state(0)
-                self.algorithm.entered()
-            self.changes.append(self._joined_change(joined))
+                self.changes.append(self._joined_change(joined))
+            else:  # its admission, and the losses that interrupted it (the last one's members hand it their state)
+                self.changes = list(joined.changes)
+                self._hand_over(joined.changes[-1], NOT_ENTERED)
             self._started = True
             self._begin()
             log.warning("worker %d joined the run at step %d with %d workers", self.id, self.steps, self.workers)
@@ -579,18 +590,48 @@ class DistributedOptimizer:
         if own is not None:  # the new buckets take them in (the old ones may be half averaged)
             for p, g in zip(self.params, own, strict=True):
                 p.grad = g
-        realigns = self.algorithm.realigns
-        done = self.steps + 1 if in_step and realigns else self.steps  # gossip: the local update is in
-        change = self._rebuild(lambda: membership.recover(done, seen))
-        if realigns:
-            self.steps = max(change.steps.values())
+        done = self.steps + 1 if in_step and self.algorithm.realigns else self.steps  # gossip: the local update is in
+        return self._hand_over(self._rebuild(lambda: membership.recover(done, seen), done), done)
+
+    def _hand_over(self, change: Change, done: int) -> bool:
+        """After a change of members, over the new group (collective): the state moves where the
+        change needs it (:meth:`_take_part`). A loss on the way makes the others agree again, and
+        the state moves as the new change needs, as often as it takes. Returns what
+        :meth:`_recover` does (False after an admission)."""
+        while True:
+            try:
+                return self._take_part(change, done)
+            except Exception as exc:
+                if self.membership is None or not Membership.is_loss(exc):
+                    raise
+                seen, membership = time.perf_counter(), self.membership
+                log.debug("worker %d: a peer is lost while the state moves after epoch %d: %r", self.id,
+                          membership.epoch, exc)
+            # (outside the except block: its traceback holds the failed work, and with it the old group)
+            done = NOT_ENTERED if self._fresh else done
+            change = self._rebuild(partial(membership.recover, done, seen), done)
+
+    def _take_part(self, change: Change, done: int) -> bool:
+        """An admission: the joiners take rank 0's state (the members keep their own: DiLoCo's
+        inner state differs). A loss: who is behind the furthest survivor takes its state, or
+        (decentralized algorithms) the survivors average their models; either way a worker whose
+        admission the loss interrupted (it registered as :data:`NOT_ENTERED`) takes a member's
+        state first."""
+        if change.joined:
+            self._take_state(0, receive=self.id in change.joined)
+            return False
+        leader, furthest = change.members.index(change.leader), max(change.steps.values())
+        if self.algorithm.realigns:
+            if NOT_ENTERED in change.steps.values():
+                self._take_state(leader, receive=self._fresh)
+            self.steps = furthest
             self.algorithm.realign()
             log.warning("worker %d: lost worker(s) %s at step %d; %d workers average their models and go on "
                         "(recovered in %.2f s)", self.id, change.lost, done, self.workers, change.seconds)
             return True
-        behind = change.steps[self.id] < max(change.steps.values())
+        behind = change.steps[self.id] < furthest
         if len(set(change.steps.values())) > 1:  # who is behind takes the leader's state
-            self._take_state(change.members.index(change.leader), receive=behind)
+            self._take_state(leader, receive=behind)
         log.warning("worker %d: lost worker(s) %s at step %d; %d workers go on (recovered in %.2f s)", self.id,
                     change.lost, self.steps, self.workers, change.seconds)
         return behind
@@ -678,15 +719,29 @@ class DistributedOptimizer:
         if growth is None or growth.at != self.steps:
             return
         since, membership = time.perf_counter(), self.membership
-        self.algorithm.before_admission()
-        change = self._rebuild(lambda: membership.grow(growth, self.steps, since))
-        self._take_state(0, receive=False)  # the members keep their own (DiLoCo's inner state differs)
-        log.warning("worker %d: worker(s) %s joined after step %d; %d workers go on (in %.2f s)", self.id,
-                    change.joined, self.steps, self.workers, time.perf_counter() - since)
+        try:
+            inject_kill_in("admission", self.id)  # fault injection for tests
+            self.algorithm.before_admission()
+        except Exception as exc:  # (the joiners are admitted at a later step, in the next epoch)
+            if not Membership.is_loss(exc):
+                raise
+            lost = True
+        else:
+            lost = False
+        if lost:  # (outside the except block, as in _hand_over)
+            self._recover(time.perf_counter(), None)
+            return
+        change = self._rebuild(lambda: membership.grow(growth, self.steps, since), self.steps)
+        inject_kill_in("handover", self.id)  # fault injection for tests
+        self._hand_over(change, self.steps)
+        if self.changes[-1].joined:  # (else a loss interrupted it, and _take_part said so)
+            log.warning("worker %d: worker(s) %s joined after step %d; %d workers go on (in %.2f s)", self.id,
+                        change.joined, self.steps, self.workers, time.perf_counter() - since)
 
-    def _rebuild(self, change_members: Any) -> Change:
+    def _rebuild(self, change_members: Any, steps: int) -> Change:
         """Close the algorithm and transport, change the members (``change_members()``: the new
-        default group is open after it) and build them again over the new group."""
+        default group is open after it; a loss on the way makes the others agree again, with this
+        worker's ``steps``) and build them again over the new group."""
         state = self.algorithm.state_dict()
         self.algorithm.close()
         self._retired = self.peer_traffic()  # the closed group's bytes stay this worker's
@@ -695,12 +750,13 @@ class DistributedOptimizer:
         # and a member still waiting in it would wait for the whole timeout.
         self.algorithm = self.transport = None  # type: ignore[assignment]
         gc.collect()
-        change: Change = change_members()
-        self._build(change.members)
+        assert self.membership is not None
+        changes = self.membership.settle(change_members, steps)
+        self._build(changes[-1].members)
         self.algorithm.load_state_dict(state)
         self.algorithm.membership_changed()
-        self.changes.append(change)
-        return change
+        self.changes += changes
+        return changes[-1]
 
     def _build(self, members: list[int]) -> None:
         """Transport and algorithm over the default group, whose ranks are the workers ``members``."""
@@ -744,6 +800,9 @@ class DistributedOptimizer:
         if receive:
             self.algorithm.load_replica_state(replica)
             self.steps = int(leader[2])
+            if self._fresh:  # a worker that joined holds a member's state now
+                self._fresh = False
+                self.algorithm.entered()
 
     def _state_tensors(self) -> list[torch.Tensor]:
         tensors = [*self.model.parameters(), *self.model.buffers()]

@@ -16,7 +16,10 @@ tensors), and ``"momentum"`` is SGD's (0.9 by default). With
 ``ELASTIC_DEVICE=cuda`` in the environment the model and its gradients are on the GPU, the
 workers sharing it over gloo. With ``ELASTIC_STACKS=S``, a worker still running after S seconds
 prints every thread's stack (what a hung run waits on). With ``ELASTIC_STEPS_OF=W:N``, worker
-``W`` takes ``N`` steps instead of ``STEPS`` (asynchronous algorithms: it ends first).
+``W`` takes ``N`` steps instead of ``STEPS`` (asynchronous algorithms: it ends first). With
+``ELASTIC_FULL=1`` and ``rejoin``, the workers go on until the last membership change is a join
+that leaves every worker in the run (an earlier join may have been undone by a loss), and 4 steps
+after it.
 
 Usage: elastic_script.py OUT STEPS VICTIM AT WHERE [SETTINGS]
 """
@@ -99,6 +102,9 @@ def main() -> None:
         if server_back and not returned and (opt.algorithm.returned_servers
                                              or (not first_life and opt.algorithm.layout.whole())):
             returned.append(opt.steps)
+        if os.environ.get("ELASTIC_FULL") == "1":  # until the last change lets every worker in, and 4 steps more
+            last = opt.changes[-1] if opt.changes else None
+            return last is None or not last.joined or len(last.members) < world or opt.steps < max(steps, last.step + 4)
         joins = [c.step for c in opt.changes if c.joined][:1] if victim >= 0 else []
         if (victim >= 0 and not joins) or (server_back and not returned):
             return True

@@ -191,6 +191,85 @@ def test_a_restarted_worker_joins_with_the_others_state(tmp_path: Path):
     assert not torch.allclose(reference(0, at + 1, back, steps), expected)  # the survivors redid step 3 without it
 
 
+def kill_in(tmp_path: Path, phase: str, worker: int, **extra: str) -> dict:
+    """The launcher's environment with worker ``worker`` killed in ``phase`` of a membership change
+    (``DISTRAIN_INJECT_KILL_IN``)."""
+    return {**os.environ, "DISTRAIN_INJECT_KILL_IN": f"{phase}:{worker}",
+            "DISTRAIN_INJECT_MARK": str(tmp_path / "mark"), **extra}
+
+
+@pytest.mark.parametrize("phase", [pytest.param("admission", marks=pytest.mark.slow), "handover"])
+def test_a_member_lost_while_a_worker_joins_leaves_the_others_and_the_joiner_going(tmp_path: Path, phase: str):
+    """Worker 0, killed at step 3, is started again; as the members admit it, worker 2 dies: before
+    the group with the joiner opens (``admission``) or once it is open, before the joiner took
+    their state (``handover``). The others agree again without worker 2, the joiner among them,
+    and it takes a member's state there: no wait for the dead one's rendezvous, nothing redone
+    twice; every survivor ends on the reference with worker 0 absent from step 3 until its join
+    and worker 2 from then on."""
+    at = 3
+    done = launch(tmp_path, 0, at, "rejoin", "--max-restarts", "1", env=kill_in(tmp_path, phase, 2))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mark").exists()  # worker 2 died where asked
+    assert not (tmp_path / "worker2.pt").exists()
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in (0, 1, 3)}
+    lost, joined, lost2 = results[1]["changes"]
+    assert lost["workers"] == [0] and lost["lost_at_step"] == at and lost["members"] == [1, 2, 3]
+    back = joined["joined_at_step"]
+    assert joined["workers"] == [0] and joined["members"] == [1, 2, 3, 0] and at < back
+    assert lost2["event"] == "lost" and lost2["workers"] == [2] and lost2["members"] == [1, 3, 0]
+    assert lost2["lost_at_step"] == back and lost2["membership_epoch"] == joined["membership_epoch"] + 1
+    assert [c["event"] for c in results[0]["changes"]] == ["joined", "lost"]  # the joiner saw both
+    steps = max(STEPS, back + 4)
+    expected = absent_reference({0: (at, back), 2: (back, steps)}, steps)
+    for r, result in results.items():
+        assert result["workers"] == 3 and result["ids"] == [1, 3, 0] and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(absent_reference({0: (at, back)}, steps), expected)  # worker 2's loss counts
+
+
+@pytest.mark.slow  # CI: the all-reduce case above
+def test_a_member_lost_while_a_worker_joins_gossip_leaves_the_joiner_with_a_members_model(tmp_path: Path):
+    """D-PSGD: worker 2 dies once the group with the joiner (worker 0, killed at step 3) is open,
+    before the joiner took a model: the survivors and the joiner agree again, the joiner takes
+    the first member's model and momentum, and the three average their models (the same model,
+    on the complete graph) and go on."""
+    at = 3
+    done = launch(tmp_path, 0, at, "rejoin", "--max-restarts", "1", settings=GOSSIP, env=kill_in(tmp_path, "handover", 2))
+    assert done.returncode == 0, done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in (0, 1, 3)}
+    back = results[1]["changes"][1]["joined_at_step"]
+    assert [c["event"] for c in results[1]["changes"]] == ["lost", "joined", "lost"]
+    steps = max(STEPS, back + 4)
+    expected = gossip_absent_reference({0: (at, back), 2: (back, steps)}, steps)
+    for r, result in results.items():
+        assert result["workers"] == 3 and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow  # CI: the join test above; its joiner lost again as it enters
+def test_a_joiner_lost_as_it_enters_is_started_again_and_joins(tmp_path: Path):
+    """Worker 0, killed at step 3, is started again and admitted, and dies again before the group
+    with it opens (``entry``): the members see it gone (its heartbeat and the launcher's mark),
+    not waiting for its rendezvous, and go on as they were; started a second time
+    (``--max-restarts 2``), it joins. Every worker ends on the reference with worker 0 absent
+    from step 3 until the join that held."""
+    at = 3
+    done = launch(tmp_path, 0, at, "rejoin", "--max-restarts", "2",
+                  env=kill_in(tmp_path, "entry", 0, ELASTIC_FULL="1"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mark").exists()
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    events = [(c["event"], c["workers"], c["members"]) for c in results[1]["changes"]]
+    assert events == [("lost", [0], [1, 2, 3]), ("joined", [0], [1, 2, 3, 0]), ("lost", [0], [1, 2, 3]),
+                      ("joined", [0], [1, 2, 3, 0])], events
+    back = results[1]["changes"][-1]["joined_at_step"]
+    steps = max(STEPS, back + 4)
+    expected = absent_reference({0: (at, back)}, steps)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+
+
 @pytest.mark.slow  # CI: the flat all-reduce join test above; the same redo, over other groups
 def test_hierarchical_all_reduce_goes_on_without_a_nodes_leader_and_takes_it_back(tmp_path: Path):
     """--workers-per-node 2 (nodes {0, 1} and {2, 3}): worker 0, node 0's leader, killed at step
@@ -458,12 +537,20 @@ def gossip_reference(victim: int, at: int, back: int | None, steps: int, lr: flo
     """The workers' common model after ``steps`` steps: each live worker steps on its own momentum
     buffer, then the live workers' models are averaged; ``victim`` is gone from step ``at`` until
     step ``back``, where it takes the first other worker's model and momentum buffer."""
+    return gossip_absent_reference({victim: (at, steps if back is None else back)}, steps, lr, momentum)
+
+
+def gossip_absent_reference(absent: dict[int, tuple[int, int]], steps: int, lr: float = 0.1,
+                            momentum: float = 0.9) -> torch.Tensor:
+    """:func:`gossip_reference` with worker ``w`` absent from step ``absent[w][0]`` until step
+    ``absent[w][1]``, where it takes the first other live worker's momentum buffer."""
     x = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
     buf: dict[int, torch.Tensor] = {r: torch.zeros_like(x) for r in range(WORKERS)}
     for step in range(steps):
-        live = [r for r in range(WORKERS) if not (r == victim and at <= step < (steps if back is None else back))]
-        if step == back:
-            buf[victim] = buf[min(r for r in live if r != victim)].clone()
+        live = [r for r in range(WORKERS) if not (r in absent and absent[r][0] <= step < absent[r][1])]
+        for r, (_, back) in absent.items():
+            if step == back:
+                buf[r] = buf[min(q for q in live if q != r)].clone()
         for r in live:
             g = gradient(r, step)
             buf[r] = g.clone() if step == 0 else momentum * buf[r] + g

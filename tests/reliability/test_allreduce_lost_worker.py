@@ -86,6 +86,29 @@ def test_a_restarted_worker_joins_and_ends_with_the_same_parameters(tmp_path):
     check_worker_0_came_back(run_dir, total, back, processes=4)
 
 
+@pytest.mark.slow  # CI: a member lost while a worker joins, through wrap() (tests/distributed/test_elastic.py)
+def test_a_member_lost_while_a_worker_joins_leaves_the_joiner_on_the_members_data_plan(tmp_path):
+    """Worker 0, killed at step 12, starts again; worker 2 dies once the group with it is open,
+    before it took the members' state. The joiner takes it in the agreement that follows, and its
+    data plan is the one the members published at its admission with the loss applied after it
+    (as the members apply both): the run ends with three, all on the same parameters."""
+    run_dir = tmp_path / "run"
+    run = run_cli([*RUN, "--latency", "10ms", "--max-restarts", "1", "--checkpoint-every", "1000",
+                   "--run-dir", str(run_dir)], DISTRAIN_INJECT_KILL="0:12", DISTRAIN_INJECT_KILL_IN="handover:2",
+                  DISTRAIN_INJECT_MARK=str(tmp_path / "mark"))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = [(c["event"], c["workers"], c["members"]) for c in summary["membership"]]
+    assert events == [("lost", [0], [1, 2, 3]), ("joined", [0], [1, 2, 3, 0]), ("lost", [2], [1, 3, 0])]
+    assert summary["workers_at_end"] == 3
+    total = summary["steps"]
+    models = {r: CheckpointStore(run_dir, r, 4).load(total)["model"] for r in (0, 1, 3)}
+    for r in (1, 3):
+        for name, tensor in models[0].items():
+            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+
+
 @pytest.mark.slow  # the join through wrap() (tests/distributed/test_elastic.py) runs in CI
 def test_a_restarted_worker_joins_the_parameter_servers_again(tmp_path):
     """--algorithm ps --servers 2 --max-restarts 1: worker 0, killed at step 12, starts again and the

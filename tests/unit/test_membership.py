@@ -19,6 +19,7 @@ from distrain.runtime.membership import (
     RESTARTS_KEY,
     Growth,
     Membership,
+    MembershipChanged,
     RunEnded,
 )
 
@@ -310,3 +311,62 @@ def test_streaming_diloco_keeps_the_steps_every_fragment_synced(lost_at, kept):
     cfg = TrainConfig.from_dict({"algorithm": "diloco", "workers": 4, "sync_every": 4, "fragments": 2,
                                  "overlap_steps": 1})
     assert build_algorithm("diloco", cfg).kept_steps(lost_at) == kept
+
+
+def test_a_member_started_again_and_asking_to_join_is_not_waited_for():
+    """Worker 2 died and its new life asks to join (alive: its heartbeat stamps, no dead mark):
+    the survivors of its loss do not wait for it to register, it is not a member any more."""
+    store = store_with_heartbeats(0, 1, 2)
+    store.set(JOINER_KEY.format(int(store.add(JOINS_KEY, 1)) - 1), "2")
+    survivors = [Membership(store, [0, 1, 2], me, timeout=10) for me in (0, 1)]
+    started = time.monotonic()
+    agreed = agree_all(survivors, {0: 5, 1: 5})
+    assert agreed[0] == agreed[1] == ([0, 1], {0: 5, 1: 5})
+    assert time.monotonic() - started < 5  # not the 10 s deadline
+
+
+def test_members_open_a_group_only_when_every_one_is_ready():
+    """_meet: each member marks itself ready and waits for the others; one that died before it
+    was ready makes the others leave at once with MembershipChanged (and the change flagged),
+    instead of waiting in the group's rendezvous."""
+    store = store_with_heartbeats(0, 1, 2)
+    ready = [Membership(store, [0, 1], me, timeout=10) for me in (0, 1)]
+    threads = [threading.Thread(target=m._meet) for m in ready]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+
+    store = store_with_heartbeats(0, 1, 2)
+    declare_dead(store, 2)
+    member = Membership(store, [0, 1, 2], 0, epoch=3, timeout=10)
+    started = time.monotonic()
+    with pytest.raises(MembershipChanged, match=r"\[2\] gone"):
+        member._meet()
+    assert time.monotonic() - started < 5
+    assert Membership(store, [0, 1, 2], 1, epoch=3, timeout=10).changed()  # the others see the flag
+    with pytest.raises(MembershipChanged, match="flagged"):
+        Membership(store, [0, 1, 2], 1, epoch=3, timeout=10)._meet()
+
+
+def test_a_loss_while_a_group_opens_is_recovered_from_until_one_opens():
+    """settle: a loss raised while a change opens its group (here worker 2 dies as it opens) makes
+    this member recover over whoever is left, with its steps, and the changes on the way are
+    returned (the group is not opened for real: _reopen only records the members)."""
+    store = store_with_heartbeats(0, 1, 2)
+    member = Membership(store, [0, 1, 2], 0, timeout=10)
+    opened: list[list[int]] = []
+    member._reopen = lambda: opened.append(list(member.members))  # type: ignore[method-assign]
+
+    def grow() -> None:
+        declare_dead(store, 2)
+        raise MembershipChanged("worker 2 gone while the group opened")
+
+    helper = Membership(store, [0, 1, 2], 1, timeout=10)
+    agreed = threading.Thread(target=lambda: helper.agree(4))
+    agreed.start()
+    changes = member.settle(grow, 4)
+    agreed.join(timeout=10)
+    assert [(c.members, c.lost, c.steps) for c in changes] == [([0, 1], [2], {0: 4, 1: 4})]
+    assert opened == [[0, 1]] and member.epoch == 1

@@ -11,6 +11,12 @@ Fault injection for tests (environment variables, read by every worker):
     DISTRAIN_INJECT_WEDGE='RANK:STEP:S' that worker's training thread blocks for S seconds at that
                                        step, in a call of no library (a deadlock; its heartbeat
                                        thread goes on)
+    DISTRAIN_INJECT_KILL_IN='PHASE:ID' worker ID kills itself with SIGKILL in an elastic run's
+                                       membership change: ``admission`` (a member, as the
+                                       members begin to admit a joiner), ``handover`` (a
+                                       member, once the group with the joiner is open, before
+                                       it takes their state), ``entry`` (the joiner, once
+                                       admitted; once per run: not when the mark file exists)
     DISTRAIN_INJECT_MARK=PATH          where the injected fault writes its time and process id
 """
 
@@ -241,6 +247,21 @@ def maybe_injected_kill(rank: int, step: int) -> None:
     if len(wedge) == 3 and (int(wedge[0]), int(wedge[1])) == (rank, step):
         _mark_injected()
         eval(_WEDGE, {"threading": threading, "seconds": float(wedge[2])})  # noqa: S307 - our own constant code
+
+
+def inject_kill_in(phase: str, worker: int) -> None:
+    """Fault injection for tests: DISTRAIN_INJECT_KILL_IN='phase:id' kills worker ``id`` when
+    it reaches ``phase`` of a membership change (see the module's docstring): a member in its
+    first life, a joiner (``entry``) in its first life that joins."""
+    spec = os.environ.get("DISTRAIN_INJECT_KILL_IN", "").split(":")
+    if len(spec) != 2 or spec[0] != phase or int(spec[1]) != worker:
+        return
+    joiner = bool(os.environ.get("DISTRAIN_JOIN"))
+    mark = os.environ.get("DISTRAIN_INJECT_MARK")
+    if joiner != (phase == "entry") or (joiner and mark and os.path.exists(mark)):
+        return
+    _mark_injected()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class FaultWatch:

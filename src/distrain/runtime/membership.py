@@ -16,8 +16,11 @@ sees that another survivor has flagged the change. Every survivor then:
    process); at most ``deadline`` seconds;
 4. proposes the registered members by compare-and-set: the first proposal is the agreement,
    which every survivor reads back, so all of them hold the same member list;
-5. opens a new default process group over the store under the new epoch's prefix, with ranks in
-   member order.
+5. marks itself ready for the new epoch's group and, once every member has, opens it over the
+   store under the new epoch's prefix, with ranks in member order. A member lost meanwhile (or
+   while the state moves to who needs it) makes them agree again from step 1 over whoever is
+   left; so does a loss while the members admit a joiner, which then takes a member's state in
+   that agreement (:meth:`Membership.settle`).
 
 Example::
 
@@ -40,12 +43,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from distrain.errors import ConfigError, WorkerFailure
-from distrain.runtime.health import DEAD_KEY, declare_dead, silent
+from distrain.runtime.faults import inject_kill_in
+from distrain.runtime.health import DEAD_KEY, Heartbeat, declare_dead, silent
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
@@ -74,6 +79,9 @@ CLOSED = "closed"
 JOIN_ENV = "DISTRAIN_JOIN"
 #: How often a wait polls the store for a membership change (seconds).
 POLL_S = 0.05
+#: The steps a worker that joins reports while it holds no member's state yet (it registers
+#: with them when a loss interrupts its admission: the others then hand it their state).
+NOT_ENTERED = -1
 #: gloo's messages when a timed wait ends before the work does (the work goes on): a collective's,
 #: and a point-to-point send's or receive's ("Timed out waiting 50ms for recv operation ...").
 _WAIT_TIMED_OUT = ("Operation timed out", "Timed out waiting")
@@ -168,6 +176,8 @@ class Membership:
 
     admitted: int = 0  # joiners admitted so far (the counter's value at the last growth)
     growth: Growth | None = None
+    #: a worker that joins a group reopened with it: the heartbeat it stamps from before it asks
+    heartbeat: Heartbeat | None = None
 
     def __post_init__(self) -> None:
         mark_elastic(self.store)
@@ -214,6 +224,17 @@ class Membership:
         """Of ``ids``: declared dead, or silent (heartbeat missing or stale)."""
         return silent(self.store, ids, self.stale_after)
 
+    def _all_gone(self, ids: list[int]) -> bool:
+        """Whether every one of ``ids`` is gone: declared dead, silent, or started again and
+        asking to join (it lost its place: its new life is alive, but it is not a member)."""
+        gone = set(self._gone(ids))
+        return gone == set(ids) or gone | (self._asking() & set(ids)) == set(ids)
+
+    def _asking(self) -> set[int]:
+        """The workers that asked to join and are not admitted yet."""
+        joins = int(self.store.add(JOINS_KEY, 0))
+        return {int(self.store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, joins)}
+
     def agree(self, steps: int) -> tuple[list[int], dict[int, int]]:
         """Register for the next epoch with ``steps`` completed; return the agreed members (in
         rank order) and each one's completed steps."""
@@ -224,7 +245,7 @@ class Membership:
             here = {m: int(self.store.get(self._key(f"here/{m}", nxt)).decode())
                     for m in self.members if self.store.check([self._key(f"here/{m}", nxt)])}
             missing = [m for m in self.members if m not in here]
-            if not missing or set(self._gone(missing)) == set(missing) or time.monotonic() > deadline \
+            if not missing or self._all_gone(missing) or time.monotonic() > deadline \
                     or self.store.check([self._key("members", nxt)]):
                 break
             time.sleep(POLL_S / 2)
@@ -261,10 +282,31 @@ class Membership:
                                 f"fewer than --min-workers {self.min_workers}")
         self.epoch += 1
         self.members = members
+        # Joiners not let in yet are admitted again at this epoch (the agreement was the last one's).
+        self.growth = None
+        change = Change(self.epoch, members, lost, done, time.time(), 0.0, steps)
+        self.changes.append(change)  # (recorded before the group opens: a loss then recovers from this one)
         self._reopen()
-        change = Change(self.epoch, members, lost, done, time.time(), time.perf_counter() - since, steps)
-        self.changes.append(change)
+        change.seconds = time.perf_counter() - since
         return change
+
+    def settle(self, change: Callable[[], object], steps: int) -> list[Change]:
+        """Run ``change()`` (:meth:`grow`, :meth:`recover`, or the first opening of a joiner's
+        group), and when a loss interrupts it, recover over whoever is left (with ``steps``
+        completed), as often as it takes, until a group is open. Returns the changes recorded
+        on the way (the last one's members form the open group)."""
+        known = len(self.changes)
+        while True:
+            try:
+                change()
+                return self.changes[known:]
+            except Exception as exc:
+                if not self.is_loss(exc):
+                    raise
+                since = time.perf_counter()
+                log.warning("worker %d: a worker was lost while the group of epoch %d opened; the others agree "
+                            "again (%s)", self.me, self.epoch, exc)
+            change = partial(self.recover, steps, since)  # (outside the except block: its traceback holds the group)
 
     # -- growing: workers that join ---------------------------------------------------------------
 
@@ -331,8 +373,10 @@ class Membership:
         this one's and then the joiners, each told its epoch; the group is opened again."""
         joined = [j for j in self.joiners(growth) if j not in self.members]
         done = self._settle(growth, [*self.members, *joined], steps)
+        change = self._grown(steps, since, joined, done)  # (recorded first, as in recover)
         self._reopen()
-        return self._grown(steps, since, joined, done)
+        change.seconds = time.perf_counter() - since
+        return change
 
     def admit(self, growth: Growth, steps: int, since: float, live: list[int], servers_from: int | None = None) -> Change:
         """Admit the joiners of ``growth`` into a run whose group stays as it is (parameter
@@ -394,6 +438,12 @@ class Membership:
         timeout = float(kwargs.get("timeout", 120.0))  # type: ignore[arg-type]
         n = int(store.add(JOINS_KEY, 1)) - 1
         store.set(JOINER_KEY.format(n), str(me))
+        if reopen:
+            # Alive again from here (its heartbeat stamps already): the members then see it gone
+            # only if it dies again, e.g. while they open the group with it. Until admitted it is
+            # not theirs to wait for (they count a worker asking to join as gone). With parameter
+            # servers or asynchronous gossip, it stays dead to its peers until they admit it.
+            store.delete_key(DEAD_KEY.format(me))
         deadline = time.monotonic() + timeout
         while not store.check([ADMIT_KEY.format(n)]):
             # (admitted just before the members closed: it joins, and finds the run at its end)
@@ -403,21 +453,47 @@ class Membership:
                 raise WorkerFailure(f"worker {me} asked to join the run but was not admitted within {timeout:g} s")
             time.sleep(POLL_S)
         epoch, admitted = (int(v) for v in store.get(ADMIT_KEY.format(n)).decode().split(":"))
-        store.delete_key(DEAD_KEY.format(me))  # alive again
+        if not reopen:
+            store.delete_key(DEAD_KEY.format(me))  # alive again
         membership = cls(store, [me], me, epoch=epoch, admitted=admitted, **kwargs)  # type: ignore[arg-type]
-        membership.members, _ = membership._members_of(epoch)
-        if reopen:
-            membership._reopen()
+        membership.members, steps = membership._members_of(epoch)
+        if reopen:  # its admission, as the members record it (a loss may interrupt it: settle)
+            membership.changes.append(Change(epoch, list(membership.members), [], steps, time.time(), 0.0,
+                                             max(steps.values()), joined=[me]))
+            inject_kill_in("entry", me)  # fault injection for tests
+            membership.settle(membership._reopen, NOT_ENTERED)
         return membership
 
     def _reopen(self) -> None:
-        """Replace the default process group by one over the current members."""
+        """Replace the default process group by one over the current members, once every one
+        of them is ready to (:meth:`_meet`)."""
+        self._meet()
         if dist.is_initialized():
             _abort(dist.group.WORLD)  # an operation still waiting on the lost peer ends now
             dist.destroy_process_group()
         dist.init_process_group(self.backend, store=dist.PrefixStore(self._key("group"), self.store),
                                 rank=self.rank, world_size=len(self.members),
                                 timeout=datetime.timedelta(seconds=self.timeout))
+
+
+    def _meet(self) -> None:
+        """Mark this member ready to open the epoch's group and wait for every other member's
+        mark. The group's own rendezvous would wait the whole timeout for a member that died
+        since the agreement; here a member gone meanwhile (declared dead, or silent), or a change
+        flagged for this epoch, raises MembershipChanged within a poll, and the members agree
+        again (:meth:`settle`)."""
+        self.store.set(self._key(f"ready/{self.me}"), "1")
+        deadline = time.monotonic() + self.timeout
+        while waiting := [m for m in self.members if m != self.me and not self.store.check([self._key(f"ready/{m}")])]:
+            if self.store.check([self._key("changed")]):
+                raise MembershipChanged(f"a change of epoch {self.epoch} was flagged while its group opened")
+            if gone := self._gone(waiting):
+                self.flag()
+                raise MembershipChanged(f"worker(s) {gone} gone while the group of epoch {self.epoch} opened")
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"worker {self.me}: workers {waiting} did not open the group of epoch "
+                                    f"{self.epoch} within {self.timeout:g} s")
+            time.sleep(POLL_S / 2)
 
 
 def restarted_workers(store: dist.Store) -> set[int]:
@@ -441,8 +517,19 @@ def enter_run(cfg: TrainConfig) -> Membership:
     # The servers, or the asynchronous gossip's peers, open links of their own with it: nobody
     # reopens the run's group.
     links = cfg.algo.algorithm in LINKED_JOINS
-    return Membership.enter(store, int(os.environ.get("RANK", "0")), reopen=not links, min_workers=c.min_workers,
-                            backend=backend_for(cfg), timeout=c.timeout)
+    me = int(os.environ.get("RANK", "0"))
+    # Reopening the group with it, the members see it alive by its heartbeat from the moment it
+    # asks: one that dies on the way is then seen gone, not waited for.
+    heartbeat = None if links else Heartbeat(host, int(port), me, c.workers, ceiling=c.timeout).start()
+    try:
+        membership = Membership.enter(store, me, reopen=not links, min_workers=c.min_workers,
+                                      backend=backend_for(cfg), timeout=c.timeout)
+    except BaseException:
+        if heartbeat is not None:
+            heartbeat.stop()
+        raise
+    membership.heartbeat = heartbeat
+    return membership
 
 
 #: Algorithms whose workers admit a joiner without reopening the run's group: parameter servers

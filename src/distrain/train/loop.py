@@ -339,7 +339,10 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     if joined is not None:  # where the others are: their step, data split and learning rate
         start_step = opt.steps
         if opt.algorithm.common_steps and cfg.data.dataset != "shards":  # the members' plan, from the store
-            plan = plan_of(cfg, train_set, read_plan(joined, joined.epoch))
+            # (published at its admission's epoch; losses that interrupted the admission follow it)
+            at = next(i for i, c in enumerate(opt.changes) if opt.id in c.joined)
+            plan = plan_of(cfg, train_set, read_plan(joined, opt.changes[at].epoch))
+            plan = replan(cfg, opt, train_set, plan, opt.changes[at + 1 :], start_step, world)
         sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule, plan, sampler)
     if rank == 0 and joined is None:
         write_json_atomic(run_dir / "config.json", {
