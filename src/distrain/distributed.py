@@ -379,7 +379,7 @@ class DistributedOptimizer:
         # so do elastic survivors (distrain's own loop stamps one for every algorithm).
         wants_heartbeat = not self.algorithm.synchronous or self.membership is not None
         world = dist.get_world_size() if joined is None else self.config.cluster.workers
-        # (a worker that joins a group reopened with it stamps from before it asked to join)
+        # (a worker that joins stamps from before it asked to join)
         self._heartbeat = joined.heartbeat if joined is not None and joined.heartbeat is not None \
             else start_heartbeat(self.id, world, ceiling=config.cluster.timeout) if heartbeat and wants_heartbeat else None
         self.steps = 0

@@ -104,7 +104,8 @@ def main() -> None:
             returned.append(opt.steps)
         if os.environ.get("ELASTIC_FULL") == "1":  # until the last change lets every worker in, and 4 steps more
             last = opt.changes[-1] if opt.changes else None
-            return last is None or not last.joined or len(last.members) < world or opt.steps < max(steps, last.step + 4)
+            return (last is None or not last.joined or len(last.members) < opt.config.cluster.workers
+                    or opt.steps < max(steps, last.step + 4))
         joins = [c.step for c in opt.changes if c.joined][:1] if victim >= 0 else []
         if (victim >= 0 and not joins) or (server_back and not returned):
             return True

@@ -801,6 +801,39 @@ def test_a_restarted_worker_joins_the_parameter_servers_again(tmp_path: Path):
     assert not torch.allclose(ps_join_reference(victim, at, at, steps), expected, atol=1e-4)
 
 
+@pytest.mark.slow  # the join above runs in CI
+def test_a_worker_lost_as_it_joins_the_parameter_servers_is_not_waited_for(tmp_path: Path):
+    """Two servers; worker 0, killed at step 3 and started again, dies once admitted, before its
+    link with the servers opens (``entry``): the servers see it gone (its heartbeat, stamped from
+    before it asked, stops; a new life of it asks) instead of waiting in the link's rendezvous for
+    the whole timeout, serve the others on, and the workers read its loss; started a second time
+    (``--max-restarts 2``), it joins. Every worker ends on the servers' parameters with worker 0
+    absent from step 3 until the join that held."""
+    from tests.reliability.common import kill_tagged, tagged
+
+    victim, at, tag = 0, 3, f"rejoin-{tmp_path.name}"
+    try:
+        done = launch(tmp_path, victim, at, "rejoin", "--servers", "2", "--max-restarts", "2",
+                      settings={"algorithm": "ps"},
+                      env={**kill_in(tmp_path, "entry", 0, ELASTIC_FULL="1"), "DISTRAIN_TEST_TAG": tag})
+        assert tagged(tag) == []
+    finally:
+        kill_tagged(tag)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mark").exists()
+    assert done.stderr.count("was lost again before it took its parameters") == 2  # each server
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    events = [(c["event"], c["workers"], c["members"]) for c in results[1]["changes"]]
+    assert events == [("lost", [0], [1, 2, 3]), ("joined", [0], [0, 1, 2, 3]), ("lost", [0], [1, 2, 3]),
+                      ("joined", [0], [0, 1, 2, 3])], events
+    back = results[1]["changes"][-1]["joined_at_step"]
+    steps = max(STEPS, back + 4)
+    expected = ps_join_reference(victim, at, back, steps)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=0)
+
+
 @pytest.mark.slow  # the uncompressed join above runs in CI
 def test_a_restarted_worker_joins_compressed_parameter_servers_again(tmp_path: Path):
     """The same with top-k pushes, error feedback and momentum correction: worker 2 joins again (its
@@ -1041,6 +1074,30 @@ def check_gossip_rejoin(results: dict[int, dict], victim: int, near: float | Non
     survivors = [r for r in range(WORKERS) if r != victim]
     if near is not None:
         torch.testing.assert_close(own[victim], own[survivors].mean(0), rtol=0, atol=near)
+
+
+@pytest.mark.slow  # the joins above run in CI
+@pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])
+def test_asynchronous_gossip_goes_on_without_a_joiner_lost_as_it_enters(tmp_path: Path, algorithm: str):
+    """Worker 0, killed at step 3 and started again, dies once admitted, before it opened its
+    links (``entry``): its neighbours see it gone (its heartbeat, stamped from before it asked,
+    stops; a new life of it asks) instead of waiting for it in the links' rendezvous, drop it,
+    and the run ends (a third life, ``--max-restarts 2``, joins or finds the run over)."""
+    from tests.reliability.common import kill_tagged, tagged
+
+    tag = f"rejoin-{tmp_path.name}"
+    try:
+        done = launch(tmp_path, 0, 3, "rejoin", "--max-restarts", "2", settings={"algorithm": algorithm},
+                      env={**kill_in(tmp_path, "entry", 0, ELASTIC_FULL="1"), "DISTRAIN_TEST_TAG": tag})
+        assert tagged(tag) == []
+    finally:
+        kill_tagged(tag)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mark").exists()
+    assert "worker 0 was admitted but died again before it came" in done.stderr
+    for r in (1, 2, 3):
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert torch.isfinite(result["weight"]).all() and result["steps"] >= STEPS, r
 
 
 @pytest.mark.slow  # stalled until --peer-timeout in about 1 run of 10 (a neighbour dropped the joiner on its

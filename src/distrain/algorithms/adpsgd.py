@@ -77,6 +77,7 @@ from distrain.comm.transport import Handle, Transport
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import is_comm_error
 from distrain.runtime.health import Liveness
+from distrain.runtime.membership import LinkMissed
 from distrain.topology import Graph, bipartite_sets, build_topology
 
 log = logging.getLogger(__name__)
@@ -477,12 +478,15 @@ class PairwiseGossip(GossipEngine):
         live = self.liveness.another()
         try:
             deadline = time.monotonic() + self.peer_timeout
+            membership = self.admissions.membership
             while live.is_dead(joiner):  # its mark goes once it took its admission (Membership.enter)
+                if membership.lost_again(joiner, live.store):
+                    raise LinkMissed([joiner], f"worker {joiner} was admitted but died again before it came")
                 if time.monotonic() > deadline:
                     raise PeerTimeout(f"worker {joiner} was admitted but did not come within {self.peer_timeout:g} s")
                 time.sleep(0.05)
-            link = open_pair(self.admissions.membership, epoch, (self.transport.rank, joiner), self.transport.rank,
-                             self.state.world, self.peer_timeout, self.transport.link_model)
+            link = open_pair(membership, epoch, (self.transport.rank, joiner), self.transport.rank,
+                             self.state.world, self.peer_timeout, self.transport.link_model, joiner=joiner)
             hello = Message(self.header_len + 1, self.state.x.numel(), self.state.x.dtype)
             hello.header.copy_(self.state.progress_header(HELLO, round((time.perf_counter() - self.t0) * 1e6)))
             self.state.read(out=hello.body)

@@ -50,7 +50,7 @@ from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import WorkerFailure
 from distrain.runtime.health import LOST_CHECK_S, Liveness
-from distrain.runtime.membership import Change, LeftOut, Membership, restarted_workers
+from distrain.runtime.membership import Change, LeftOut, LinkMissed, Membership, restarted_workers
 
 log = logging.getLogger(__name__)
 
@@ -293,9 +293,9 @@ class GossipEngine:
                 log.info("worker %d: took worker %d's model", self.state.rank, peer)
 
     def _lose_joiner(self, peer: int, exc: BaseException, live: Liveness) -> None:
-        """No link with ``peer``: drop it if it is gone (declared dead, or its heartbeat stopped),
-        else raise ``exc``."""
-        if not live.silent([peer]):
+        """No link with ``peer``: drop it if it is gone (declared dead, or its heartbeat stopped,
+        or it died before it was ready to open the link: :class:`LinkMissed`), else raise ``exc``."""
+        if not isinstance(exc, LinkMissed) and not live.silent([peer]):
             raise exc
         live.declare_dead(peer)
         self.state.mark_lost(peer)

@@ -854,6 +854,9 @@ class GroupGossip(GossipEngine):
         live = self.liveness.another()
         deadline = time.monotonic() + self.timeout
         while live.is_dead(joiner):
+            if self.admissions is not None and self.admissions.membership.lost_again(joiner, live.store):
+                log.warning("worker %d: worker %d was admitted but died again before it came", self.rank, joiner)
+                return
             if time.monotonic() > deadline:
                 log.warning("worker %d: worker %d was admitted but did not come within %g s", self.rank, joiner,
                             self.timeout)
@@ -868,12 +871,15 @@ class GroupGossip(GossipEngine):
             self._opening.add(joiner)
         self.spawn(f"distrain-prague-link-{joiner}", lambda: self._hand_over(joiner, epoch))
 
-    def _open_links(self, peer: int, epoch: int) -> tuple[Transport, Transport]:
-        """The data and control links with ``peer`` (both sides open them in this order)."""
+    def _open_links(self, peer: int, epoch: int, joiner: int | None = None) -> tuple[Transport, Transport]:
+        """The data and control links with ``peer`` (both sides open them in this order; a
+        member names the ``joiner``, see :func:`~distrain.algorithms.rejoin.open_pair`)."""
         assert self.admissions is not None
         pair, m, n = (self.rank, peer), self.admissions.membership, self.state.world
-        data = open_pair(m, epoch, pair, self.rank, n, self.timeout, self.data.link_model, name="prague-data")
-        control = open_pair(m, epoch, pair, self.rank, n, self.timeout, self.data.link_model, name="prague-control")
+        data = open_pair(m, epoch, pair, self.rank, n, self.timeout, self.data.link_model, name="prague-data",
+                         joiner=joiner)
+        control = open_pair(m, epoch, pair, self.rank, n, self.timeout, self.data.link_model, name="prague-control",
+                            joiner=joiner)
         # A wait on the control link is bounded by us (see Waiter, GOSSIP_BACKSTOP_S): a generator's
         # receive must not time out while a slow worker trains. (Set once open: opening it is
         # bounded by the timeout.)
@@ -891,7 +897,7 @@ class GroupGossip(GossipEngine):
         assert self.liveness is not None
         live = self.liveness.another()
         try:
-            data, control = self._open_links(joiner, epoch)
+            data, control = self._open_links(joiner, epoch, joiner=joiner)
             hello = self.state.progress_header(HELLO, round((time.perf_counter() - self.t0) * 1e6))
             model = self.state.read()
             for tensor in (hello, model):

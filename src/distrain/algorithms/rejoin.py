@@ -38,8 +38,8 @@ from collections.abc import Callable
 
 from distrain.comm.link import LinkTransport, open_link
 from distrain.emulation.link import LinkModel
-from distrain.runtime.health import Liveness
-from distrain.runtime.membership import RESTARTS_KEY, Change, Growth, Membership
+from distrain.runtime.health import Liveness, declared_dead
+from distrain.runtime.membership import RESTARTS_KEY, Change, Growth, Membership, await_ready
 
 log = logging.getLogger(__name__)
 
@@ -116,17 +116,31 @@ class Admissions:
 
 
 def open_pair(membership: Membership, epoch: int, peers: tuple[int, int], me: int, world: int, timeout: float,
-              link_model: LinkModel | None = None, name: str = "gossip") -> LinkTransport:
+              link_model: LinkModel | None = None, name: str = "gossip", joiner: int | None = None) -> LinkTransport:
     """The link ``name`` between the two workers ``peers`` (a member and a worker it admitted in
     ``epoch``), each opening it over the same prefix of the store; blocks until both have, at
     most ``timeout`` seconds. Local runs listen on the store's address (loopback by default).
     Two workers may open several links, each of its own name (Prague: one for the models, one
-    for the group generator's messages, which must never interleave)."""
+    for the group generator's messages, which must never interleave).
+
+    Each first marks itself ready and waits for the other's mark: a peer gone meanwhile raises
+    :class:`~distrain.runtime.membership.LinkMissed` within a poll, not after the timeout. The
+    member names the ``joiner``, gone once its heartbeat is stale or a new life of it asks to
+    join; the joiner (``joiner`` None) sees a member gone by its dead mark."""
     a, b = sorted(peers)
+    other = b if me == a else a
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     client = Liveness(host, int(os.environ.get("MASTER_PORT", "0")), world).store  # one per thread that opens a link
-    return open_link(membership.store_prefix(f"{name}/{a}-{b}", epoch, client), [a, b], me, world, timeout,
-                     link_model, host=host)
+    prefix = membership.store_prefix(f"{name}/{a}-{b}", epoch, client)
+    if joiner is not None:
+        def gone(r: int) -> bool:
+            return membership.lost_again(r, client)
+    else:
+        def gone(r: int) -> bool:
+            return declared_dead(client, r)
+    await_ready(prefix, [a, b], me, timeout, lambda r: r == other and gone(r),
+                f"worker {me}: worker {other} never came to open the link {name}")
+    return open_link(prefix, [a, b], me, world, timeout, link_model, host=host)
 
 
 __all__ = ["POLL_S", "Admissions", "open_pair"]

@@ -327,6 +327,13 @@ def dead_since(store: dist.Store, rank: int) -> float | None:
     return None if value == _MISSING.encode() else float(value.decode())
 
 
+def heartbeat_stale(store: dist.Store, rank: int, stale_after: float) -> bool:
+    """Whether ``rank``'s heartbeat is missing or older than ``stale_after`` seconds (its dead
+    mark aside: a process started again may still carry its last life's)."""
+    beat = KEY.format(rank)
+    return not store.check([beat]) or time.time() - float(store.get(beat).decode()) > stale_after
+
+
 def silent(store: dist.Store, ranks: list[int] | set[int], stale_after: float) -> list[int]:
     """Of ``ranks``: those declared dead, or whose heartbeat is missing or older than
     ``stale_after`` seconds."""

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import inject_kill_in
-from distrain.runtime.health import DEAD_KEY, Heartbeat, declare_dead, silent
+from distrain.runtime.health import DEAD_KEY, Heartbeat, declare_dead, heartbeat_stale, silent
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
@@ -228,12 +228,21 @@ class Membership:
         """Whether every one of ``ids`` is gone: declared dead, silent, or started again and
         asking to join (it lost its place: its new life is alive, but it is not a member)."""
         gone = set(self._gone(ids))
-        return gone == set(ids) or gone | (self._asking() & set(ids)) == set(ids)
+        return gone == set(ids) or gone | (self.asking() & set(ids)) == set(ids)
 
-    def _asking(self) -> set[int]:
-        """The workers that asked to join and are not admitted yet."""
-        joins = int(self.store.add(JOINS_KEY, 0))
-        return {int(self.store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, joins)}
+    def asking(self, store: dist.Store | None = None) -> set[int]:
+        """The workers that asked to join and are not admitted yet (through ``store``, another
+        client of the same store, from another thread)."""
+        store = self.store if store is None else store
+        joins = int(store.add(JOINS_KEY, 0))
+        return {int(store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, joins)}
+
+    def lost_again(self, worker: int, store: dist.Store | None = None) -> bool:
+        """Whether ``worker``, admitted in this epoch, died since: its heartbeat (stamped from
+        before it asked; its last life's dead mark may stand yet) is stale, or a new life of it
+        already asks to join (through ``store`` as :meth:`asking`)."""
+        return heartbeat_stale(self.store if store is None else store, worker, self.stale_after) \
+            or worker in self.asking(store)
 
     def agree(self, steps: int) -> tuple[list[int], dict[int, int]]:
         """Register for the next epoch with ``steps`` completed; return the agreed members (in
@@ -453,6 +462,7 @@ class Membership:
                 raise WorkerFailure(f"worker {me} asked to join the run but was not admitted within {timeout:g} s")
             time.sleep(POLL_S)
         epoch, admitted = (int(v) for v in store.get(ADMIT_KEY.format(n)).decode().split(":"))
+        inject_kill_in("entry", me)  # fault injection for tests
         if not reopen:
             store.delete_key(DEAD_KEY.format(me))  # alive again
         membership = cls(store, [me], me, epoch=epoch, admitted=admitted, **kwargs)  # type: ignore[arg-type]
@@ -460,7 +470,6 @@ class Membership:
         if reopen:  # its admission, as the members record it (a loss may interrupt it: settle)
             membership.changes.append(Change(epoch, list(membership.members), [], steps, time.time(), 0.0,
                                              max(steps.values()), joined=[me]))
-            inject_kill_in("entry", me)  # fault injection for tests
             membership.settle(membership._reopen, NOT_ENTERED)
         return membership
 
@@ -496,6 +505,30 @@ class Membership:
             time.sleep(POLL_S / 2)
 
 
+class LinkMissed(WorkerFailure):
+    """Processes that were to open a link died before they were ready to (``ranks``)."""
+
+    def __init__(self, ranks: list[int], message: str) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def await_ready(store: dist.Store, ranks: list[int], me: int, timeout: float,
+                gone: Callable[[int], bool] | None, missed: str) -> None:
+    """Before ``ranks`` open a link or group over a prefix of the store: mark ``me`` ready in
+    ``store`` (that prefix) and wait for every other rank's mark; a rank not ready that ``gone``
+    says is gone raises :class:`LinkMissed` within a poll (the link's rendezvous would wait the
+    whole timeout for it); after ``timeout`` seconds, WorkerFailure (``missed``: what went wrong)."""
+    store.set(f"ready/{me}", "1")
+    deadline = time.monotonic() + timeout
+    while waiting := [r for r in ranks if r != me and not store.check([f"ready/{r}"])]:
+        if gone is not None and (lost := [r for r in waiting if gone(r)]):
+            raise LinkMissed(lost, f"rank {me}: rank(s) {lost} gone before they were ready to meet")
+        if time.monotonic() > deadline:
+            raise WorkerFailure(f"{missed} within {timeout:g} s (ranks {waiting} never came)")
+        time.sleep(POLL_S / 2)
+
+
 def restarted_workers(store: dist.Store) -> set[int]:
     """The ids of every worker started again that asked to join the run (admitted or not)."""
     return {int(store.get(JOINER_KEY.format(n)).decode()) for n in range(int(store.add(JOINS_KEY, 0)))}
@@ -518,15 +551,14 @@ def enter_run(cfg: TrainConfig) -> Membership:
     # reopens the run's group.
     links = cfg.algo.algorithm in LINKED_JOINS
     me = int(os.environ.get("RANK", "0"))
-    # Reopening the group with it, the members see it alive by its heartbeat from the moment it
-    # asks: one that dies on the way is then seen gone, not waited for.
-    heartbeat = None if links else Heartbeat(host, int(port), me, c.workers, ceiling=c.timeout).start()
+    # The members (or the servers, opening its link) see it alive by its heartbeat from the
+    # moment it asks: one that dies on the way is then seen gone, not waited for.
+    heartbeat = Heartbeat(host, int(port), me, c.workers, ceiling=c.timeout).start()
     try:
         membership = Membership.enter(store, me, reopen=not links, min_workers=c.min_workers,
                                       backend=backend_for(cfg), timeout=c.timeout)
     except BaseException:
-        if heartbeat is not None:
-            heartbeat.stop()
+        heartbeat.stop()
         raise
     membership.heartbeat = heartbeat
     return membership

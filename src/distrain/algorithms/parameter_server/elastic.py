@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from distrain.runtime.membership import (
     POLL_S,
     RESTARTS_KEY,
     Membership,
+    await_ready,
 )
 
 if TYPE_CHECKING:
@@ -60,8 +62,9 @@ def servers_link(membership: Membership, worker: int, me: int, settings: PSSetti
     passes None, reads them in the store), then the worker's. Workers join only in local runs,
     whose processes listen on the store's address (``MASTER_ADDR``, loopback by default)."""
     ranks = None if servers is None else [*(settings.run.workers + s for s in servers), worker]
+    gone = None if servers is None else lambda r: r == worker and membership.lost_again(worker)
     link, _ = _meet(membership, f"servers/{worker}", ranks, me, settings, link_model,
-                    f"worker {worker} was admitted again but the servers never met it")
+                    f"worker {worker} was admitted again but the servers never met it", gone)
     return link
 
 
@@ -77,12 +80,17 @@ def return_link(membership: Membership, server: int, ranks: list[int] | None, me
 
 
 def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, settings: PSSettings,
-          link_model: LinkModel | None, missed: str) -> tuple[LinkTransport, list[int]]:
+          link_model: LinkModel | None, missed: str,
+          gone: Callable[[int], bool] | None = None) -> tuple[LinkTransport, list[int]]:
     """Open a link named ``name`` in ``membership``'s epoch over ``ranks``, which the processes
     that know them publish in the store (the first proposal is everyone's; they must agree) and
     the one that does not (``ranks`` None) waits for: at most ``--timeout`` seconds (``missed``
     then says what went wrong). It was admitted, so some member reached the step of its
-    admission, and the others do (they are synchronous): they publish the ranks there."""
+    admission, and the others do (they are synchronous): they publish the ranks there.
+
+    Before the link's rendezvous every process marks itself ready and waits for the others'
+    marks: a process that ``gone`` says is gone before its mark raises :class:`LinkMissed`
+    within a poll (the rendezvous would wait the whole timeout for it)."""
     plan = membership.store_prefix(f"{name}/plan")
     if ranks is not None:
         text = ",".join(map(str, ranks))
@@ -96,6 +104,7 @@ def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, s
                 raise WorkerFailure(f"{missed} within {settings.run.timeout:g} s")
             time.sleep(POLL_S)
         ranks = [int(r) for r in plan.get("ranks").decode().split(",")]
+    await_ready(membership.store_prefix(f"{name}/ready"), ranks, me, settings.run.timeout, gone, missed)
     link = open_link(membership.store_prefix(name), ranks, me, settings.run.workers + settings.servers,
                      settings.run.timeout, link_model, host=os.environ.get("MASTER_ADDR", "127.0.0.1"))
     return link, ranks

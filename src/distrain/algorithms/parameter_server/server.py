@@ -55,7 +55,7 @@ from distrain.compress.registry import build_compressor
 from distrain.errors import WorkerFailure
 from distrain.runtime.faults import FaultWatch, is_comm_error, maybe_injected_kill, store_client
 from distrain.runtime.health import declare_dead
-from distrain.runtime.membership import SERVERS_RETURN_KEY, Membership, RunEnded
+from distrain.runtime.membership import SERVERS_RETURN_KEY, LinkMissed, Membership, RunEnded
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
 
@@ -316,26 +316,47 @@ class ShardServer:
             if i in live:  # its loss was never seen here: its row would count twice
                 raise WorkerFailure(f"server {self.index}: worker {worker} joined after step {step}, but this "
                                     "server was still serving its earlier process")
-            self._meet_joiner(worker, step)
+            if not self._meet_joiner(worker, step):
+                continue  # lost again before it took its parameters: the others are served as they were
             live.append(i)
             live.sort()
             log.info("server %d: worker %d joined after step %d; serving %d", self.index, worker, step, len(live))
 
-    def _meet_joiner(self, worker: int, step: int) -> None:
+    def _meet_joiner(self, worker: int, step: int) -> bool:
         """Open the link of the live servers with ``worker``, admitted after round ``step``
         (:func:`servers_link`), and send it ``[step, numel, k]``, the ``k`` ranges this server
         owns when a takeover is in force (0: its own shard), and its parameters; from the next
-        round on its push comes over that link."""
+        round on its push comes over that link. False when it died again before its link opened
+        (every server sees it gone there) or while this server sent it its parameters: it stays
+        lost, and the workers read that from its dead mark."""
         servers = self.layout.live() if self.layout is not None else list(range(self.settings.servers))
-        link = servers_link(self.joins, worker, self.transport.rank, self.settings, self.transport.link_model, servers)
+        try:
+            link = servers_link(self.joins, worker, self.transport.rank, self.settings, self.transport.link_model,
+                                servers)
+        except LinkMissed:
+            self._joiner_lost(worker, step)
+            return False
         version = self._started_takeovers()  # asynchronous: its pushes cover them (sync: none)
-        for h in [link.send(t, worker) for t in self._holding_message(step, version)]:
-            h.wait()
+        try:
+            for h in [link.send(t, worker) for t in self._holding_message(step, version)]:
+                h.wait()
+        except Exception as exc:
+            if not is_comm_error(exc):
+                raise
+            link.close()
+            self._joiner_lost(worker, step)
+            return False
         self.versions[self.pushers.index(worker)] = version
         self._links[self.pushers.index(worker)] = link
         self._opened.append(link)
         if worker in self.lost_pushers:
             self.lost_pushers.remove(worker)
+        return True
+
+    def _joiner_lost(self, worker: int, step: int) -> None:
+        declare_dead(self._store_client(), worker)  # (its last life's mark may stand: then that one)
+        log.warning("server %d: worker %d, admitted after step %d, was lost again before it took its parameters; "
+                    "serving the others", self.index, worker, step)
 
     def _give_back(self, server: int, members: list[int], step: int) -> None:
         """Server ``server`` (its rank in the run) was started again after its loss and admitted
@@ -551,13 +572,14 @@ class ShardServer:
             # server's, which may differ by one between servers: the worker keeps one per server).
             others = [c for j, (c, done) in enumerate(zip(clocks, ended, strict=True)) if not done and j != i]
             clocks[i] = min(others) if others else self.steps
-            self._meet_joiner(worker, clocks[i])
+            if not self._meet_joiner(worker, clocks[i]):
+                continue  # lost again before it took its parameters: it stays ended here
             ended[i], pulled[i] = False, self.updates
             self._rounds_follow_pushers()
             inbox.add(i)
             log.info("server %d: worker %d joined at its push %d; serving %d", self.index, worker, clocks[i],
                      self.live_pushers)
-        return bool(change.joined)
+        return any(not ended[self.pushers.index(w)] for w in change.joined)
 
     def _rounds_follow_pushers(self) -> None:
         """Asynchronous: a round of the servers' SGD momentum is the live pushers' pushes, and
@@ -768,8 +790,8 @@ def _serve_again(settings: ServerSettings, run_dir: str | Path | None, like: tor
     step = max(steps.values())
     server.take_back(ranks, step)
     for worker in [m for m in members if m not in ranks]:  # workers admitted at the same step
-        server._meet_joiner(worker, step)
-        log.info("server %d: worker %d joined after step %d", server.index, worker, step)
+        if server._meet_joiner(worker, step):
+            log.info("server %d: worker %d joined after step %d", server.index, worker, step)
     server.run(step, watch)
     control = server.control_transport()
     if gather_totals:
