@@ -577,7 +577,9 @@ class DistributedOptimizer:
             except Exception as exc:
                 if self.membership is None or not Membership.is_loss(exc):
                     raise
-                self._recover(time.perf_counter(), None)
+            # (outside the except block: its traceback holds the failed work, and destroying the old
+            # group waited for that work's timeout)
+            self._recover(time.perf_counter(), None)
 
     def _recover(self, seen: float, own: list[torch.Tensor | None] | None, in_step: bool = False) -> bool:
         """Rebuild over the survivors (see :mod:`distrain.runtime.membership`); True when the step
