@@ -534,7 +534,7 @@ def restarted_workers(store: dist.Store) -> set[int]:
     return {int(store.get(JOINER_KEY.format(n)).decode()) for n in range(int(store.add(JOINS_KEY, 0)))}
 
 
-def enter_run(cfg: TrainConfig) -> Membership:
+def enter_run(cfg: TrainConfig, stamp: bool = True) -> Membership:
     """Join the running elastic job a launcher restarted this process for (its ``RANK`` is the
     worker's id; the store is at ``MASTER_ADDR:MASTER_PORT``): wait to be admitted at a step's end,
     then open the group with the members (with parameter servers or asynchronous gossip, no group:
@@ -552,13 +552,15 @@ def enter_run(cfg: TrainConfig) -> Membership:
     links = cfg.algo.algorithm in LINKED_JOINS
     me = int(os.environ.get("RANK", "0"))
     # The members (or the servers, opening its link) see it alive by its heartbeat from the
-    # moment it asks: one that dies on the way is then seen gone, not waited for.
-    heartbeat = Heartbeat(host, int(port), me, c.workers, ceiling=c.timeout).start()
+    # moment it asks: one that dies on the way is then seen gone, not waited for. (``stamp``
+    # False: the caller stamps one already, as distrain train's FaultWatch does.)
+    heartbeat = Heartbeat(host, int(port), me, c.workers, ceiling=c.timeout).start() if stamp else None
     try:
         membership = Membership.enter(store, me, reopen=not links, min_workers=c.min_workers,
                                       backend=backend_for(cfg), timeout=c.timeout)
     except BaseException:
-        heartbeat.stop()
+        if heartbeat is not None:
+            heartbeat.stop()
         raise
     membership.heartbeat = heartbeat
     return membership

@@ -276,7 +276,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     joined: Membership | None = None
     if joining:
         try:
-            joined = enter_run(cfg)
+            joined = enter_run(cfg, stamp=False)  # (the watch's heartbeat stamps from its start)
         except RunEnded as exc:
             log.warning("%s; it leaves", exc)
             return None
