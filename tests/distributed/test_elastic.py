@@ -227,6 +227,24 @@ def test_a_member_lost_while_a_worker_joins_leaves_the_others_and_the_joiner_goi
     assert not torch.allclose(absent_reference({0: (at, back)}, steps), expected)  # worker 2's loss counts
 
 
+@pytest.mark.slow  # CI: the kill and join tests above
+def test_a_survivor_lost_as_the_survivors_regroup_leaves_the_others_going(tmp_path: Path):
+    """Worker 0 killed as step 3 begins; worker 2 dies once the survivors agreed on [1, 2, 3],
+    before their group opened (``recovery``): the other two see it gone instead of waiting in
+    the group's rendezvous, agree again on [1, 3] and redo step 3 between themselves."""
+    at = 3
+    done = launch(tmp_path, 0, at, "start", env=kill_in(tmp_path, "recovery", 2))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mark").exists()
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in (1, 3)}
+    expected = absent_reference({0: (at, STEPS), 2: (at, STEPS)}, STEPS)
+    for r, result in results.items():
+        first, second = result["changes"]
+        assert (first["workers"], first["members"], second["workers"], second["members"]) == ([0], [1, 2, 3], [2], [1, 3])
+        assert result["workers"] == 2 and result["steps"] == STEPS, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+
+
 @pytest.mark.slow  # CI: the all-reduce case above
 def test_a_member_lost_while_a_worker_joins_gossip_leaves_the_joiner_with_a_members_model(tmp_path: Path):
     """D-PSGD: worker 2 dies once the group with the joiner (worker 0, killed at step 3) is open,

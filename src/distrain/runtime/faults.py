@@ -16,7 +16,9 @@ Fault injection for tests (environment variables, read by every worker):
                                        members begin to admit a joiner), ``handover`` (a
                                        member, once the group with the joiner is open, before
                                        it takes their state), ``entry`` (the joiner, once
-                                       admitted; once per run: not when the mark file exists)
+                                       admitted; once per run: not when the mark file exists),
+                                       ``recovery`` (a survivor of a loss, once the survivors
+                                       agreed, before their new group opens)
     DISTRAIN_INJECT_MARK=PATH          where the injected fault writes its time and process id
 """
 

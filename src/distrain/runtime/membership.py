@@ -289,6 +289,7 @@ class Membership:
         if len(members) < self.min_workers:
             raise WorkerFailure(f"worker {self.me}: lost worker(s) {lost} at step {steps}; {len(members)} left, "
                                 f"fewer than --min-workers {self.min_workers}")
+        inject_kill_in("recovery", self.me)  # fault injection for tests
         self.epoch += 1
         self.members = members
         # Joiners not let in yet are admitted again at this epoch (the agreement was the last one's).
