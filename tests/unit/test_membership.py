@@ -370,3 +370,22 @@ def test_a_loss_while_a_group_opens_is_recovered_from_until_one_opens():
     agreed.join(timeout=10)
     assert [(c.members, c.lost, c.steps) for c in changes] == [([0, 1], [2], {0: 4, 1: 4})]
     assert opened == [[0, 1]] and member.epoch == 1
+
+
+def test_a_joiner_admitted_in_an_epoch_is_lost_again_when_its_heartbeat_stops_or_a_later_life_asks():
+    """lost_again(worker, epoch): the life an epoch admitted is gone once its heartbeat is stale,
+    or once a later life of the same worker has asked to join (its fresh heartbeat then says
+    nothing of the earlier life); a life admitted later is not."""
+    store = store_with_heartbeats(2)
+    store.set(RESTARTS_KEY, "1")
+    server = Membership(store, [0, 1, 2, 3], 4, stale_after=3.0)
+    store.set(JOINER_KEY.format(int(store.add(JOINS_KEY, 1)) - 1), "2")  # worker 2's second life asks
+    server.admit(Growth(5, 1), 5, time.perf_counter(), live=[0, 1, 3])
+    assert server.lives == {(2, 1): 1}
+    assert not server.lost_again(2, 1)
+    store.set(JOINER_KEY.format(int(store.add(JOINS_KEY, 1)) - 1), "2")  # it died; its third life asks
+    assert server.lost_again(2, 1)
+    server.admit(Growth(6, 2), 6, time.perf_counter(), live=[0, 1, 3])
+    assert not server.lost_again(2, 2)  # the third life, admitted in epoch 2
+    store.set(KEY.format(2), repr(time.time() - 10))  # its heartbeat stops
+    assert server.lost_again(2, 2)

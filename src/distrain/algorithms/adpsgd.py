@@ -480,7 +480,7 @@ class PairwiseGossip(GossipEngine):
             deadline = time.monotonic() + self.peer_timeout
             membership = self.admissions.membership
             while live.is_dead(joiner):  # its mark goes once it took its admission (Membership.enter)
-                if membership.lost_again(joiner, live.store):
+                if membership.lost_again(joiner, epoch, live.store):
                     raise LinkMissed([joiner], f"worker {joiner} was admitted but died again before it came")
                 if time.monotonic() > deadline:
                     raise PeerTimeout(f"worker {joiner} was admitted but did not come within {self.peer_timeout:g} s")

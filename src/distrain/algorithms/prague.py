@@ -854,7 +854,7 @@ class GroupGossip(GossipEngine):
         live = self.liveness.another()
         deadline = time.monotonic() + self.timeout
         while live.is_dead(joiner):
-            if self.admissions is not None and self.admissions.membership.lost_again(joiner, live.store):
+            if self.admissions is not None and self.admissions.membership.lost_again(joiner, epoch, live.store):
                 log.warning("worker %d: worker %d was admitted but died again before it came", self.rank, joiner)
                 return
             if time.monotonic() > deadline:

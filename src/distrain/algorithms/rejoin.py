@@ -134,7 +134,7 @@ def open_pair(membership: Membership, epoch: int, peers: tuple[int, int], me: in
     prefix = membership.store_prefix(f"{name}/{a}-{b}", epoch, client)
     if joiner is not None:
         def gone(r: int) -> bool:
-            return membership.lost_again(r, client)
+            return membership.lost_again(r, epoch, client)
     else:
         def gone(r: int) -> bool:
             return declared_dead(client, r)

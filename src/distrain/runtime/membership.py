@@ -178,6 +178,8 @@ class Membership:
     growth: Growth | None = None
     #: a worker that joins a group reopened with it: the heartbeat it stamps from before it asks
     heartbeat: Heartbeat | None = None
+    #: (joiner, epoch) -> how many times that joiner had asked to join when that epoch admitted it
+    lives: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         mark_elastic(self.store)
@@ -237,12 +239,21 @@ class Membership:
         joins = int(store.add(JOINS_KEY, 0))
         return {int(store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, joins)}
 
-    def lost_again(self, worker: int, store: dist.Store | None = None) -> bool:
-        """Whether ``worker``, admitted in this epoch, died since: its heartbeat (stamped from
-        before it asked; its last life's dead mark may stand yet) is stale, or a new life of it
-        already asks to join (through ``store`` as :meth:`asking`)."""
-        return heartbeat_stale(self.store if store is None else store, worker, self.stale_after) \
-            or worker in self.asking(store)
+    def lost_again(self, worker: int, epoch: int, store: dist.Store | None = None) -> bool:
+        """Whether ``worker``'s life admitted in ``epoch`` died since: its heartbeat (stamped from
+        before it asked; its last life's dead mark may stand yet) is stale, or a later life of it
+        has asked to join since (through ``store`` as :meth:`asking`)."""
+        store = self.store if store is None else store
+        if heartbeat_stale(store, worker, self.stale_after):
+            return True
+        admitted = self.lives.get((worker, epoch))
+        return worker in self.asking(store) if admitted is None else self._asks(store).count(worker) > admitted
+
+    @staticmethod
+    def _asks(store: dist.Store, upto: int | None = None) -> list[int]:
+        """Who asked to join, in order (the first ``upto`` asks)."""
+        n = int(store.add(JOINS_KEY, 0)) if upto is None else upto
+        return [int(store.get(JOINER_KEY.format(i)).decode()) for i in range(n)]
 
     def agree(self, steps: int) -> tuple[list[int], dict[int, int]]:
         """Register for the next epoch with ``steps`` completed; return the agreed members (in
@@ -414,6 +425,9 @@ class Membership:
         self.store.compare_set(self._key("members", nxt), "", ",".join(f"{m}:{steps}" for m in proposal))
         for n in range(self.admitted, growth.count):
             self.store.compare_set(ADMIT_KEY.format(n), "", f"{nxt}:{growth.count}")
+        asks = self._asks(self.store, growth.count)
+        for joiner in set(asks[self.admitted :]):  # which life of each joiner this epoch admits
+            self.lives[(joiner, nxt)] = asks.count(joiner)
         self.members, done = self._members_of(nxt)
         self.epoch, self.admitted, self.growth = nxt, growth.count, None
         return done

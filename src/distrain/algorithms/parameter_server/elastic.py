@@ -62,7 +62,8 @@ def servers_link(membership: Membership, worker: int, me: int, settings: PSSetti
     passes None, reads them in the store), then the worker's. Workers join only in local runs,
     whose processes listen on the store's address (``MASTER_ADDR``, loopback by default)."""
     ranks = None if servers is None else [*(settings.run.workers + s for s in servers), worker]
-    gone = None if servers is None else lambda r: r == worker and membership.lost_again(worker)
+    epoch = membership.epoch
+    gone = None if servers is None else lambda r: r == worker and membership.lost_again(worker, epoch)
     link, _ = _meet(membership, f"servers/{worker}", ranks, me, settings, link_model,
                     f"worker {worker} was admitted again but the servers never met it", gone)
     return link
