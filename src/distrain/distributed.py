@@ -587,31 +587,32 @@ class DistributedOptimizer:
         parameters and optimizer state, or (decentralized algorithms) the survivors averaged their
         models and this worker now stands at the furthest one's step count; False when it is to be
         redone (``.grad`` holds this worker's own gradients again)."""
-        assert self.membership is not None
-        membership = self.membership
         if own is not None:  # the new buckets take them in (the old ones may be half averaged)
             for p, g in zip(self.params, own, strict=True):
                 p.grad = g
         done = self.steps + 1 if in_step and self.algorithm.realigns else self.steps  # gossip: the local update is in
-        return self._hand_over(self._rebuild(lambda: membership.recover(done, seen), done), done)
+        return self._hand_over(None, done, seen)
 
-    def _hand_over(self, change: Change, done: int) -> bool:
+    def _hand_over(self, change: Change | None, done: int, seen: float = 0.0) -> bool:
         """After a change of members, over the new group (collective): the state moves where the
-        change needs it (:meth:`_take_part`). A loss on the way makes the others agree again, and
-        the state moves as the new change needs, as often as it takes. Returns what
-        :meth:`_recover` does (False after an admission)."""
+        change needs it (:meth:`_take_part`); ``change`` None: the survivors of a loss this worker
+        saw at ``seen`` (perf_counter) agree on the members first. A loss on the way makes them
+        agree again, and the state moves as the new change needs, as often as it takes. Returns
+        what :meth:`_recover` does (False after an admission)."""
         while True:
+            if change is None:  # agree over whoever is left, with this worker's ``done`` steps
+                assert self.membership is not None
+                change = self._rebuild(partial(self.membership.recover, done, seen), done)
             try:
                 return self._take_part(change, done)
             except Exception as exc:
                 if self.membership is None or not Membership.is_loss(exc):
                     raise
-                seen, membership = time.perf_counter(), self.membership
                 log.debug("worker %d: a peer is lost while the state moves after epoch %d: %r", self.id,
-                          membership.epoch, exc)
+                          self.membership.epoch, exc)
             # (outside the except block: its traceback holds the failed work, and with it the old group)
+            seen, change = time.perf_counter(), None
             done = NOT_ENTERED if self._fresh else done
-            change = self._rebuild(partial(membership.recover, done, seen), done)
 
     def _take_part(self, change: Change, done: int) -> bool:
         """An admission: the joiners take rank 0's state (the members keep their own: DiLoCo's

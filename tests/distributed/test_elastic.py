@@ -54,6 +54,51 @@ def launch(out: Path, victim: int, at: int, where: str, *flags: str,
     return subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=Path(__file__).parents[2], env=env)
 
 
+def kill_in(tmp_path: Path, phase: str, worker: int, **extra: str) -> dict:
+    """The launcher's environment with worker ``worker`` killed in ``phase`` of a membership change
+    (``DISTRAIN_INJECT_KILL_IN``)."""
+    return {**os.environ, "DISTRAIN_INJECT_KILL_IN": f"{phase}:{worker}",
+            "DISTRAIN_INJECT_MARK": str(tmp_path / "mark"), **extra}
+
+
+def launch_tagged(tmp_path: Path, victim: int, at: int, where: str, *flags: str, settings: dict | None = None,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
+    """:func:`launch`, checking that nothing of the run is left running once it ends (its
+    processes are tagged; any found are killed)."""
+    from tests.reliability.common import kill_tagged, tagged
+
+    tag = f"rejoin-{tmp_path.name}"
+    try:
+        done = launch(tmp_path, victim, at, where, *flags, settings=settings,
+                      env={**(os.environ if env is None else env), "DISTRAIN_TEST_TAG": tag})
+        assert tagged(tag) == []
+    finally:
+        kill_tagged(tag)
+    return done
+
+
+def lost_as_it_enters(tmp_path: Path, joined: list[int], *flags: str,
+                      settings: dict | None = None) -> tuple[subprocess.CompletedProcess, dict[int, dict], int, int]:
+    """Worker 0 killed as step 3 begins, started again, killed again once admitted (``entry``) and
+    started a third time (``--max-restarts 2``; ``flags`` besides): the run's process, every
+    worker's result, the step of the join that held and the run's steps, once every member
+    recorded the loss, the join the second loss undid, and the join that held (the members in
+    the order ``joined``)."""
+    done = launch_tagged(tmp_path, 0, 3, "rejoin", *flags, "--max-restarts", "2", settings=settings,
+                         env=kill_in(tmp_path, "entry", 0, ELASTIC_FULL="1"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mark").exists()
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    events = [(c["event"], c["workers"], c["members"]) for c in results[1]["changes"]]
+    assert events == [("lost", [0], [1, 2, 3]), ("joined", [0], joined), ("lost", [0], [1, 2, 3]),
+                      ("joined", [0], joined)], events
+    back = results[1]["changes"][-1]["joined_at_step"]
+    steps = max(STEPS, back + 4)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+    return done, results, back, steps
+
+
 def rejoin(tmp_path: Path, victim: int, at: int,
            settings: dict | None = None) -> tuple[subprocess.CompletedProcess, dict[int, dict], int, dict, dict]:
     """Kill worker ``victim`` as step ``at`` begins and start it again (``--max-restarts 1``): the
@@ -191,13 +236,6 @@ def test_a_restarted_worker_joins_with_the_others_state(tmp_path: Path):
     assert not torch.allclose(reference(0, at + 1, back, steps), expected)  # the survivors redid step 3 without it
 
 
-def kill_in(tmp_path: Path, phase: str, worker: int, **extra: str) -> dict:
-    """The launcher's environment with worker ``worker`` killed in ``phase`` of a membership change
-    (``DISTRAIN_INJECT_KILL_IN``)."""
-    return {**os.environ, "DISTRAIN_INJECT_KILL_IN": f"{phase}:{worker}",
-            "DISTRAIN_INJECT_MARK": str(tmp_path / "mark"), **extra}
-
-
 @pytest.mark.parametrize("phase", [pytest.param("admission", marks=pytest.mark.slow), "handover"])
 def test_a_member_lost_while_a_worker_joins_leaves_the_others_and_the_joiner_going(tmp_path: Path, phase: str):
     """Worker 0, killed at step 3, is started again; as the members admit it, worker 2 dies: before
@@ -271,20 +309,9 @@ def test_a_joiner_lost_as_it_enters_is_started_again_and_joins(tmp_path: Path):
     not waiting for its rendezvous, and go on as they were; started a second time
     (``--max-restarts 2``), it joins. Every worker ends on the reference with worker 0 absent
     from step 3 until the join that held."""
-    at = 3
-    done = launch(tmp_path, 0, at, "rejoin", "--max-restarts", "2",
-                  env=kill_in(tmp_path, "entry", 0, ELASTIC_FULL="1"))
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "mark").exists()
-    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
-    events = [(c["event"], c["workers"], c["members"]) for c in results[1]["changes"]]
-    assert events == [("lost", [0], [1, 2, 3]), ("joined", [0], [1, 2, 3, 0]), ("lost", [0], [1, 2, 3]),
-                      ("joined", [0], [1, 2, 3, 0])], events
-    back = results[1]["changes"][-1]["joined_at_step"]
-    steps = max(STEPS, back + 4)
-    expected = absent_reference({0: (at, back)}, steps)
-    for r, result in results.items():
-        assert result["workers"] == WORKERS and result["steps"] == steps, r
+    _, results, back, steps = lost_as_it_enters(tmp_path, [1, 2, 3, 0])
+    expected = absent_reference({0: (3, back)}, steps)
+    for result in results.values():
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
 
 
@@ -827,28 +854,11 @@ def test_a_worker_lost_as_it_joins_the_parameter_servers_is_not_waited_for(tmp_p
     the whole timeout, serve the others on, and the workers read its loss; started a second time
     (``--max-restarts 2``), it joins. Every worker ends on the servers' parameters with worker 0
     absent from step 3 until the join that held."""
-    from tests.reliability.common import kill_tagged, tagged
-
-    victim, at, tag = 0, 3, f"rejoin-{tmp_path.name}"
-    try:
-        done = launch(tmp_path, victim, at, "rejoin", "--servers", "2", "--max-restarts", "2",
-                      settings={"algorithm": "ps"},
-                      env={**kill_in(tmp_path, "entry", 0, ELASTIC_FULL="1"), "DISTRAIN_TEST_TAG": tag})
-        assert tagged(tag) == []
-    finally:
-        kill_tagged(tag)
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "mark").exists()
+    done, results, back, steps = lost_as_it_enters(tmp_path, [0, 1, 2, 3], "--servers", "2",
+                                                   settings={"algorithm": "ps"})
     assert done.stderr.count("was lost again before it took its parameters") == 2  # each server
-    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
-    events = [(c["event"], c["workers"], c["members"]) for c in results[1]["changes"]]
-    assert events == [("lost", [0], [1, 2, 3]), ("joined", [0], [0, 1, 2, 3]), ("lost", [0], [1, 2, 3]),
-                      ("joined", [0], [0, 1, 2, 3])], events
-    back = results[1]["changes"][-1]["joined_at_step"]
-    steps = max(STEPS, back + 4)
-    expected = ps_join_reference(victim, at, back, steps)
-    for r, result in results.items():
-        assert result["workers"] == WORKERS and result["steps"] == steps, r
+    expected = ps_join_reference(0, 3, back, steps)
+    for result in results.values():
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=0)
 
 
@@ -1052,15 +1062,7 @@ def restarted_run(tmp_path: Path, victim: int, at: int, settings: dict,
     """Worker ``victim`` killed as step ``at`` begins and started again (--max-restarts 1; ``flags``
     for the launcher besides): the run's process, once it said so once and nothing of it is left
     running, and every worker's result."""
-    from tests.reliability.common import kill_tagged, tagged
-
-    tag = f"rejoin-{tmp_path.name}"
-    try:
-        done = launch(tmp_path, victim, at, "rejoin", *flags, "--max-restarts", "1", settings=settings,
-                      env={**os.environ, "DISTRAIN_TEST_TAG": tag})
-        assert tagged(tag) == []
-    finally:
-        kill_tagged(tag)
+    done = launch_tagged(tmp_path, victim, at, "rejoin", *flags, "--max-restarts", "1", settings=settings)
     assert done.returncode == 0, done.stderr
     assert f"rank {victim} failed: killed by SIGKILL; started again, it joins the others with their state" in done.stderr
     assert done.stderr.count(f"worker {victim} joined the run at step") == 1
@@ -1101,15 +1103,8 @@ def test_asynchronous_gossip_goes_on_without_a_joiner_lost_as_it_enters(tmp_path
     links (``entry``): its neighbours see it gone (its heartbeat, stamped from before it asked,
     stops) instead of waiting for it in the links' rendezvous, drop it, and the three end
     without it (``--max-restarts 1``: no third life; the join tests above cover a join)."""
-    from tests.reliability.common import kill_tagged, tagged
-
-    tag = f"rejoin-{tmp_path.name}"
-    try:
-        done = launch(tmp_path, 0, 3, "rejoin", "--max-restarts", "1", settings={"algorithm": algorithm},
-                      env={**kill_in(tmp_path, "entry", 0), "DISTRAIN_TEST_TAG": tag})
-        assert tagged(tag) == []
-    finally:
-        kill_tagged(tag)
+    done = launch_tagged(tmp_path, 0, 3, "rejoin", "--max-restarts", "1", settings={"algorithm": algorithm},
+                         env=kill_in(tmp_path, "entry", 0))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "mark").exists()
     assert "worker 0 was admitted but died again before it came" in done.stderr

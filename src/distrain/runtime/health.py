@@ -337,13 +337,7 @@ def heartbeat_stale(store: dist.Store, rank: int, stale_after: float) -> bool:
 def silent(store: dist.Store, ranks: list[int] | set[int], stale_after: float) -> list[int]:
     """Of ``ranks``: those declared dead, or whose heartbeat is missing or older than
     ``stale_after`` seconds."""
-    now, out = time.time(), []
-    for r in sorted(ranks):
-        beat = KEY.format(r)
-        if store.check([DEAD_KEY.format(r)]) or not store.check([beat]) \
-                or now - float(store.get(beat).decode()) > stale_after:
-            out.append(r)
-    return out
+    return [r for r in sorted(ranks) if store.check([DEAD_KEY.format(r)]) or heartbeat_stale(store, r, stale_after)]
 
 
 def declared_dead(store: dist.Store | None, rank: int) -> bool:

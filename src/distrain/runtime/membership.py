@@ -235,9 +235,7 @@ class Membership:
     def asking(self, store: dist.Store | None = None) -> set[int]:
         """The workers that asked to join and are not admitted yet (through ``store``, another
         client of the same store, from another thread)."""
-        store = self.store if store is None else store
-        joins = int(store.add(JOINS_KEY, 0))
-        return {int(store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, joins)}
+        return set(asked(self.store if store is None else store, self.admitted))
 
     def lost_again(self, worker: int, epoch: int, store: dist.Store | None = None) -> bool:
         """Whether ``worker``'s life admitted in ``epoch`` died since: its heartbeat (stamped from
@@ -247,13 +245,7 @@ class Membership:
         if heartbeat_stale(store, worker, self.stale_after):
             return True
         admitted = self.lives.get((worker, epoch))
-        return worker in self.asking(store) if admitted is None else self._asks(store).count(worker) > admitted
-
-    @staticmethod
-    def _asks(store: dist.Store, upto: int | None = None) -> list[int]:
-        """Who asked to join, in order (the first ``upto`` asks)."""
-        n = int(store.add(JOINS_KEY, 0)) if upto is None else upto
-        return [int(store.get(JOINER_KEY.format(i)).decode()) for i in range(n)]
+        return worker in self.asking(store) if admitted is None else asked(store).count(worker) > admitted
 
     def agree(self, steps: int) -> tuple[list[int], dict[int, int]]:
         """Register for the next epoch with ``steps`` completed; return the agreed members (in
@@ -415,8 +407,7 @@ class Membership:
 
     def joiners(self, growth: Growth) -> list[int]:
         """The ids of the joiners ``growth`` admits, once each, in the order they asked."""
-        asked = (int(self.store.get(JOINER_KEY.format(n)).decode()) for n in range(self.admitted, growth.count))
-        return list(dict.fromkeys(asked))
+        return list(dict.fromkeys(asked(self.store, self.admitted, growth.count)))
 
     def _settle(self, growth: Growth, proposal: list[int], steps: int) -> dict[int, int]:
         """Propose the next epoch's members (compare-and-set: the first proposal wins), tell each
@@ -425,7 +416,7 @@ class Membership:
         self.store.compare_set(self._key("members", nxt), "", ",".join(f"{m}:{steps}" for m in proposal))
         for n in range(self.admitted, growth.count):
             self.store.compare_set(ADMIT_KEY.format(n), "", f"{nxt}:{growth.count}")
-        asks = self._asks(self.store, growth.count)
+        asks = asked(self.store, 0, growth.count)
         for joiner in set(asks[self.admitted :]):  # which life of each joiner this epoch admits
             self.lives[(joiner, nxt)] = asks.count(joiner)
         self.members, done = self._members_of(nxt)
@@ -544,9 +535,16 @@ def await_ready(store: dist.Store, ranks: list[int], me: int, timeout: float,
         time.sleep(POLL_S / 2)
 
 
+def asked(store: dist.Store, start: int = 0, stop: int | None = None) -> list[int]:
+    """Who asked to join the run, in the order they asked: asks ``start`` to ``stop`` (None: every
+    ask so far); a worker started again several times is named once per ask."""
+    stop = int(store.add(JOINS_KEY, 0)) if stop is None else stop
+    return [int(store.get(JOINER_KEY.format(n)).decode()) for n in range(start, stop)]
+
+
 def restarted_workers(store: dist.Store) -> set[int]:
     """The ids of every worker started again that asked to join the run (admitted or not)."""
-    return {int(store.get(JOINER_KEY.format(n)).decode()) for n in range(int(store.add(JOINS_KEY, 0)))}
+    return set(asked(store))
 
 
 def enter_run(cfg: TrainConfig, stamp: bool = True) -> Membership:
