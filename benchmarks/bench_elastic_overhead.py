@@ -6,7 +6,9 @@ waits that poll the store every 50 ms, a heartbeat a second) against ``--min-wor
 their own while the caller polls the store; for ``prague``, the group generator's write of every
 group to the store, the waits for a group that poll the store, and each worker's thread watching
 for the generator's loss: with ``--min-workers 4`` a lost worker stops the run and none of them
-runs).
+runs); for ``ps`` with ``--servers 2`` (or more), each step's wait for the servers' answers in a
+thread of its own while the caller looks in the store for a server lost as it answered the step
+before, once the wait lasts 0.2 s.
 
 Per model and repeat (``--repeats``, 3), the two runs go back to back in alternating order; the
 figure is the median over repeats of the per-repeat ratio of training wall times (elastic over
@@ -15,6 +17,7 @@ not elastic), with min and max. No target: it is the price of going on after a l
     python benchmarks/bench_elastic_overhead.py
     python benchmarks/bench_elastic_overhead.py --algorithm dpsgd --models cnn1d --out benchmarks/results/elastic_overhead_dpsgd.json
     python benchmarks/bench_elastic_overhead.py --algorithm prague --models cnn1d --out benchmarks/results/elastic_overhead_prague.json
+    python benchmarks/bench_elastic_overhead.py --algorithm ps --servers 2 --models cnn1d --out benchmarks/results/elastic_overhead_ps.json
 
 Writes ``benchmarks/results/elastic_overhead.json``.
 """
@@ -48,10 +51,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="cnn1d,mlp")
     parser.add_argument("--algorithm", default="allreduce")
+    parser.add_argument("--servers", type=int, default=0, help="parameter servers (ps only; 0: the default)")
     parser.add_argument("--out", type=Path, default=RESULTS / "elastic_overhead.json")
     args = parser.parse_args()
     check_repeats(parser, args.repeats)
-    result: dict = {"algorithm": args.algorithm, "repeats": args.repeats, "cpus": os.cpu_count(), "models": {}}
+    if args.servers and args.algorithm != "ps":
+        parser.error(f"--servers: for --algorithm ps only, got --algorithm {args.algorithm}")
+    servers = ["--servers", str(args.servers)] if args.servers else []
+    result: dict = {"algorithm": args.algorithm, "servers": args.servers or None, "repeats": args.repeats,
+                    "cpus": os.cpu_count(), "models": {}}
     with tempfile.TemporaryDirectory(prefix="bench_elastic_overhead-") as tmp:
         for model in args.models.split(","):
             rows = []
@@ -59,7 +67,7 @@ def main() -> None:
                 order = ["elastic", "fixed"] if repeat % 2 == 0 else ["fixed", "elastic"]
                 row = {}
                 for kind in order:
-                    flags = ["--algorithm", args.algorithm, *MODELS[model],
+                    flags = ["--algorithm", args.algorithm, *servers, *MODELS[model],
                              *([] if kind == "elastic" else ["--min-workers", "4"])]
                     row[kind] = train(Path(tmp) / f"{model}-{repeat}-{kind}", flags)
                 rows.append(row)

@@ -954,6 +954,28 @@ def test_parameter_servers_take_over_a_lost_server(tmp_path: Path):
     assert not torch.allclose(reference(-1, STEPS), expected, atol=1e-4)  # the reset shows
 
 
+def test_parameter_servers_take_over_a_server_lost_while_it_answered_some_workers(tmp_path: Path):
+    """Two servers ([0, 5) and [5, 10)); server 1 answers step 3 to workers 0 and 1 only, then dies
+    (once they pushed step 4): workers 2 and 3 find it lost at step 3, 0 and 1 at step 4. The
+    two who are behind take its answer of step 3 from one who got it (over the store), push step
+    4, and then all four take it over together at step 4: server 0 redoes step 4 on [5, 10) with
+    a fresh momentum. No step lost or applied twice, every worker on the same parameters."""
+    at = 3
+    env = {**os.environ, "DISTRAIN_INJECT_KILL_ANSWERING": f"{WORKERS + 1}:{at}:2"}
+    done = launch(tmp_path, -1, at, "start", "--servers", "2", settings={"algorithm": "ps"}, env=env)
+    assert done.returncode == 0, done.stderr
+    for r in (2, 3):
+        assert f"worker {r}: server 1 was lost as it answered step {at}; its answer taken from a worker" in done.stderr
+    assert "took over parameters [(5, 10)] of lost server 1 at step 4" in done.stderr
+    expected = ps_takeover_reference((5, 10), at)  # step 3's answer stands; step 4 (index 3) redone afresh
+    for r in range(WORKERS):
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["steps"] == STEPS and result["workers"] == WORKERS and result["changes"] == [], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
+    # the reference can fail: had the workers behind taken it over at step 3 from their own copy
+    assert not torch.allclose(ps_takeover_reference((5, 10), at - 1), expected, atol=1e-4)
+
+
 def test_asynchronous_servers_take_over_a_lost_server(tmp_path: Path):
     """``--ps-mode async --max-staleness 0``, three servers over 10 parameters; server 1 is killed
     once it applied the first push of round 3: every worker finds its pull failing, the first to

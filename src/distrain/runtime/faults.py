@@ -19,6 +19,10 @@ Fault injection for tests (environment variables, read by every worker):
                                        admitted; once per run: not when the mark file exists),
                                        ``recovery`` (a survivor of a loss, once the survivors
                                        agreed, before their new group opens)
+    DISTRAIN_INJECT_KILL_ANSWERING='RANK:STEP:N'  synchronous parameter server RANK (global rank)
+                                       kills itself with SIGKILL once it answered step STEP (as
+                                       its workers count them) to its first N live workers and
+                                       they pushed their next step: the others never get it
     DISTRAIN_INJECT_MARK=PATH          where the injected fault writes its time and process id
 """
 
@@ -251,6 +255,22 @@ def maybe_injected_kill(rank: int, step: int) -> None:
         eval(_WEDGE, {"threading": threading, "seconds": float(wedge[2])})  # noqa: S307 - our own constant code
 
 
+def injected_answers(rank: int, step: int) -> int | None:
+    """Fault injection for tests (DISTRAIN_INJECT_KILL_ANSWERING='rank:step:n'): how many of its
+    live workers server ``rank`` answers step ``step`` before it dies (:func:`kill_now`); None:
+    all of them, it does not die there."""
+    spec = os.environ.get("DISTRAIN_INJECT_KILL_ANSWERING", "").split(":")
+    if len(spec) != 3 or (int(spec[0]), int(spec[1])) != (rank, step) or os.environ.get("DISTRAIN_JOIN"):
+        return None
+    return int(spec[2])
+
+
+def kill_now() -> None:
+    """Fault injection for tests: this process dies here (SIGKILL), its mark written first."""
+    _mark_injected()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def inject_kill_in(phase: str, worker: int) -> None:
     """Fault injection for tests: DISTRAIN_INJECT_KILL_IN='phase:id' kills worker ``id`` when
     it reaches ``phase`` of a membership change (see the module's docstring): a member in its
@@ -262,8 +282,7 @@ def inject_kill_in(phase: str, worker: int) -> None:
     mark = os.environ.get("DISTRAIN_INJECT_MARK")
     if joiner != (phase == "entry") or (joiner and mark and os.path.exists(mark)):
         return
-    _mark_injected()
-    os.kill(os.getpid(), signal.SIGKILL)
+    kill_now()
 
 
 class FaultWatch:

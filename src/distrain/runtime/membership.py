@@ -649,12 +649,23 @@ def _wait_p2p(work: dist.Work, check: Callable[[float], bool], group: dist.Proce
     (:class:`_Waiter`) while this one polls the watch; on a change this worker closes the group's
     connections itself (a receive that cannot arrive, timed out at once), which ends that wait and
     every peer's wait on this worker at once."""
-    done, failed = _waiter().submit(work)
-    began = time.monotonic()
-    while not done.wait(POLL_S):
-        if check(time.monotonic() - began):
+    def watch(elapsed: float) -> None:
+        if check(elapsed):
             close_connections(group)
             raise MembershipChanged("the run's membership changed")
+
+    wait_polling(work.wait, watch, POLL_S)
+
+
+def wait_polling(wait: Callable[[], None], poll: Callable[[float], None], every: float) -> None:
+    """Run ``wait`` (blocking calls that gloo cannot interrupt) on this process's waiter thread
+    and call ``poll(seconds waited)`` here every ``every`` seconds while it lasts; an exception
+    that ``wait`` or ``poll`` raises is raised here (``poll``'s at once, the wait left to its
+    thread)."""
+    done, failed = _waiter().submit(wait)
+    began = time.monotonic()
+    while not done.wait(every):
+        poll(time.monotonic() - began)
     if failed:
         raise failed[0]
 
@@ -664,23 +675,24 @@ class _Waiter:
     started per wait cost D-PSGD's default job about 9% of its wall time)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[dist.Work, threading.Event, list[BaseException]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event, list[BaseException]]] = \
+            queue.SimpleQueue()
         threading.Thread(target=self._run, name="distrain-p2p-wait", daemon=True).start()
 
-    def submit(self, work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
+    def submit(self, wait: Callable[[], None]) -> tuple[threading.Event, list[BaseException]]:
         done, failed = threading.Event(), []
-        self._jobs.put((work, done, failed))
+        self._jobs.put((wait, done, failed))
         return done, failed
 
     def _run(self) -> None:
         while True:
-            work, done, failed = self._jobs.get()
+            wait, done, failed = self._jobs.get()
             try:
-                work.wait()
+                wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 failed.append(exc)
             finally:
-                del work  # nothing may keep an old group's work alive
+                del wait  # nothing may keep an old group's work alive
                 done.set()
 
 

@@ -53,7 +53,14 @@ from distrain.comm.transport import Handle, Transport, blocked
 from distrain.compress.pushes import PushDecoder
 from distrain.compress.registry import build_compressor
 from distrain.errors import WorkerFailure
-from distrain.runtime.faults import FaultWatch, is_comm_error, maybe_injected_kill, store_client
+from distrain.runtime.faults import (
+    FaultWatch,
+    injected_answers,
+    is_comm_error,
+    kill_now,
+    maybe_injected_kill,
+    store_client,
+)
 from distrain.runtime.health import declare_dead
 from distrain.runtime.membership import SERVERS_RETURN_KEY, LinkMissed, Membership, RunEnded
 from distrain.runtime.totals import RunTotals
@@ -234,12 +241,17 @@ class ShardServer:
                                   (h := self._recv_push(grads[i], pushers[i], self._peer(i))) and h.wait())
             lr = float(headers[live, 1].clone().view(torch.float64).mean())
             self._step(grads.sum(0).div_(self.num_workers), lr)
+            cut = injected_answers(self.transport.rank, step + 1)  # fault injection for tests (None: all)
             handles = {i: self._with_worker(i, live, step, grads,
                                             lambda i=i: self._peer(i).send(self.shard.data, pushers[i]))
-                       for i in list(live)}
+                       for i in list(live)[:cut]}
             for i, h in handles.items():
                 if h is not None:
                     self._with_worker(i, live, step, grads, h.wait)
+            if cut is not None:  # once the answered ones pushed again (so they hold the answer), die
+                for i in handles:
+                    self._peer(i).recv(torch.zeros(2, dtype=torch.int64), pushers[i]).wait()
+                kill_now()
             step = self.steps = step + 1
             if self.joins is not None:  # workers (or servers) started again join after this round
                 self._admit_joiners(step, live)

@@ -32,6 +32,9 @@ NO_REDO = -1
 STATE = -3
 #: Store keys of the workers' agreement on a lost server (see :meth:`ParameterServer._agree`).
 TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/takeover/{}/{}"
+#: Store keys of a lost server's answer of a step, offered by a worker it answered to those it
+#: did not (see :meth:`ParameterServer._agree`): its life, then the step.
+ANSWER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/takeover-answer/{}/{}"
 #: Store keys of the order of asynchronous takeovers: the n-th lost server (see
 #: :meth:`ParameterServer._take_over_async`).
 ASYNC_TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/async-takeover/{}"

@@ -28,6 +28,7 @@ from distrain.algorithms.parameter_server.layout import (
 from distrain.algorithms.parameter_server.server_optim import momentum_corrected
 from distrain.algorithms.parameter_server.settings import PSSettings, elastic_servers
 from distrain.algorithms.parameter_server.wire import (
+    ANSWER_KEY,
     ASYNC_TAKEOVER_KEY,
     GIB,
     MAX_SHARD_BYTES,
@@ -40,7 +41,7 @@ from distrain.algorithms.parameter_server.wire import (
     send_state,
 )
 from distrain.comm.store_group import StoreGroup
-from distrain.comm.transport import Handle, Transport
+from distrain.comm.transport import Handle, Transport, blocked
 from distrain.compress.base import CompressInfo
 from distrain.compress.gradients import take_momentum
 from distrain.compress.momentum_correction import MomentumCorrection
@@ -48,8 +49,13 @@ from distrain.compress.pushes import ShardPush, send_message
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import is_comm_error, store_client
 from distrain.runtime.health import LOST_CHECK_S, dead_since, declared_dead
+from distrain.runtime.membership import wait_polling
 
 log = logging.getLogger(__name__)
+
+#: How often a worker whose synchronous servers' answers are slow to come looks for a server
+#: lost as it answered the step before (see :meth:`ParameterServer._offer_answers`).
+ANSWER_POLL_S = 0.2
 
 
 class ParameterServer(Algorithm):
@@ -136,6 +142,7 @@ class ParameterServer(Algorithm):
         self._server_links: dict[int, Transport] = {}
         #: when each server was last lost (taken over) and returned, as this worker saw it (Unix time)
         self.server_lost: dict[int, float] = {}
+        self._offered: set[str] = set()  # the lost servers' answers this worker offered (see _offer_answer)
         self.returned_servers: dict[int, float] = {}
         self._run_length = (0, 0)  # total steps and steps per epoch, for a server that returns
         self._spare = self.flat.clone() if self.takes_over else None
@@ -301,16 +308,23 @@ class ParameterServer(Algorithm):
                 if not is_comm_error(exc):
                     raise
                 lost.append((s, exc))
-        for s, (into, handles) in pending.items():
-            try:
-                for h in handles:
-                    h.wait()
-            except Exception as exc:
-                if not is_comm_error(exc):
-                    raise
-                lost.append((s, exc))
-                continue
-            if len(self.layout.owned[s]) > 1:
+        def wait_all() -> None:
+            for s, (_, handles) in pending.items():
+                try:
+                    for h in handles:
+                        h.wait()
+                except Exception as exc:
+                    if not is_comm_error(exc):
+                        raise
+                    lost.append((s, exc))
+
+        if self.asynchronous or len(pending) < 2 or self._store_client() is None:
+            wait_all()
+        else:  # the live servers may wait for workers that wait for this one (see _offer_answers)
+            with blocked():
+                wait_polling(wait_all, self._offer_answers, ANSWER_POLL_S)
+        for s, (into, _) in pending.items():
+            if s not in dict(lost) and len(self.layout.owned[s]) > 1:
                 scatter_ranges(self._spare, self.layout.owned[s], into)
         if not lost:
             self.flat, self._spare = self._spare, self.flat
@@ -334,6 +348,8 @@ class ParameterServer(Algorithm):
         parameters. No step is lost or applied twice."""
         store = self._await_dead(s, exc)
         leader = self._agree(store, s)
+        if leader is None:  # it answered others this step: its answer taken from them, all take it over next step
+            return
         gained = self.layout.take_over(s)
         self.server_lost[s] = time.time()
         self._server_links.pop(s, None)
@@ -428,29 +444,70 @@ class ParameterServer(Algorithm):
                                                             self.flat.numel()], dtype=torch.int64),
                             values=True, redo=redo)
 
-    def _agree(self, store: Any, s: int) -> int:
+    def _agree(self, store: Any, s: int) -> int | None:
         """The live workers agree on taking over server ``s`` at this step: each registers its
-        step; all must have seen the loss at the same step (the server died before answering
-        anyone), else the run stops with one line. Returns the worker that sends the parameters
-        (the first live one)."""
-        # which death of the server (one that returned may be lost again): its dead mark, the same for every worker
-        me, life = self.transport.rank, f"{s}@{dead_since(store, self.servers[s])}"
+        step, and all must have found the loss at the same one. A server that died as it
+        answered a step, to some workers only, is found lost at that step by the others and at
+        the next by those it answered; these offer its answer in the store (:meth:`_offer_answer`),
+        and those behind take it (None is returned), push the next step, and find the loss again
+        there with the others. Returns the worker that sends the parameters (the first live one)."""
+        me, life = self.transport.rank, self._life(store, s)
         store.set(TAKEOVER_KEY.format(life, me), str(self.clock))
+        answer = ANSWER_KEY.format(life, self.clock)
         deadline = time.monotonic() + self.settings.run.timeout
         while True:
+            if store.check([answer]):
+                self._take_answer(store, s, answer)
+                return None
             live = [w for w in range(self.num_workers) if not declared_dead(store, w)]
             seen = {w: int(store.get(TAKEOVER_KEY.format(life, w)).decode()) for w in live
                     if store.check([TAKEOVER_KEY.format(life, w)])}
-            if len(seen) == len(live):
-                break
+            if self.clock - 1 in seen.values():  # they are behind (see above)
+                self._offer_answer(store, s)
+            if len(seen) == len(live) and set(seen.values()) == {self.clock}:
+                return live[0]
+            if not set(seen.values()) <= {self.clock - 1, self.clock, self.clock + 1}:
+                raise WorkerFailure(f"worker {me}: lost server {s} at step {self.clock}, the others at steps {seen}")
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"worker {me}: lost server {s} at step {self.clock}; workers "
-                                    f"{sorted(set(live) - set(seen))} never reported it")
+                                    f"{sorted(w for w in live if seen.get(w) != self.clock)} never reported it there")
             time.sleep(0.02)
-        if set(seen.values()) != {self.clock}:
-            raise WorkerFailure(f"worker {me}: server {s} was lost while it answered step {self.clock} (workers saw it "
-                                f"at steps {seen}); its parameters differ between workers and it cannot be taken over")
-        return live[0]
+
+    def _life(self, store: Any, s: int) -> str:
+        """Which death of server ``s`` (one that returned may be lost again): its dead mark, the
+        same for every worker."""
+        return f"{s}@{dead_since(store, self.servers[s])}"
+
+    def _offer_answers(self, _waited: float) -> None:
+        """While a synchronous step's answers are slow to come: a server declared dead may have
+        died as it answered the step before, to this worker and not to others. Those wait for
+        its answer (:meth:`_agree`) before they push this step, and the live servers wait for
+        their push before they answer this one: offer it (:meth:`_offer_answer`)."""
+        store = self._store_client()
+        for s in self.layout.live():
+            if declared_dead(store, self.servers[s]):
+                self._offer_answer(store, s)
+
+    def _offer_answer(self, store: Any, s: int) -> None:
+        """Offer, in the store, this worker's copy of server ``s``'s ranges: its answer of the step
+        before this one (the first offer stands; they are all the same)."""
+        key = ANSWER_KEY.format(self._life(store, s), self.clock - 1)
+        if key in self._offered:
+            return
+        self._offered.add(key)
+        values = gather_ranges(self.flat, self.layout.owned[s]).contiguous().cpu()
+        store.compare_set(key, "", values.view(torch.uint8).numpy().tobytes())
+
+    def _take_answer(self, store: Any, s: int, key: str) -> None:
+        """Take server ``s``'s answer of this step from the worker that offered it (see :meth:`_agree`)."""
+        owned = self.layout.owned[s]
+        values = torch.frombuffer(bytearray(store.get(key)), dtype=torch.uint8).view(self.flat.dtype)
+        if values.numel() != sum(hi - lo for lo, hi in owned):
+            raise WorkerFailure(f"worker {self.transport.rank}: server {s}'s answer offered with {values.numel()} "
+                                f"values, its ranges {owned} hold {sum(hi - lo for lo, hi in owned)}")
+        scatter_ranges(self.flat, owned, values.to(self.flat.device))
+        log.warning("worker %d: server %d was lost as it answered step %d; its answer taken from a worker it reached",
+                    self.transport.rank, s, self.clock)
 
     def server_back(self, server: int, membership: Any, members: list[int]) -> None:
         """Server ``server`` (its rank in the run) was started again after its loss, and the
