@@ -23,6 +23,14 @@ job (``distrain train``: MNIST-1D, the CNN, 4 workers; DiLoCo for 45 epochs, see
   passes if the run also ends with 4 workers (``ps-server``: and the summary shows the server
   back, ``returned_servers``).
 
+With ``--kill-at time`` the victim kills itself (``DISTRAIN_INJECT_KILL_AFTER``, from a thread of
+its own) at a moment instead: the same share of the run, as seconds of the fault-free run's
+training time counted from when its fault watch starts, wherever it is then (inside an exchange,
+a server between two answers), as a real failure comes. ``--network`` runs every case on a
+network preset (on ``edge`` a synchronous server's answers to its workers leave one after the
+other over its uplink, a window in which it has answered some and not others), ``--epochs``
+sets every run's length.
+
 A ``ps-server`` restart row also has ``back_s``: from the kill to the server taking its range
 back (``returned_servers`` in the summary); reported as ``back_s`` (median, min, max).
 
@@ -47,6 +55,7 @@ per-pair ratios, with min and max. Target: at least 0.85.
     python benchmarks/bench_churn.py --part kill        # 20 seeds: about 16 minutes per algorithm
     python benchmarks/bench_churn.py --part goodput --algorithms allreduce,diloco
     python benchmarks/bench_churn.py --seeds 2 --goodput-repeats 1 --goodput-epochs 40 --kill-every 10   # a quick look
+    python benchmarks/bench_churn.py --part kill --algorithms ps-server --kill-at time --network edge --epochs 3 --seeds 10 --out benchmarks/results/churn_ps_server_edge_anytime.json
 
 Run-to-run spread (``--part noise``): each seed's fault-free run twice. Asynchronous algorithms
 (``adpsgd``, ``prague``) do not repeat themselves (the order of their exchanges follows the
@@ -99,6 +108,10 @@ SERVER_VICTIM = {"ps-server", "ps-async-server"}
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.
 #: 45 epochs take about as long as all-reduce's default job (about 16 s).
 EPOCHS = {"diloco": 45, "diloco-int8": 45, "diloco-auto": 45, "diloco-streaming": 45}
+#: Settings of every run from the command line: ``kill_at`` (``step``: as a step begins; ``time``:
+#: at a moment drawn over the training time), ``network`` (a preset for every run, or None) and
+#: ``epochs`` (None: the job's, or ``EPOCHS``).
+OPTIONS: dict = {"kill_at": "step", "network": None, "epochs": None}
 
 
 def children(pid: int) -> list[int]:
@@ -121,12 +134,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def is_worker(pid: int) -> bool:
+def cmdline(pid: int) -> bytes:
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
     except OSError:
-        return False
-    return b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
+        return b""
+
+
+def worker_processes(launcher: int) -> list[int]:
+    """The processes a launcher started for its ranks: its children started by spawn, or the
+    children of its fork server (which distrain's launcher uses where the platform has one)."""
+    found = []
+    for child in children(launcher):
+        command = cmdline(child)
+        if b"forkserver" in command:
+            found += children(child)
+        elif b"spawn_main" in command and b"resource_tracker" not in command:
+            found.append(child)
+    return found
 
 
 def train(run_dir: Path, algorithm: str, seed: int, *flags: str, env: dict | None = None,
@@ -134,7 +159,8 @@ def train(run_dir: Path, algorithm: str, seed: int, *flags: str, env: dict | Non
     """One ``distrain train`` run; with ``kill_every``, a random live worker is killed every so many
     seconds (until the run ends). Returns what the run showed."""
     cmd = [sys.executable, "-m", "distrain", "train", "--algorithm", ALGORITHM.get(algorithm, algorithm), "--workers", str(WORKERS),
-           "--seed", str(seed), "--no-progress", "--run-dir", str(run_dir), *EXTRA.get(algorithm, ()), *flags]
+           "--seed", str(seed), "--no-progress", "--run-dir", str(run_dir), *EXTRA.get(algorithm, ()), *flags,
+           *(("--network", OPTIONS["network"]) if OPTIONS["network"] else ())]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -146,7 +172,7 @@ def train(run_dir: Path, algorithm: str, seed: int, *flags: str, env: dict | Non
                 deadline = time.monotonic() + kill_every
                 while time.monotonic() < deadline and proc.poll() is None:
                     time.sleep(0.1)
-                live = [p for p in children(proc.pid) if is_worker(p)]
+                live = worker_processes(proc.pid)
                 if proc.poll() is None and live:
                     os.kill(rng.choice(live), signal.SIGKILL)
                     kills.append(time.time())
@@ -170,7 +196,10 @@ def train(run_dir: Path, algorithm: str, seed: int, *flags: str, env: dict | Non
 
 
 def epochs(algorithm: str) -> tuple[str, ...]:
-    """The ``--epochs`` flag of an algorithm's kill cases, where it is not the default job's."""
+    """The ``--epochs`` flag of an algorithm's kill cases, where it is not the default job's
+    (``--epochs`` given: that, for every algorithm)."""
+    if OPTIONS["epochs"] is not None:
+        return ("--epochs", str(OPTIONS["epochs"]))
     return ("--epochs", str(EPOCHS[algorithm])) if algorithm in EPOCHS else ()
 
 
@@ -184,7 +213,8 @@ def useful_samples(summary: dict, batch: int) -> float:
     return samples + (total - at) * members * batch
 
 
-def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps: int, reference: float) -> dict:
+def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps: int, reference: float,
+               training_s: float) -> dict:
     rng = random.Random(1000 * seed + restart)
     victim = rng.randrange(WORKERS)
     if algorithm in SERVER_VICTIM:  # one of the two servers (global ranks after the workers')
@@ -193,8 +223,12 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
     mark = tmp / f"{algorithm}-{seed}-{restart}-mark"
     run_dir = tmp / f"{algorithm}-{seed}-{'restart' if restart else 'kill'}"
     flags = ("--max-restarts", "1") if restart else ()
-    out = train(run_dir, algorithm, seed, *epochs(algorithm), *flags,
-                env={"DISTRAIN_INJECT_KILL": f"{victim}:{step}", "DISTRAIN_INJECT_MARK": str(mark)})
+    if OPTIONS["kill_at"] == "time":  # the same share of the run, as seconds of the fault-free run's training
+        after = round(step / total_steps * training_s, 3)
+        inject, step = {"DISTRAIN_INJECT_KILL_AFTER": f"{victim}:{after}"}, None
+    else:
+        inject, after = {"DISTRAIN_INJECT_KILL": f"{victim}:{step}"}, None
+    out = train(run_dir, algorithm, seed, *epochs(algorithm), *flags, env={**inject, "DISTRAIN_INJECT_MARK": str(mark)})
     summary = out.pop("summary")
     stderr = out.pop("stderr")
     killed_at = float(mark.read_text().split()[0]) if mark.is_file() else None
@@ -205,7 +239,7 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
     if not lost and summary and summary.get("lost_servers"):  # taken over by the other servers
         declared = summary["lost_servers"]
         lost = [{"unix_time": min(declared.values()), "workers": sorted(WORKERS + int(s) for s in declared)}]
-    row = {"seed": seed, "victim": victim, "step": step, "restart": restart, **out,
+    row = {"seed": seed, "victim": victim, "step": step, "after_s": after, "restart": restart, **out,
            "workers_at_end": summary["workers_at_end"] if summary else None,
            "final_test_accuracy": summary["final_test_accuracy"] if summary else None,
            "recovery_s": lost[0]["unix_time"] - killed_at if lost and killed_at else None,
@@ -238,8 +272,14 @@ def main() -> None:
     parser.add_argument("--noise-out", type=Path, default=RESULTS / "churn_noise.json")
     parser.add_argument("--out", type=Path, default=RESULTS / "churn.json")
     parser.add_argument("--goodput-out", type=Path, default=RESULTS / "churn_goodput.json")
+    parser.add_argument("--kill-at", choices=("step", "time"), default="step",
+                        help="kill cases: as a random step begins, or at a random moment (the same share of "
+                             "the fault-free run's training time), wherever the victim is then")
+    parser.add_argument("--network", default=None, help="a network preset for every run (default: none)")
+    parser.add_argument("--epochs", type=float, default=None, help="every run's epochs (default: the job's)")
     args = parser.parse_args()
     check_repeats(parser, args.goodput_repeats)
+    OPTIONS.update(kill_at=args.kill_at, network=args.network, epochs=args.epochs)
     result: dict = {"workers": WORKERS, "seeds": args.seeds, "cpus": os.cpu_count(), "algorithms": {}}
     goodput: dict = {"workers": WORKERS, "epochs": args.goodput_epochs, "kill_every_s": args.kill_every,
                      "cpus": os.cpu_count(), "algorithms": {}}
@@ -286,19 +326,21 @@ def kill_part(tmp: Path, algorithm: str, seeds: int, result: dict) -> None:
         summary = clean["summary"]
         assert clean["returncode"] == 0 and summary is not None, clean["stderr_tail"]
         for restart in (False,) if algorithm in NO_RESTARTS else (False, True):
-            row = churn_case(tmp, algorithm, seed, restart, summary["steps"], summary["final_test_accuracy"])
+            row = churn_case(tmp, algorithm, seed, restart, summary["steps"], summary["final_test_accuracy"],
+                             summary["wall_time_s"])
             row["no_fault_accuracy"] = summary["final_test_accuracy"]
             rows.append(row)
-            print(f"{algorithm} seed {seed} {'restart' if restart else 'kill'}: worker {row['victim']} at step "
-                  f"{row['step']}: {'ok' if row['passed'] else 'FAILED'}, {row['workers_at_end']} workers at "
-                  f"the end, recovery {row['recovery_s']}, accuracy {row['accuracy_minus_no_fault']}",
+            at = f"step {row['step']}" if row["step"] is not None else f"{row['after_s']} s"
+            print(f"{algorithm} seed {seed} {'restart' if restart else 'kill'}: rank {row['victim']} at {at}: "
+                  f"{'ok' if row['passed'] else 'FAILED'}, {row['workers_at_end']} workers at the end, recovery {row['recovery_s']}, accuracy {row['accuracy_minus_no_fault']}",
                   flush=True)
     kills = [r for r in rows if not r["restart"]]
     restarts = [r for r in rows if r["restart"]]
     gaps = [r["accuracy_minus_no_fault"] for r in kills if r["accuracy_minus_no_fault"] is not None]
     recoveries = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
     result["algorithms"][algorithm] = {
-        "epochs": EPOCHS.get(algorithm, "default"),
+        "epochs": OPTIONS["epochs"] or EPOCHS.get(algorithm, "default"), "kill_at": OPTIONS["kill_at"],
+        "network": OPTIONS["network"],
         "kill_passed": sum(r["passed"] for r in kills), "kill_runs": len(kills),
         "restart_passed": sum(r["passed"] for r in restarts), "restart_runs": len(restarts),
         "hung": sum(r["hung"] for r in rows), "left_running": sum(bool(r["left_running"]) for r in rows),

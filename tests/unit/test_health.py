@@ -238,3 +238,27 @@ def test_a_store_request_that_fails_does_not_stop_the_heartbeat(monkeypatch):
     finally:
         beat.stop()
     del master
+
+
+def test_a_timed_kill_strikes_the_named_rank_only_and_not_a_process_started_again(tmp_path):
+    """DISTRAIN_INJECT_KILL_AFTER='rank:seconds' (benchmarks kill a process at a moment, not at a
+    step): the named rank dies by SIGKILL with its mark written; another rank, or the same rank
+    started again, is left alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from distrain.runtime.faults import arm_timed_kill; "
+            "arm_timed_kill(int(sys.argv[1])); time.sleep(2); print('alive')")
+
+    def run(rank: int, **extra: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "DISTRAIN_INJECT_KILL_AFTER": "2:0.2", "DISTRAIN_INJECT_MARK": str(tmp_path / f"mark{rank}"),
+               **extra}
+        return subprocess.run([sys.executable, "-c", code, str(rank)], env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    killed = run(2)
+    assert killed.returncode == -signal.SIGKILL and (tmp_path / "mark2").exists()
+    for done in (run(1), run(2, DISTRAIN_JOIN="1")):
+        assert done.returncode == 0 and done.stdout.strip() == "alive", done.stderr

@@ -23,6 +23,9 @@ Fault injection for tests (environment variables, read by every worker):
                                        kills itself with SIGKILL once it answered step STEP (as
                                        its workers count them) to its first N live workers and
                                        they pushed their next step: the others never get it
+    DISTRAIN_INJECT_KILL_AFTER='RANK:S' that process (global rank) kills itself with SIGKILL S seconds
+                                       after its fault watch started (about when training starts),
+                                       wherever it is then; not after a restart
     DISTRAIN_INJECT_MARK=PATH          where the injected fault writes its time and process id
 """
 
@@ -271,6 +274,20 @@ def kill_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def arm_timed_kill(rank: int) -> None:
+    """Fault injection for tests and benchmarks (DISTRAIN_INJECT_KILL_AFTER='rank:seconds'): kill
+    process ``rank`` that many seconds from now, from a thread of its own, whatever it is doing
+    then (a real failure does not wait for a step to begin); not a process started again."""
+    spec = os.environ.get("DISTRAIN_INJECT_KILL_AFTER", "").split(":")
+    if len(spec) != 2 or int(spec[0]) != rank:
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("DISTRAIN_JOIN"):
+        return
+    timer = threading.Timer(float(spec[1]), kill_now)
+    timer.daemon = True
+    timer.start()
+
+
 def inject_kill_in(phase: str, worker: int) -> None:
     """Fault injection for tests: DISTRAIN_INJECT_KILL_IN='phase:id' kills worker ``id`` when
     it reaches ``phase`` of a membership change (see the module's docstring): a member in its
@@ -310,6 +327,7 @@ class FaultWatch:
         except Exception as exc:  # noqa: BLE001 - then no stop agreement or failure notes
             log.warning("no rendezvous store for stop requests and failure notes: %s", exc)
         self.heartbeat = start_heartbeat(rank, world, ceiling=timeout)
+        arm_timed_kill(rank)  # fault injection for tests and benchmarks
 
     @property
     def step(self) -> int:
