@@ -31,6 +31,10 @@ network preset (on ``edge`` a synchronous server's answers to its workers leave 
 other over its uplink, a window in which it has answered some and not others), ``--epochs``
 sets every run's length.
 
+A ``ps`` row counts in ``answer_taken`` the workers that took a lost server's answer of a step
+from a worker it had answered (the server died between its answers); ``runs_with_answer_taken``
+counts such runs.
+
 A ``ps-server`` restart row also has ``back_s``: from the kill to the server taking its range
 back (``returned_servers`` in the summary); reported as ``back_s`` (median, min, max).
 
@@ -246,6 +250,8 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
            # from the failure a survivor saw to the new group (DiLoCo sees it at its round's sync)
            "rebuild_s": lost[0].get("recovery_s") if lost else None,
            "lost": lost[0]["workers"] if lost else None,
+           # ps: workers that took a lost server's answer of a step from one it had answered
+           "answer_taken": stderr.count("its answer taken from a worker"),
            "returned": sorted(WORKERS + int(s) for s in (summary or {}).get("returned_servers", {})),
            # ps-server with a restart: from the kill to the server serving its range again
            "back_s": (min((summary or {}).get("returned_servers", {}).values(), default=0.0) - killed_at
@@ -348,6 +354,7 @@ def kill_part(tmp: Path, algorithm: str, seeds: int, result: dict) -> None:
         "rebuild_s": spread([r["rebuild_s"] for r in rows if r.get("rebuild_s") is not None]),
         "accuracy_minus_no_fault": spread(gaps),
         "within_1_point": sum(abs(g) <= 0.01 for g in gaps),
+        "runs_with_answer_taken": sum(r["answer_taken"] > 0 for r in rows),
         "recovery_at_most_3_s": bool(recoveries) and statistics.median(recoveries) <= 3.0,
         **({"back_s": spread(backs)} if (backs := [r["back_s"] for r in restarts if r.get("back_s") is not None])
            else {}),

@@ -139,6 +139,32 @@ def test_a_restarted_worker_joins_the_parameter_servers_again(tmp_path):
         assert [line["step"] for line in lines if "loss" in line] == list(range(1, total + 1))
 
 
+@pytest.mark.slow  # CI: a server lost as it answered some workers (tests/distributed/test_elastic.py)
+def test_a_server_lost_as_a_joiner_comes_lets_the_joiner_leave_and_the_others_go_on(tmp_path):
+    """--algorithm ps --servers 2 --max-restarts 1: worker 0, killed at step 12, starts again, and
+    server 1 dies as the servers open the link with it (``link``). The joiner and server 0 see the
+    server gone before the link's rendezvous (instead of waiting --timeout for it there): the
+    joiner leaves, left out (its one restart is spent), server 0 serves the others, and they take
+    server 1 over (its own restart returns it) and finish with three, on the same parameters."""
+    run_dir = tmp_path / "run"
+    run = run_cli([*RUN, "--algorithm", "ps", "--servers", "2", "--latency", "50ms", "--max-restarts", "1",
+                   "--checkpoint-every", "1000", "--run-dir", str(run_dir)], DISTRAIN_INJECT_KILL="0:12",
+                  DISTRAIN_INJECT_KILL_IN="link:5", DISTRAIN_INJECT_MARK=str(tmp_path / "mark"))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == [] and (tmp_path / "mark").exists()
+    assert "worker 0: server(s) [1] lost as this worker joined; it leaves the run, the others go on" in run.stderr
+    assert "server 0: server(s) [1] lost as worker 0, admitted after step" in run.stderr
+    assert "servers [0] take over its parameters" in run.stderr
+    assert "never met it" not in run.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["workers_at_end"] == 3
+    total = summary["steps"]
+    models = {r: CheckpointStore(run_dir, r, 4).load(total)["model"] for r in (1, 2, 3)}
+    for r in (2, 3):
+        for name, tensor in models[1].items():
+            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+
+
 @pytest.mark.slow  # CI: the kill through wrap() (tests/distributed/test_elastic.py)
 def test_a_restarted_worker_joins_asynchronous_parameter_servers_again(tmp_path):
     """--ps-mode async --max-restarts 1: worker 0, killed at step 12, starts again; the servers

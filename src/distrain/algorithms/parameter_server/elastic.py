@@ -16,7 +16,7 @@ from distrain.algorithms.parameter_server.settings import PSSettings, elastic_se
 from distrain.comm.link import LinkTransport, open_link
 from distrain.comm.store_group import StoreGroup
 from distrain.errors import WorkerFailure
-from distrain.runtime.health import dead_since, finishers
+from distrain.runtime.health import dead_since, declared_dead, finishers
 from distrain.runtime.membership import (
     JOINS_KEY,
     POLL_S,
@@ -60,10 +60,18 @@ def servers_link(membership: Membership, worker: int, me: int, settings: PSSetti
     epoch (each of them opens it; ``me``: this process's rank in the run). Its ranks are the
     run's: the live servers' (``servers``, their indices, given by the servers; the worker, which
     passes None, reads them in the store), then the worker's. Workers join only in local runs,
-    whose processes listen on the store's address (``MASTER_ADDR``, loopback by default)."""
+    whose processes listen on the store's address (``MASTER_ADDR``, loopback by default).
+
+    A server declared dead before it was ready to meet, or (to the servers) the joiner lost again,
+    raises :class:`~distrain.runtime.membership.LinkMissed` naming it, within a poll."""
     ranks = None if servers is None else [*(settings.run.workers + s for s in servers), worker]
     epoch = membership.epoch
-    gone = None if servers is None else lambda r: r == worker and membership.lost_again(worker, epoch)
+
+    def gone(r: int) -> bool:  # a server lost meanwhile, or (to the servers) the joiner lost again
+        if r == worker:
+            return servers is not None and membership.lost_again(worker, epoch)
+        return declared_dead(membership.store, r)
+
     link, _ = _meet(membership, f"servers/{worker}", ranks, me, settings, link_model,
                     f"worker {worker} was admitted again but the servers never met it", gone)
     return link

@@ -55,6 +55,7 @@ from distrain.compress.registry import build_compressor
 from distrain.errors import WorkerFailure
 from distrain.runtime.faults import (
     FaultWatch,
+    inject_kill_in,
     injected_answers,
     is_comm_error,
     kill_now,
@@ -342,11 +343,12 @@ class ShardServer:
         (every server sees it gone there) or while this server sent it its parameters: it stays
         lost, and the workers read that from its dead mark."""
         servers = self.layout.live() if self.layout is not None else list(range(self.settings.servers))
+        inject_kill_in("link", self.transport.rank)  # fault injection for tests
         try:
             link = servers_link(self.joins, worker, self.transport.rank, self.settings, self.transport.link_model,
                                 servers)
-        except LinkMissed:
-            self._joiner_lost(worker, step)
+        except LinkMissed as exc:
+            self._joiner_lost(worker, step, [r - self.num_workers for r in exc.ranks if r != worker])
             return False
         version = self._started_takeovers()  # asynchronous: its pushes cover them (sync: none)
         try:
@@ -365,8 +367,14 @@ class ShardServer:
             self.lost_pushers.remove(worker)
         return True
 
-    def _joiner_lost(self, worker: int, step: int) -> None:
+    def _joiner_lost(self, worker: int, step: int, servers: list[int] | None = None) -> None:
+        """``worker``, admitted after round ``step``, never took its parameters: it was lost again,
+        or ``servers`` were lost as it came (it leaves then: the workers take them over next round)."""
         declare_dead(self._store_client(), worker)  # (its last life's mark may stand: then that one)
+        if servers:
+            log.warning("server %d: server(s) %s lost as worker %d, admitted after step %d, came; it leaves, "
+                        "serving the others", self.index, servers, worker, step)
+            return
         log.warning("server %d: worker %d, admitted after step %d, was lost again before it took its parameters; "
                     "serving the others", self.index, worker, step)
 

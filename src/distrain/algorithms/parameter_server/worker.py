@@ -49,7 +49,7 @@ from distrain.compress.pushes import ShardPush, send_message
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import is_comm_error, store_client
 from distrain.runtime.health import LOST_CHECK_S, dead_since, declared_dead
-from distrain.runtime.membership import wait_polling
+from distrain.runtime.membership import LeftOut, LinkMissed, wait_polling
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,12 @@ class ParameterServer(Algorithm):
         """A worker started again talks to the servers over a link they open with it (nobody
         reopens the run's group), where it keeps its rank in the run; its rank among the
         training workers is its place in the members."""
-        return servers_link(joined, joined.me, joined.me, self.settings, link_model), joined.members.index(joined.me)
+        try:
+            link = servers_link(joined, joined.me, joined.me, self.settings, link_model)
+        except LinkMissed as exc:  # a server lost as it came: the servers took it for lost too
+            raise LeftOut(f"worker {joined.me}: server(s) {[r - self.settings.run.workers for r in exc.ranks]} "
+                          "lost as this worker joined; it leaves the run, the others go on") from exc
+        return link, joined.members.index(joined.me)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport) -> None:
         super().setup(model, optimizer, transport)
