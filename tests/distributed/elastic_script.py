@@ -91,11 +91,16 @@ def main() -> None:
     history = []  # the parameters after each of this worker's steps
     returned = []  # the step after which a lost parameter server was back
     server_back = os.environ.get("ELASTIC_SERVER_BACK") == "1"  # a parameter server comes back too
+    missed = os.environ.get("ELASTIC_SERVER_BACK") == "missed"  # a parameter server is lost again as it returns
 
     def more() -> bool:
         if where == "node":  # until the lost node's workers are all back, and 4 steps more
             full = [c.step for c in opt.changes if c.joined and len(c.members) == world][:1]
             return not full or opt.steps < max(steps, full[0] + 4)
+        if missed:  # until the members saw it lost again as it returned, and 4 steps more
+            if not returned and opt.algorithm.returns_missed:
+                returned.append(opt.steps)
+            return not returned or opt.steps < max(steps, returned[0] + 4)
         if where != "rejoin":
             return opt.steps < own_steps
         # (a worker that joined after the server's return finds every server whole as it joins)

@@ -1050,6 +1050,28 @@ def test_a_restarted_server_takes_its_parameters_back(tmp_path: Path):
     assert not torch.allclose(ps_join_reference(-1, at, at, steps), expected, atol=1e-4)
 
 
+@pytest.mark.slow  # CI: the return above
+def test_a_server_lost_again_as_it_returns_leaves_its_parameters_with_the_others(tmp_path: Path):
+    """Server 1 killed as step 3 begins, started again (--max-restarts 1) and admitted back, then
+    killed again before it met anyone (``entry``): the workers and server 0 see its heartbeat stop
+    instead of waiting for it in the link's rendezvous until --timeout, and server 0 keeps serving
+    [5, 10) as it has since its takeover. Every worker ends on the takeover's reference."""
+    at = 3
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:{at}", "DISTRAIN_INJECT_KILL_IN": f"entry:{WORKERS + 1}",
+           "ELASTIC_SERVER_BACK": "missed"}
+    done = launch(tmp_path, -1, at, "rejoin", "--servers", "2", "--max-restarts", "1", settings={"algorithm": "ps"},
+                  env=env)
+    assert done.returncode == 0, done.stderr
+    assert "server 0: server 1 was lost again as it returned after step" in done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    [(steps, back)] = {(result["steps"], tuple(result["server_back"])) for result in results.values()}
+    assert back and steps == max(STEPS, back[0] + 4)
+    expected = ps_takeover_reference((5, 10), at, steps)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["changes"] == [], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.slow  # CI: the Prague join test below loses worker 0 the same way first
 def test_asynchronous_gossip_in_a_users_script_goes_on_without_its_generator(tmp_path: Path):
     """Prague through wrap() and distrain launch, worker 0 (which forms the groups at first)

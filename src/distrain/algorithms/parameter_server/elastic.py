@@ -84,8 +84,13 @@ def return_link(membership: Membership, server: int, ranks: list[int] | None, me
     of them opens it, and its ranks are the run's: ``ranks`` (the member workers, the live
     servers, then ``server``), which the others publish in the store under the epoch and the
     returning server reads (``ranks`` None). Returns the link and its ranks."""
+    epoch = membership.epoch
+
+    def gone(r: int) -> bool:  # the server lost again (its last life's dead mark stands: its heartbeat says), or another
+        return membership.lost_again(server, epoch) if r == server else declared_dead(membership.store, r)
+
     return _meet(membership, f"return/{server}", ranks, me, settings, link_model,
-                 f"server {server - settings.run.workers} was admitted back but nobody met it")
+                 f"server {server - settings.run.workers} was admitted back but nobody met it", gone)
 
 
 def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, settings: PSSettings,

@@ -388,7 +388,15 @@ class ShardServer:
             raise WorkerFailure(f"server {self.index}: server {returned} returned after step {step}, but its "
                                 "parameters were never taken over here")
         ranks = [*members, *(self.num_workers + t for t in self.layout.live()), server]
-        link, _ = return_link(self.joins, server, ranks, self.transport.rank, self.settings, self.transport.link_model)
+        try:
+            link, _ = return_link(self.joins, server, ranks, self.transport.rank, self.settings,
+                                  self.transport.link_model)
+        except LinkMissed as exc:
+            if exc.ranks != [server]:
+                raise
+            log.warning("server %d: server %d was lost again as it returned after step %d; keeping its parameters",
+                        self.index, returned, step)
+            return
         self._opened.append(link)
         held = list(self.layout.owned[self.index])
         pieces = self.layout.give_back(returned)[self.index]

@@ -149,6 +149,8 @@ class ParameterServer(Algorithm):
         self.server_lost: dict[int, float] = {}
         self._offered: set[str] = set()  # the lost servers' answers this worker offered (see _offer_answer)
         self.returned_servers: dict[int, float] = {}
+        #: servers admitted back that were lost again before they met the others (when, Unix time)
+        self.returns_missed: dict[int, float] = {}
         self._run_length = (0, 0)  # total steps and steps per epoch, for a server that returns
         self._spare = self.flat.clone() if self.takes_over else None
         self._started = False  # worker 0 started the servers (start())
@@ -525,7 +527,16 @@ class ParameterServer(Algorithm):
         if s in self.layout.live():
             raise WorkerFailure(f"worker {self.transport.rank}: server {s} returned, but it was never taken over here")
         ranks = [*members, *(self.servers[t] for t in self.layout.live()), server]
-        link, _ = return_link(membership, server, ranks, self.transport.rank, self.settings, self.transport.link_model)
+        try:
+            link, _ = return_link(membership, server, ranks, self.transport.rank, self.settings,
+                                  self.transport.link_model)
+        except LinkMissed as exc:
+            if exc.ranks != [server]:
+                raise
+            log.warning("worker %d: server %d was lost again as it returned after step %d; the others keep its "
+                        "parameters", self.transport.rank, s, self.clock)
+            self.returns_missed[s] = time.time()
+            return
         if self.transport.rank == ranks[0]:
             for h in self._send_start(link, s, follows=False):
                 h.wait()
