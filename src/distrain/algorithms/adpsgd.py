@@ -72,12 +72,11 @@ from distrain.algorithms.gossip import (
     Waiter,
     gossip_group,
 )
-from distrain.algorithms.rejoin import POLL_S, Admissions, open_pair
+from distrain.algorithms.rejoin import POLL_S, Admissions, await_entry, open_pair
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import is_comm_error
 from distrain.runtime.health import Liveness
-from distrain.runtime.membership import LinkMissed
 from distrain.topology import Graph, bipartite_sets, build_topology
 
 log = logging.getLogger(__name__)
@@ -477,14 +476,9 @@ class PairwiseGossip(GossipEngine):
         assert self.admissions is not None and self.liveness is not None
         live = self.liveness.another()
         try:
-            deadline = time.monotonic() + self.peer_timeout
             membership = self.admissions.membership
-            while live.is_dead(joiner):  # its mark goes once it took its admission (Membership.enter)
-                if membership.lost_again(joiner, epoch, live.store):
-                    raise LinkMissed([joiner], f"worker {joiner} was admitted but died again before it came")
-                if time.monotonic() > deadline:
-                    raise PeerTimeout(f"worker {joiner} was admitted but did not come within {self.peer_timeout:g} s")
-                time.sleep(0.05)
+            if not await_entry(membership, joiner, epoch, live, self.peer_timeout):
+                raise PeerTimeout(f"worker {joiner} was admitted but did not come within {self.peer_timeout:g} s")
             link = open_pair(membership, epoch, (self.transport.rank, joiner), self.transport.rank,
                              self.state.world, self.peer_timeout, self.transport.link_model, joiner=joiner)
             hello = Message(self.header_len + 1, self.state.x.numel(), self.state.x.dtype)

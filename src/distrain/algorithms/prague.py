@@ -109,12 +109,13 @@ from distrain.algorithms.gossip import (
     Waiter,
     gossip_group,
 )
-from distrain.algorithms.rejoin import POLL_S, Admissions, open_pair
+from distrain.algorithms.rejoin import POLL_S, Admissions, await_entry, open_pair
 from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import WorkerFailure
 from distrain.runtime.faults import is_comm_error
 from distrain.runtime.health import Liveness
+from distrain.runtime.membership import LinkMissed
 
 log = logging.getLogger(__name__)
 
@@ -850,18 +851,16 @@ class GroupGossip(GossipEngine):
         see Membership.enter; a mark still there would drop it again), it trains again here and at
         this worker's generator, and a thread of its own opens the links with it and hands it
         this worker's model."""
-        assert self.liveness is not None
-        live = self.liveness.another()
-        deadline = time.monotonic() + self.timeout
-        while live.is_dead(joiner):
-            if self.admissions is not None and self.admissions.membership.lost_again(joiner, epoch, live.store):
-                log.warning("worker %d: worker %d was admitted but died again before it came", self.rank, joiner)
-                return
-            if time.monotonic() > deadline:
-                log.warning("worker %d: worker %d was admitted but did not come within %g s", self.rank, joiner,
-                            self.timeout)
-                return
-            time.sleep(0.02)
+        assert self.liveness is not None and self.admissions is not None
+        try:
+            came = await_entry(self.admissions.membership, joiner, epoch, self.liveness.another(), self.timeout)
+        except LinkMissed as exc:
+            log.warning("worker %d: %s", self.rank, exc)
+            return
+        if not came:
+            log.warning("worker %d: worker %d was admitted but did not come within %g s", self.rank, joiner,
+                        self.timeout)
+            return
         with self._elect_lock:
             self.state.revive(joiner, epoch)
             if self.generator is not None:

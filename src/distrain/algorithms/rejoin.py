@@ -39,7 +39,14 @@ from collections.abc import Callable
 from distrain.comm.link import LinkTransport, open_link
 from distrain.emulation.link import LinkModel
 from distrain.runtime.health import Liveness, declared_dead
-from distrain.runtime.membership import RESTARTS_KEY, Change, Growth, Membership, await_ready
+from distrain.runtime.membership import (
+    RESTARTS_KEY,
+    Change,
+    Growth,
+    LinkMissed,
+    Membership,
+    await_ready,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +122,22 @@ class Admissions:
                 return out
 
 
+def await_entry(membership: Membership, joiner: int, epoch: int, live: Liveness, timeout: float) -> bool:
+    """Wait until ``joiner``, admitted in ``epoch``, took its admission: its dead mark, which it
+    deletes then (:meth:`~distrain.runtime.membership.Membership.enter`), is gone (a member that
+    went on while the mark stood would drop it again). True then; False after ``timeout``
+    seconds; :class:`~distrain.runtime.membership.LinkMissed` as soon as it died again (its
+    heartbeat stopped, or a later life of it asks to join)."""
+    deadline = time.monotonic() + timeout
+    while live.is_dead(joiner):
+        if membership.lost_again(joiner, epoch, live.store):
+            raise LinkMissed([joiner], f"worker {joiner} was admitted but died again before it came")
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def open_pair(membership: Membership, epoch: int, peers: tuple[int, int], me: int, world: int, timeout: float,
               link_model: LinkModel | None = None, name: str = "gossip", joiner: int | None = None) -> LinkTransport:
     """The link ``name`` between the two workers ``peers`` (a member and a worker it admitted in
@@ -143,4 +166,4 @@ def open_pair(membership: Membership, epoch: int, peers: tuple[int, int], me: in
     return open_link(prefix, [a, b], me, world, timeout, link_model, host=host)
 
 
-__all__ = ["POLL_S", "Admissions", "open_pair"]
+__all__ = ["POLL_S", "Admissions", "await_entry", "open_pair"]
