@@ -46,6 +46,7 @@ import gc
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -81,6 +82,7 @@ from distrain.runtime.membership import (
     JOIN_ENV,
     NOT_ENTERED,
     Change,
+    LeftOut,
     Membership,
     RunEnded,
     enter_run,
@@ -88,7 +90,7 @@ from distrain.runtime.membership import (
     wait_work,
     watch_waits,
 )
-from distrain.runtime.process import freeze_at_exit
+from distrain.runtime.process import EXIT_LEFT_OUT, freeze_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -175,11 +177,15 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
             _serve_again(cfg, optimizer)
         try:
             joined = enter_run(cfg)
+            return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps,
+                                        steps_per_epoch=steps_per_epoch, owns_group=dist.is_initialized(),
+                                        joined=joined)  # (ps: a link, no group)
         except RunEnded as exc:  # the others finished before it could join: nothing left to do
             log.warning("%s; it leaves", exc)
             raise SystemExit(0) from None
-        return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                                    owns_group=dist.is_initialized(), joined=joined)  # (ps: a link, no group)
+        except LeftOut as exc:  # the others went on without it: distrain launch counts it lost
+            print(exc, file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_LEFT_OUT) from None
     created = _join(cfg)
     try:
         workers = cfg.cluster.workers

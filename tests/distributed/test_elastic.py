@@ -1050,6 +1050,24 @@ def test_a_restarted_server_takes_its_parameters_back(tmp_path: Path):
     assert not torch.allclose(ps_join_reference(-1, at, at, steps), expected, atol=1e-4)
 
 
+@pytest.mark.slow  # CI: a server lost as it answered some workers (above)
+def test_a_joiner_left_out_by_a_server_lost_as_it_comes_leaves_a_users_script_and_the_others_go_on(tmp_path: Path):
+    """distrain launch: worker 0, killed as step 3 begins, starts again, and server 1 dies as the
+    servers open the link with it (``link``). The joiner leaves its script left out (exit status
+    3, which distrain launch counts as a loss: its one restart is spent), server 0 serves the
+    others, who take server 1 over and end on the same parameters; nothing is left running."""
+    env = {**os.environ, "DISTRAIN_INJECT_KILL_IN": f"link:{WORKERS + 1}"}
+    done = launch_tagged(tmp_path, 0, 3, "rejoin", "--servers", "2", "--max-restarts", "1",
+                         settings={"algorithm": "ps"}, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "worker 0: server(s) [1] lost as this worker joined; it leaves the run, the others go on" in done.stderr
+    assert "rank 0 failed" in done.stderr and "the others go on without it" in done.stderr
+    assert not (tmp_path / "worker0.pt").exists()
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in (1, 2, 3)}
+    for r in (2, 3):
+        torch.testing.assert_close(results[r]["weight"], results[1]["weight"], rtol=0, atol=0)
+
+
 @pytest.mark.slow  # CI: the return above
 def test_a_server_lost_again_as_it_returns_leaves_its_parameters_with_the_others(tmp_path: Path):
     """Server 1 killed as step 3 begins, started again (--max-restarts 1) and admitted back, then

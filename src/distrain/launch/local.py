@@ -40,6 +40,7 @@ from distrain.launch.common import (
 from distrain.runtime.faults import Interrupted
 from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, LeftOut
+from distrain.runtime.process import EXIT_LEFT_OUT
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,6 @@ log = logging.getLogger(__name__)
 EXIT_BAD_INPUT = 2
 #: Exit status of a worker that stopped on SIGTERM / Ctrl-C after saving a checkpoint.
 EXIT_INTERRUPTED = 130
-#: Exit status of a worker the others went on without (it was silent, e.g. stopped, while they
-#: agreed on the members): lost, as if it had died.
-EXIT_LEFT_OUT = 3
 #: Seconds workers get, after SIGTERM / Ctrl-C, to agree on a step, checkpoint and leave.
 STOP_GRACE_S = 10.0
 #: Where a failed worker leaves its reason, inside the run directory: ``rank-<r>.txt`` (one line,

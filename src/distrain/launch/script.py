@@ -48,6 +48,7 @@ from distrain.launch.common import (
 )
 from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run
+from distrain.runtime.process import EXIT_LEFT_OUT
 
 #: Seconds the other processes get to stop after a failure or Ctrl-C before they are killed.
 STOP_GRACE_S = 5.0
@@ -373,7 +374,8 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
         codes = [p.proc.poll() for p in procs]
         failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0) and p not in lost), None)
         code = 0 if failed is None else int(codes[procs.index(failed)])  # type: ignore[arg-type]
-        if failed is not None and code < 0 and elastic_run(store):  # died (a signal): the others go on
+        # died (a signal), or left out by the others (distrain.wrap() exits with EXIT_LEFT_OUT): the others go on
+        if failed is not None and (code < 0 or code == EXIT_LEFT_OUT) and elastic_run(store):
             declare_dead(store, failed.rank)
             lost.append(failed)
             again = restart(failed.rank) if restart is not None and first_done is None else None
