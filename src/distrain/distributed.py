@@ -169,6 +169,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
     """
     cfg = _configure(config, settings, model, process_group, optimizer)
     freeze_at_exit()  # this process's exit skips the last garbage collection (about 0.8 s with torch)
+    _exit_left_out_on_uncaught()
     if _subgroup(process_group):  # the caller's group of some of the processes: nothing else to set up
         return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                                     workers_group=process_group, process_group=process_group)
@@ -201,6 +202,27 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
         if created:
             dist.destroy_process_group()
         raise
+
+
+def _exit_left_out_on_uncaught() -> None:
+    """A :class:`~distrain.runtime.membership.LeftOut` that ends the user's script (the others
+    went on without this worker, e.g. it was stopped while they agreed on the members) exits
+    with ``EXIT_LEFT_OUT`` after its one line, instead of a traceback and status 1: ``distrain
+    launch`` then counts the worker lost, as if it had died, and the others go on. Installed
+    once per process, in front of the hook already there."""
+    previous = sys.excepthook
+    if getattr(previous, "distrain_left_out", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if isinstance(exc, LeftOut):  # (torch's hook, installed later in front, swaps sys.stderr for a buffer)
+            print(exc, file=sys.__stderr__ or sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_LEFT_OUT)  # (the interpreter would exit with status 1 after any hook)
+        previous(kind, exc, tb)
+
+    hook.distrain_left_out = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _configure(config: TrainConfig | None, settings: dict[str, Any], model: torch.nn.Module,

@@ -217,3 +217,24 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path):
     finally:
         proc.kill()
         kill_tagged(tag)
+
+
+def test_a_worker_left_out_ends_its_script_with_status_3_and_other_errors_are_untouched(tmp_path: Path):
+    """After wrap(), a LeftOut that ends the user's script (the others went on without this
+    worker) prints its one line and exits with status 3, which distrain launch counts as a
+    loss; any other error keeps Python's traceback and status 1 (the hook before it runs)."""
+    script = textwrap.dedent("""
+        import sys, torch, distrain
+        from distrain.runtime.membership import LeftOut
+        opt = distrain.wrap(torch.nn.Linear(2, 1), torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1))
+        raise (LeftOut("worker 0 was left out of the run at step 7") if sys.argv[1] == "left" else ValueError("mine"))
+    """)
+    (tmp_path / "job.py").write_text(script)
+    left = subprocess.run([sys.executable, "job.py", "left"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=cli_env(uuid.uuid4().hex))
+    assert left.returncode == 3, left.stderr
+    assert left.stderr.strip().splitlines()[-1] == "worker 0 was left out of the run at step 7"
+    other = subprocess.run([sys.executable, "job.py", "other"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env=cli_env(uuid.uuid4().hex))
+    assert other.returncode == 1 and "Traceback" in other.stderr
+    assert other.stderr.strip().splitlines()[-1].endswith("ValueError: mine")  # (torch prefixes the rank)
