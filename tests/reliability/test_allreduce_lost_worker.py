@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +49,21 @@ def test_rank0_lost_and_the_others_finish(tmp_path):
     check_rank0_lost(run, summary, tmp_path / "run")
 
 
+def assert_same_checkpoints(run_dir: Path, step: int, workers: Sequence[int], processes: int = 4) -> None:
+    """The last checkpoints (of ``step``) of ``workers`` hold the same parameters, bit for bit:
+    none of them lost a step or took one twice."""
+    models = {r: CheckpointStore(run_dir, r, processes).load(step)["model"] for r in workers}
+    first = models[workers[0]]
+    for r in workers[1:]:
+        for name, tensor in first.items():
+            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+
+
 def check_worker_0_came_back(run_dir: Path, total: int, back: int, processes: int) -> None:
     """Worker 0, killed at step 12, joined after step ``back`` of ``total``: every worker's last
     checkpoint holds the same parameters (so none lost or took a step twice), and worker 0's
     metrics have its first life's steps, then those after its return, and the join."""
-    models = [CheckpointStore(run_dir, r, processes).load(total)["model"] for r in range(4)]
-    for r in (1, 2, 3):
-        for name, tensor in models[0].items():
-            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+    assert_same_checkpoints(run_dir, total, range(4), processes)
     lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
     steps = [line["step"] for line in lines if "loss" in line]
     first_life = [s for s in steps if s <= 12]  # what its first life had flushed before SIGKILL
@@ -103,10 +111,7 @@ def test_a_member_lost_while_a_worker_joins_leaves_the_joiner_on_the_members_dat
     assert events == [("lost", [0], [1, 2, 3]), ("joined", [0], [1, 2, 3, 0]), ("lost", [2], [1, 3, 0])]
     assert summary["workers_at_end"] == 3
     total = summary["steps"]
-    models = {r: CheckpointStore(run_dir, r, 4).load(total)["model"] for r in (0, 1, 3)}
-    for r in (1, 3):
-        for name, tensor in models[0].items():
-            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+    assert_same_checkpoints(run_dir, total, (0, 1, 3))
 
 
 @pytest.mark.slow  # the join through wrap() (tests/distributed/test_elastic.py) runs in CI
@@ -159,10 +164,7 @@ def test_a_server_lost_as_a_joiner_comes_lets_the_joiner_leave_and_the_others_go
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["workers_at_end"] == 3
     total = summary["steps"]
-    models = {r: CheckpointStore(run_dir, r, 4).load(total)["model"] for r in (1, 2, 3)}
-    for r in (2, 3):
-        for name, tensor in models[1].items():
-            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+    assert_same_checkpoints(run_dir, total, (1, 2, 3))
 
 
 @pytest.mark.slow  # CI: the kill through wrap() (tests/distributed/test_elastic.py)
@@ -271,10 +273,7 @@ def test_resume_after_a_loss_keeps_the_result_and_brings_the_lost_worker_back(tm
     assert summary["steps_per_worker"] == [end - total, end, end, end]
     assert summary["segments"] == 2 and summary["resumed_from_step"] == total
     assert summary["wall_time_s"] == pytest.approx(sum(summary["segment_wall_time_s"]))
-    models = [CheckpointStore(run_dir, r, processes).load(end)["model"] for r in range(4)]
-    for r in (1, 2, 3):
-        for name, tensor in models[0].items():
-            torch.testing.assert_close(models[r][name], tensor, rtol=0, atol=0, msg=f"worker {r}: {name}")
+    assert_same_checkpoints(run_dir, end, range(4), processes)
     lines = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
     assert [line["event"] for line in lines if "event" in line] == ["joined"]
     resumed = [line for line in lines if "loss" in line and line["step"] > total]
