@@ -178,15 +178,12 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
             _serve_again(cfg, optimizer)
         try:
             joined = enter_run(cfg)
-            return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps,
-                                        steps_per_epoch=steps_per_epoch, owns_group=dist.is_initialized(),
-                                        joined=joined)  # (ps: a link, no group)
         except RunEnded as exc:  # the others finished before it could join: nothing left to do
             log.warning("%s; it leaves", exc)
             raise SystemExit(0) from None
-        except LeftOut as exc:  # the others went on without it: distrain launch counts it lost
-            print(exc, file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_LEFT_OUT) from None
+        # (a LeftOut here, e.g. a server lost as it came, ends the script with EXIT_LEFT_OUT: the hook above)
+        return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                                    owns_group=dist.is_initialized(), joined=joined)  # (ps: a link, no group)
     created = _join(cfg)
     try:
         workers = cfg.cluster.workers
