@@ -20,9 +20,7 @@ from distrain.config import (
 )
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError
 from distrain.runtime.faults import Interrupted
-from distrain.runtime.process import freeze_at_exit
-
-EXIT_BAD_INPUT = 2
+from distrain.runtime.process import EXIT_BAD_INPUT, freeze_at_exit
 
 
 class Parser(argparse.ArgumentParser):

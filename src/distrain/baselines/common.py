@@ -54,14 +54,13 @@ from distrain.launch.common import (
 )
 from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
+from distrain.runtime.process import EXIT_BAD_INPUT
 from distrain.tasks import build_task
 from distrain.train.evaluation import Evaluations
 from distrain.train.loop import lm_figures, lm_tokens, lr_schedule, plan_worker_data, summarize
 from distrain.train.metrics import MetricsWriter, write_json_atomic
 
 log = logging.getLogger(__name__)
-
-EXIT_BAD_INPUT = 2
 
 
 class Peer:

@@ -40,12 +40,10 @@ from distrain.launch.common import (
 from distrain.runtime.faults import Interrupted
 from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, LeftOut
-from distrain.runtime.process import EXIT_LEFT_OUT
+from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
 
 log = logging.getLogger(__name__)
 
-# Exit status of a worker that stopped on bad input (mirrors the CLI's status 2).
-EXIT_BAD_INPUT = 2
 #: Exit status of a worker that stopped on SIGTERM / Ctrl-C after saving a checkpoint.
 EXIT_INTERRUPTED = 130
 #: Seconds workers get, after SIGTERM / Ctrl-C, to agree on a step, checkpoint and leave.

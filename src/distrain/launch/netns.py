@@ -51,6 +51,7 @@ from distrain.emulation import CLOCK_FILE_ENV, NETNS_WORKER_ENV, NetworkSettings
 from distrain.emulation.units import tc_rate
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.launch.common import PR_SET_PDEATHSIG
+from distrain.runtime.process import EXIT_BAD_INPUT
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ INTERFACE = "eth0"
 #: so a transfer can reach close to the cap (with 1500 they cost 4.4%).
 MTU = int(os.environ.get("DISTRAIN_NETNS_MTU", "9000"))
 MASTER_PORT = 29500
-EXIT_BAD_INPUT = 2
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)$")
 _LINK_RE = re.compile(rf"^{LINK_PREFIX}(\d+)(?:b|v\d+)$")
 

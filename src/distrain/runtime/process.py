@@ -14,6 +14,10 @@ from __future__ import annotations
 import atexit
 import gc
 
+#: Exit status of a run, launcher or worker stopped by bad input (a setting, data or checkpoint
+#: refused, with one line naming it), as argparse's usage errors.
+EXIT_BAD_INPUT = 2
+
 #: Exit status of a worker the others went on without (it was silent, e.g. stopped, while they
 #: agreed on the members, or a server was lost as it joined): lost, as if it had died. The
 #: launchers (``distrain train``, ``distrain launch``) go on without it in an elastic run and may
