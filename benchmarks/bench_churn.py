@@ -6,7 +6,8 @@ For each algorithm given (``--algorithms``, default ``allreduce``; ``diloco``, `
 ``ps-server`` (ps with 2 servers, one of them
 killed: the other takes over its parameters; started again, it takes them back),
 ``ps-async-server`` (the same with ``--ps-mode async``; a lost asynchronous server is not
-started again, so no restart case), ``adpsgd`` and
+started again, so no restart case), ``ps-server-group_topk`` (``ps-server`` with compressed
+pushes, ``--compress group_topk:0.01``), ``adpsgd`` and
 ``prague`` go on too; ``allreduce-group_topk`` and ``diloco-int8`` are those algorithms with
 ``--compress group_topk:0.01`` and ``--compress int8``, ``diloco-auto`` DiLoCo with
 ``--sync-every auto``, ``diloco-streaming`` DiLoCo in 4 fragments whose exchanges overlap 4 inner
@@ -95,18 +96,20 @@ TIMEOUT_S = 600
 #: or for ``ps-server`` one of the servers).
 EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2"), "ps-async": ("--servers", "2", "--ps-mode", "async"),
          "ps-async-server": ("--servers", "2", "--ps-mode", "async"),
+         "ps-server-group_topk": ("--servers", "2", "--compress", "group_topk:0.01"),
          "allreduce-group_topk": ("--compress", "group_topk:0.01"), "diloco-int8": ("--compress", "int8"),
          "diloco-auto": ("--sync-every", "auto"), "allreduce-hierarchical": ("--workers-per-node", "2"),
          "diloco-streaming": ("--fragments", "4", "--overlap-steps", "4")}
 #: Cases that run another algorithm than their name.
-ALGORITHM = {"ps-server": "ps", "ps-async": "ps", "ps-async-server": "ps", "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco",
+ALGORITHM = {"ps-server": "ps", "ps-async": "ps", "ps-async-server": "ps", "ps-server-group_topk": "ps",
+             "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco",
              "allreduce-hierarchical": "allreduce", "diloco-streaming": "diloco"}
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
 NO_RESTARTS = {"ps-async-server"}
 #: Cases whose victim is one of the two servers.
-SERVER_VICTIM = {"ps-server", "ps-async-server"}
+SERVER_VICTIM = {"ps-server", "ps-async-server", "ps-server-group_topk"}
 #: Epochs of the kill cases where the default job's 15 are too short for a restart: DiLoCo trains
 #: them in about 5 s here (930 steps of about 6 ms), and a restarted worker needs about 3 s to
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.

@@ -919,14 +919,26 @@ def test_a_worker_and_a_server_started_again_both_come_back(tmp_path: Path):
 
 
 def ps_takeover_reference(lost: tuple[int, int], at: int, steps: int = STEPS, lr: float = 0.1,
-                          momentum: float = 0.9) -> torch.Tensor:
+                          momentum: float = 0.9, servers: int | None = None) -> torch.Tensor:
     """SGD with momentum on every worker's gradient, the momentum of the parameters in ``lost``
     (a lost server's range) starting again from zero at step ``at`` (the step redone by the
-    servers that took them over)."""
+    servers that took them over). ``servers``: each worker pushes the top-k of each of that many
+    shards with error feedback (:data:`TOPK`, keyed by the shard), and the servers sum what the
+    pushes decode to."""
+    from distrain.algorithms.parameter_server import shard_bounds
+    from distrain.compress import CompressInfo, build_compressor
+
+    feedback = {r: build_compressor(TOPK["compress"]) for r in range(WORKERS)}
     w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
     buf = None
     for step in range(steps):
-        g = torch.stack([gradient(r, step) for r in range(WORKERS)]).mean(0)
+        pushed = [gradient(r, step) for r in range(WORKERS)]
+        if servers is not None:
+            for r, g in enumerate(pushed):
+                pushed[r] = torch.cat([feedback[r].decompress(*feedback[r].compress(
+                    g[lo:hi], CompressInfo(step=step, key=k, ratio=0.2, worker=r)))
+                    for k, (lo, hi) in enumerate(shard_bounds(g.numel(), servers))])
+        g = torch.stack(pushed).mean(0)
         buf = g.clone() if buf is None else momentum * buf + g
         if step == at:
             buf[lost[0] : lost[1]] = g[lost[0] : lost[1]]
@@ -952,6 +964,27 @@ def test_parameter_servers_take_over_a_lost_server(tmp_path: Path):
         assert result["steps"] == STEPS and result["workers"] == WORKERS and result["changes"] == [], r
         torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
     assert not torch.allclose(reference(-1, STEPS), expected, atol=1e-4)  # the reset shows
+
+
+def test_parameter_servers_take_over_a_lost_server_under_compressed_pushes(tmp_path: Path):
+    """The same with top-k pushes and error feedback: each worker compresses each of the three
+    shards (its residual keyed by the shard) and, after the takeover, sends server 0 the messages
+    of shards 0 and 1 and server 2 those of shards 1 and 2, each keeping its pieces; the step
+    redone on the pieces carries what the lost server would have decoded. The residuals go on
+    as if no server had been lost."""
+    at = 3
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:{at}"}
+    done = launch(tmp_path, -1, at, "start", "--servers", "3", settings={"algorithm": "ps", **TOPK}, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "took over parameters [(4, 6)] of lost server 1 at step 4" in done.stderr
+    assert "took over parameters [(6, 7)] of lost server 1 at step 4" in done.stderr
+    expected = ps_takeover_reference((4, 7), at, servers=3)
+    for r in range(WORKERS):
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["steps"] == STEPS and result["workers"] == WORKERS and result["changes"] == [], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(ps_takeover_reference((4, 7), at), expected, atol=1e-4)  # the compression is in it
+    assert not torch.allclose(ps_takeover_reference((4, 7), STEPS, servers=3), expected, atol=1e-4)  # the reset shows
 
 
 def test_parameter_servers_take_over_a_server_lost_while_it_answered_some_workers(tmp_path: Path):
@@ -1004,6 +1037,26 @@ def test_asynchronous_servers_take_over_a_lost_server(tmp_path: Path):
     assert not torch.allclose(ps_takeover_reference((4, 7), at), expected, atol=1e-4)  # the round reset shows
 
 
+@pytest.mark.slow  # CI: the synchronous takeover under compressed pushes, and the asynchronous one above
+def test_asynchronous_servers_take_over_a_lost_server_under_compressed_pushes(tmp_path: Path):
+    """The asynchronous takeover above with top-k pushes and error feedback per shard: each
+    worker's push redone on the pieces is what its message to the lost server decodes to, and
+    every later push carries the messages of the shards each live server holds pieces of."""
+    at = 3
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:{at}"}
+    settings = {"algorithm": "ps", "ps_mode": "async", "max_staleness": 0, **TOPK}
+    done = launch(tmp_path, -1, at, "start", "--servers", "3", settings=settings, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "took over parameters [(4, 6)] of lost server 1 at worker" in done.stderr
+    for r in range(WORKERS):
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["steps"] == STEPS and result["workers"] == WORKERS and result["changes"] == [], r
+        for step, held in enumerate(result["history"]):
+            torch.testing.assert_close(held, ps_takeover_reference((4, 7), at - 1, step + 1, servers=3).float().double(),
+                                       rtol=1e-6, atol=1e-6, msg=lambda m, r=r, step=step: f"worker {r}, step {step}: {m}")
+    assert not torch.allclose(ps_takeover_reference((4, 7), at - 1), ps_takeover_reference((4, 7), at - 1, servers=3))
+
+
 @pytest.mark.slow  # CI: the takeover above
 def test_a_worker_that_ended_takes_a_lost_asynchronous_servers_parameters_at_the_end(tmp_path: Path):
     """``--ps-mode async --max-staleness 0``, two servers: worker 3 takes 4 steps and ends (its
@@ -1024,6 +1077,27 @@ def test_a_worker_that_ended_takes_a_lost_asynchronous_servers_parameters_at_the
     expected = -0.1 / WORKERS * sum(gradient(r, s) for r, s in pushed)
     for r, result in results.items():
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-5, msg=f"worker {r}")
+
+
+@pytest.mark.slow  # CI: the uncompressed return below, and the compressed takeover above
+def test_a_restarted_server_takes_its_parameters_back_under_compressed_pushes(tmp_path: Path):
+    """The return below with top-k pushes and error feedback per shard: the workers' residuals
+    of server 1's shard go on through its loss and return; the reference is the compressed run
+    with that shard's momentum started again at step 3, and kept through the return."""
+    at = 3
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:{at}", "ELASTIC_SERVER_BACK": "1"}
+    done = launch(tmp_path, -1, at, "rejoin", "--servers", "2", "--max-restarts", "1",
+                  settings={"algorithm": "ps", **TOPK}, env=env)
+    assert done.returncode == 0, done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in range(WORKERS)}
+    [back] = {tuple(result["server_back"]) for result in results.values()}
+    steps = max(STEPS, back[0] + 4)
+    assert at < back[0] and f"server 0: server 1 returned after step {back[0]}" in done.stderr
+    expected = ps_takeover_reference((5, 10), at, steps, servers=2)
+    for r, result in results.items():
+        assert result["steps"] == steps and result["workers"] == WORKERS and result["changes"] == [], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(ps_takeover_reference((5, 10), steps, steps, servers=2), expected, atol=1e-4)
 
 
 def test_a_restarted_server_takes_its_parameters_back(tmp_path: Path):

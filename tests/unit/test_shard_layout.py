@@ -125,3 +125,23 @@ def test_the_pieces_given_back_carry_their_state(kind):
     torch.testing.assert_close(kept.data, shard.data[keep], rtol=0, atol=0)
     torch.testing.assert_close(piece.data, shard.data[give], rtol=0, atol=0)
     assert not torch.allclose(fresh.data, piece.data, atol=1e-4)
+
+
+def test_every_range_held_after_losses_and_returns_lies_in_one_shard_of_the_run():
+    """A compressed push carries one message per shard of the run's layout: whatever takeovers
+    and returns made of the ranges, each lies in one shard, and a server's list names each
+    shard it holds pieces of once."""
+    from distrain.algorithms.parameter_server.layout import shard_of, shards_touched
+
+    bounds = shard_bounds(10, 3)  # (0, 4), (4, 7), (7, 10)
+    layout = ShardLayout(bounds)
+    layout.take_over(1)
+    assert shards_touched(bounds, layout.owned[0]) == [0, 1] and shards_touched(bounds, layout.owned[2]) == [1, 2]
+    layout.take_over(2)
+    assert layout.owned == {0: [(0, 4), (4, 6), (7, 10), (6, 7)]}
+    assert [shard_of(bounds, r) for r in layout.owned[0]] == [0, 1, 2, 1]
+    assert shards_touched(bounds, layout.owned[0]) == [0, 1, 2]
+    layout.give_back(1)
+    assert shards_touched(bounds, layout.owned[0]) == [0, 2] and shards_touched(bounds, layout.owned[1]) == [1]
+    with pytest.raises(ValueError, match="not inside one shard"):
+        shard_of(bounds, (3, 5))

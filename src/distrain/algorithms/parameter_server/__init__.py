@@ -93,15 +93,22 @@ no checkpoint is read, the optimizer state stays on them, and the worker's own e
 residuals start from zero. The workers record the change (the members, in order of their ids, so
 ``distrain train`` gives every worker its shard of the first split back).
 
-A lost server (uncompressed pushes, two servers or more): every worker finds its push or pull
+A lost server (two servers or more): every worker finds its push or pull
 failing, and once the server is declared dead the workers agree in the store that they all lost
 it at the same step (it answered nobody; pulls land in a spare buffer, so each worker still holds
 the last parameters it answered). The live servers split its ranges between them
 (:class:`ShardLayout`), take their pieces' parameters from one worker, redo the step on them with
 every worker's gradient and a fresh optimizer state (logged), and serve their shard and pieces as
-one from then on: no step lost or applied twice. A synchronous server lost while it answered some
-workers and not others, a hung worker, node groups and a lost server with compressed pushes (or
-the only one) still stop the run; while the servers hold another's ranges, the run cannot resume
+one from then on: no step lost or applied twice. A server that died as it answered a step to
+some workers only is found lost a step later by those it answered; they offer its answer in
+the store, the others take it (:meth:`ParameterServer._take_answer`), and all take the server
+over at the next step. With compressed pushes each worker still
+compresses each shard of the run's layout, its error feedback keyed by the shard; a push to a
+server carries the message of every shard it holds pieces of (:func:`.layout.shards_touched`),
+which the server decodes and cuts to its pieces, and the step redone on a lost server's pieces
+carries what its messages decode to (:meth:`ParameterServer._pushed`), so the residuals neither
+lose nor repeat anything. A hung worker, node groups and the loss of the only server still stop
+the run; while the servers hold another's ranges, the run cannot resume
 from its checkpoints, and a worker that joins meets the live servers only, each sending it the
 ranges it owns (:meth:`ShardServer._meet_joiner`).
 

@@ -125,9 +125,9 @@ def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, s
 
 
 def servers_taken_over(settings: PSSettings) -> bool:
-    """Whether a lost server's ranges are taken over by the others (elastic, uncompressed
-    pushes, two servers or more), synchronous or asynchronous."""
-    return elastic_servers(settings) and not settings.compression.enabled and settings.servers > 1
+    """Whether a lost server's ranges are taken over by the others (elastic, two servers or
+    more), synchronous or asynchronous, with dense or compressed pushes."""
+    return elastic_servers(settings) and settings.servers > 1
 
 
 def servers_return(settings: PSSettings) -> bool:

@@ -80,6 +80,22 @@ class ShardLayout:
         return self.owned == {s: [r] for s, r in enumerate(self.bounds)}
 
 
+def shard_of(bounds: list[tuple[int, int]], piece: tuple[int, int]) -> int:
+    """The shard of ``bounds`` that ``piece`` (a range a server owns) lies in: every range is
+    inside one, as takeovers and returns only split or cut ranges."""
+    lo, hi = piece
+    for k, (a, b) in enumerate(bounds):
+        if a <= lo and hi <= b:
+            return k
+    raise ValueError(f"range {piece} is not inside one shard of {bounds}")
+
+
+def shards_touched(bounds: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> list[int]:
+    """The shards of ``bounds`` that ``ranges`` lie in, in order: a compressed push carries one
+    message per shard (its error feedback keyed by the shard), whichever servers hold it."""
+    return sorted({shard_of(bounds, r) for r in ranges})
+
+
 def positions(held: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> torch.Tensor:
     """Where the elements of ``ranges`` (each inside one of ``held``) sit in ``held``
     concatenated (a server's shard): an index tensor, in the order of ``ranges``."""

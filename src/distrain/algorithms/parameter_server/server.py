@@ -24,7 +24,13 @@ from distrain.algorithms.parameter_server.elastic import (
     servers_return,
     survivors_transport,
 )
-from distrain.algorithms.parameter_server.layout import ShardLayout, positions, shard_bounds
+from distrain.algorithms.parameter_server.layout import (
+    ShardLayout,
+    positions,
+    shard_bounds,
+    shard_of,
+    shards_touched,
+)
 from distrain.algorithms.parameter_server.server_optim import (
     RoundMomentumSGD,
     follow_pushers,
@@ -150,6 +156,8 @@ class ShardServer:
         c = settings.compression
         self.decoder = (PushDecoder(build_compressor(c.spec, error_feedback=False, seed=settings.run.seed), numel)
                         if c.enabled else None)
+        #: compressed pushes after a takeover: a decoder per shard of the run's layout (its size)
+        self._decoders: dict[int, PushDecoder] = {}
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
         self.earlier = RunTotals()  # what the earlier segments of a resumed run did
 
@@ -184,14 +192,51 @@ class ShardServer:
                 return
             send_state(transport, self.optimizer_state(), worker)
 
-    def _recv_push(self, out: torch.Tensor, worker: int, transport: Transport | None = None) -> Handle | None:
+    def _recv_push(self, out: torch.Tensor, worker: int, transport: Transport | None = None,
+                   ranges: list[tuple[int, int]] | None = None) -> Handle | None:
         """Receive ``worker``'s gradient push into ``out``: a handle to wait for when dense, else
-        decoded here (a compressed push's size is known only once its header arrived)."""
+        decoded here (a compressed push's size is known only once its header arrived).
+        ``ranges``: the ranges of the parameters the push covers, in order (:meth:`push_ranges`;
+        None: this server's own shard)."""
         transport = transport or self.transport
         if self.decoder is None:
             return transport.recv(out, worker)
-        out.copy_(self.decoder.recv(transport, worker))
+        if ranges is None:
+            out.copy_(self.decoder.recv(transport, worker))
+            return None
+        # After a takeover: one message per shard the ranges lie in, compressed over that whole
+        # shard (the worker's error feedback is keyed by it); this server keeps its ranges of it.
+        assert self.layout is not None
+        bounds = self.layout.bounds
+        decoded = {k: self._decoder(k).recv(transport, worker) for k in shards_touched(bounds, ranges)}
+        offset = 0
+        for lo, hi in ranges:
+            k = shard_of(bounds, (lo, hi))
+            out[offset : offset + hi - lo].copy_(decoded[k][lo - bounds[k][0] : hi - bounds[k][0]])
+            offset += hi - lo
         return None
+
+    def _decoder(self, k: int) -> PushDecoder:
+        """The decoder of compressed pushes of the run's shard ``k`` (made at first use)."""
+        assert self.decoder is not None and self.layout is not None
+        with self._gain_lock:
+            if k not in self._decoders:
+                lo, hi = self.layout.bounds[k]
+                self._decoders[k] = self.decoder if k == self.index else PushDecoder(
+                    build_compressor(self.settings.compression.spec, error_feedback=False,
+                                     seed=self.settings.run.seed), hi - lo)
+            return self._decoders[k]
+
+    def push_ranges(self, version: int = 0) -> list[tuple[int, int]] | None:
+        """The ranges of the parameters a push covers, in the order of its values: None while no
+        takeover is in force here; synchronous, the ranges this server owns; asynchronous, its
+        shard, then the pieces of the first ``version`` takeovers its pusher announced."""
+        with self._gain_lock:
+            if self.layout is None:
+                return None
+            if self.settings.ps_mode == "sync":
+                return list(self.layout.owned[self.index])
+            return [self.layout.bounds[self.index], *(r for _, pieces in self._gains[:version] for r in pieces)]
 
     def _step(self, grad: torch.Tensor, lr: float, weight: float = 1.0) -> None:
         """One optimizer step on ``grad`` (the averaged or pushed gradient) at the workers'
@@ -237,9 +282,10 @@ class ShardServer:
             if not bool((clocks == step + 1).all()):
                 raise WorkerFailure(f"server {self.index}: step {step + 1} expected, workers "
                                     f"{[pushers[i] for i in live]} sent clocks {clocks.tolist()} (-1: training ended)")
+            ranges = self.push_ranges()
             for i in list(live):
-                self._with_worker(i, live, step, grads, lambda i=i, grads=grads:
-                                  (h := self._recv_push(grads[i], pushers[i], self._peer(i))) and h.wait())
+                self._with_worker(i, live, step, grads, lambda i=i, grads=grads, ranges=ranges:
+                                  (h := self._recv_push(grads[i], pushers[i], self._peer(i), ranges)) and h.wait())
             lr = float(headers[live, 1].clone().view(torch.float64).mean())
             self._step(grads.sum(0).div_(self.num_workers), lr)
             cut = injected_answers(self.transport.rank, step + 1)  # fault injection for tests (None: all)
@@ -930,7 +976,8 @@ class Inbox:
         server, worker = self.server, self.server.pushers[i]
         transport = server._peer(i)
         header = torch.zeros(2, dtype=torch.int64)
-        grad = torch.zeros(server.push_numel(server.versions[i]))
+        version = server.versions[i]  # the takeovers its pushes cover
+        grad = torch.zeros(server.push_numel(version))
         while not self._closed:
             takeover: tuple[int, int, int, torch.Tensor] | None = None
             try:
@@ -939,7 +986,7 @@ class Inbox:
                 if clock == TAKEOVER:
                     takeover, redone = self._receive_takeover(transport, worker)
                 elif clock not in (STATE, STOP):
-                    handle = server._recv_push(grad, worker, transport)
+                    handle = server._recv_push(grad, worker, transport, server.push_ranges(version))
                     if handle is not None:
                         handle.wait()
             except Exception as exc:  # noqa: BLE001 - the serving thread decides
@@ -951,7 +998,8 @@ class Inbox:
             free.wait()
             free.clear()
             if takeover is not None:  # its pushes cover the pieces of this takeover from now on
-                grad = torch.zeros(server.push_numel(takeover[1] + 1))
+                version = takeover[1] + 1
+                grad = torch.zeros(server.push_numel(version))
 
     def _receive_takeover(self, transport: Transport, worker: int) -> tuple[tuple[int, int, int, torch.Tensor],
                                                                               torch.Tensor | None]:

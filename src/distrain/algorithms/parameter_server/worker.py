@@ -24,6 +24,7 @@ from distrain.algorithms.parameter_server.layout import (
     gather_ranges,
     scatter_ranges,
     shard_bounds,
+    shards_touched,
 )
 from distrain.algorithms.parameter_server.server_optim import momentum_corrected
 from distrain.algorithms.parameter_server.settings import PSSettings, elastic_servers
@@ -45,7 +46,8 @@ from distrain.comm.transport import Handle, Transport, blocked
 from distrain.compress.base import CompressInfo
 from distrain.compress.gradients import take_momentum
 from distrain.compress.momentum_correction import MomentumCorrection
-from distrain.compress.pushes import ShardPush, send_message
+from distrain.compress.pushes import PushDecoder, ShardPush, send_message
+from distrain.compress.registry import build_compressor
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import is_comm_error, store_client
 from distrain.runtime.health import LOST_CHECK_S, dead_since, declared_dead
@@ -139,9 +141,14 @@ class ParameterServer(Algorithm):
                 compressor = MomentumCorrection(compressor.inner, self.momentum, masking=c.momentum_masking)
             self.push = ShardPush(compressor)
             self.density = c.warmup(compressor.ratio)
-        #: the others take over a lost server's ranges (elastic, uncompressed, two servers or more);
-        #: pulls then land in a second buffer, so a failed one leaves the last parameters whole
+        #: the others take over a lost server's ranges (elastic, two servers or more); pulls then
+        #: land in a second buffer, so a failed one leaves the last parameters whole
         self.takes_over = servers_taken_over(settings)
+        #: compressed, where servers are taken over: this step's message per shard (a push to a
+        #: server that holds pieces of several shards carries each), and decoders of those
+        #: messages (a push redone on the servers that take over sends what they decode to)
+        self._messages: list[Any] = []
+        self._decoders: dict[int, PushDecoder] = {}
         self._takeovers = 0  # asynchronous: the run's takeovers applied here (their order is the store's)
         #: servers that returned after their loss, each reached over the link opened as it did
         self._server_links: dict[int, Transport] = {}
@@ -273,6 +280,11 @@ class ParameterServer(Algorithm):
         self._clock_header[0] = self.clock
         self._clock_header[1:] = torch.tensor([float(self.optimizer.param_groups[0]["lr"])], dtype=torch.float64).view(torch.int64)
         if self.takes_over:
+            if self.push is not None and info is not None:  # one message per shard, its residual keyed by it
+                self._messages = []
+                for shard, (lo, hi) in enumerate(self.bounds):
+                    info.key = shard
+                    self._messages.append(self.push.encode(self.grad[lo:hi], info, dense=dense))
             self._push_pull_elastic()
             return
         handles: list[Handle] = []
@@ -308,8 +320,7 @@ class ParameterServer(Algorithm):
             into = gather_ranges(self._spare, ranges) if len(ranges) == 1 else torch.empty(self.layout.numel(s))
             to = self._to(s)
             try:  # a connection already closed fails here, not at the wait
-                pending[s] = (into, [to.send(self._header(s), server),
-                                     to.send(gather_ranges(self.grad, ranges), server),
+                pending[s] = (into, [to.send(self._header(s), server), *self._send_push(to, ranges, server),
                                      to.recv(into, server)])
             except Exception as exc:
                 if not is_comm_error(exc):
@@ -346,6 +357,29 @@ class ParameterServer(Algorithm):
                 self._take_over(s, exc)
         self._spare.copy_(self.flat)
 
+    def _send_push(self, to: Transport, ranges: list[tuple[int, int]], server: int) -> list[Handle]:
+        """Start sending ``server`` this step's push of ``ranges``: their gradient, or
+        (compressed) the message of each shard they lie in (:meth:`ShardServer._recv_push`)."""
+        if self.push is None:
+            return [to.send(gather_ranges(self.grad, ranges), server)]
+        return [h for k in shards_touched(self.bounds, ranges) for h in send_message(to, self._messages[k], server)]
+
+    def _pushed(self) -> torch.Tensor:
+        """What this step's pushes carry, as one flat vector: the gradient, or (compressed) what
+        each shard's message decodes to, what its server would have summed. A push redone on the
+        servers that take a lost one over sends this, so the error feedback, which counted it
+        sent, neither loses nor repeats any of it."""
+        if self.push is None:
+            return self.grad
+        pushed = torch.empty_like(self.grad)
+        for k, (lo, hi) in enumerate(self.bounds):
+            if k not in self._decoders:
+                c = self.settings.compression
+                self._decoders[k] = PushDecoder(build_compressor(c.spec, error_feedback=False, seed=self.settings.run.seed),
+                                                hi - lo)
+            pushed[lo:hi] = self._decoders[k].decode(self._messages[k])
+        return pushed
+
     def _take_over(self, s: int, exc: BaseException) -> None:
         """Server ``s`` is lost while this step's pushes were out (its connection reset): once it
         is declared dead, the workers agree (:meth:`_agree`) and send every live server a
@@ -374,6 +408,7 @@ class ParameterServer(Algorithm):
         them, and then receive their parameters after it."""
         handles: list[Handle] = []
         answers: dict[int, torch.Tensor] = {}
+        pushed = self._pushed() if redo else None
         for t, pieces in gained.items():
             server, to = self.servers[t], self._to(t)
             header = self._header(t).clone()
@@ -383,8 +418,8 @@ class ParameterServer(Algorithm):
                 continue
             if values:
                 handles.append(to.send(gather_ranges(self.flat, pieces).contiguous(), server))
-            if redo:
-                handles.append(to.send(gather_ranges(self.grad, pieces).contiguous(), server))
+            if pushed is not None:
+                handles.append(to.send(gather_ranges(pushed, pieces).contiguous(), server))
                 answers[t] = torch.empty(sum(hi - lo for lo, hi in pieces))
                 handles.append(to.recv(answers[t], server))
         for h in handles:
