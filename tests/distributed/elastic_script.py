@@ -21,6 +21,9 @@ prints every thread's stack (what a hung run waits on). With ``ELASTIC_STEPS_OF=
 that leaves every worker in the run (an earlier join may have been undone by a loss), and 4 steps
 after it.
 
+With ``ELASTIC_SAVE_AT=K`` each worker saves its model and ``opt.state_dict()`` once it has
+taken K steps (``OUT/state<id>.pt``); with ``ELASTIC_RESUME=DIR`` each starts from DIR's.
+
 Usage: elastic_script.py OUT STEPS VICTIM AT WHERE [SETTINGS]
 """
 
@@ -83,6 +86,11 @@ def main() -> None:
     momentum = settings.pop("momentum", 0.9)
     opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), **settings)
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
+    save_at = int(os.environ.get("ELASTIC_SAVE_AT", "-1"))
+    if os.environ.get("ELASTIC_RESUME"):
+        saved = torch.load(Path(os.environ["ELASTIC_RESUME"]) / f"state{me}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
     world = int(os.environ["WORLD_SIZE"])
     short = os.environ.get("ELASTIC_STEPS_OF", "").split(":")
     own_steps = int(short[1]) if len(short) == 2 and int(short[0]) == me else steps
@@ -129,6 +137,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         history.append(model.weight.detach().cpu().reshape(-1).clone())
+        if opt.steps == save_at:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out / f"state{me}.pt")
         syncs.update(getattr(opt.algorithm, "synced_at", []))  # DiLoCo: the steps its rounds ended at
     final = opt.finish()
     syncs.update(getattr(opt.algorithm, "synced_at", []))

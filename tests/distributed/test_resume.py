@@ -92,6 +92,35 @@ def test_resume_matches_uninterrupted_run(tmp_path, algorithm, servers):
     assert lines[-1]["bytes_sent"] == read_metrics(full, 0)[-1]["bytes_sent"] + again
 
 
+@pytest.mark.timeout(240)
+def test_a_run_whose_lost_server_was_taken_over_resumes_from_the_sets_saved_after_the_loss(tmp_path):
+    """ps, two servers; server 1 killed as round 10 begins: server 0 takes its parameters over and
+    saves them with its own shard, with their optimizer state, in the sets that follow (server 1
+    writes none, and the sets name the others only). A run resumed from such a set gives each
+    server its own shard and momentum back from server 0's file: it ends on the parameters of the
+    run that was never stopped, bit for bit, and its summary keeps the lost server."""
+    settings = {"workers": 2, "epochs": 2, "checkpoint_every": 7, "algorithm": "ps", "servers": 2, "min_workers": 1,
+                "momentum": 0.9}
+    full = tmp_path / "full"
+    os.environ["DISTRAIN_INJECT_KILL"] = "3:10"  # server 1 is rank 3
+    try:
+        summary = launch_local(small_config(str(full), **settings))
+    finally:
+        del os.environ["DISTRAIN_INJECT_KILL"]
+    total = summary["steps"]
+    assert list(summary["lost_servers"]) == ["1"]
+    store = CheckpointStore(full, 0, 4)
+    point = min(step for step in store.steps() if 10 < step < total)  # the oldest set kept from after the loss
+    assert store.members(point) == [0, 1, 2]
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    _keep_only(cut, point)
+    resumed = launch_local(small_config(str(cut), resume="auto", **settings))
+    assert resumed["resumed_from_step"] == point and resumed["steps_per_worker"] == summary["steps_per_worker"]
+    assert resumed["lost_servers"] == summary["lost_servers"]  # the first segment's loss is kept
+    _assert_same_parameters(full, cut, total, 2, 4)
+
+
 def test_checkpoint_of_a_real_run_loads_with_plain_torch_load(tmp_path):
     """One worker in this process: a checkpoint is an ordinary weights-only torch file whose
     digest catches a flipped byte of the parameters."""

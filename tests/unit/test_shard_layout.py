@@ -145,3 +145,25 @@ def test_every_range_held_after_losses_and_returns_lies_in_one_shard_of_the_run(
     assert shards_touched(bounds, layout.owned[0]) == [0, 2] and shards_touched(bounds, layout.owned[1]) == [1]
     with pytest.raises(ValueError, match="not inside one shard"):
         shard_of(bounds, (3, 5))
+
+
+def test_a_shard_is_put_together_from_the_parts_several_servers_saved():
+    """After a takeover, the servers' checkpoint files hold their ranges in parts; a resumed
+    server takes its own shard's values and per-element optimizer state from them, the first
+    part's scalar state, and zeros where a part had none yet (a piece never stepped)."""
+    from distrain.algorithms.parameter_server.layout import assemble_range
+
+    flat = torch.arange(10.0)
+    momentum = torch.arange(10.0) * 10
+    # server 0 held (0, 4) and took over (4, 6) under one optimizer; server 2 took over (6, 7)
+    # with a fresh one (no momentum yet) and holds (7, 10) with its own
+    parts = [([(0, 4), (4, 6)], flat[[0, 1, 2, 3, 4, 5]], {"buf": momentum[[0, 1, 2, 3, 4, 5]], "step": 7}),
+             ([(7, 10)], flat[7:10], {"buf": momentum[7:10], "step": 9}),
+             ([(6, 7)], flat[6:7], {"step": 1})]
+    values, state = assemble_range(parts, (4, 7))  # server 1's shard
+    assert values.tolist() == [4.0, 5.0, 6.0]
+    assert state["buf"].tolist() == [40.0, 50.0, 0.0] and state["step"] == 7
+    values, state = assemble_range(parts, (0, 10))
+    assert torch.equal(values, flat) and state["buf"].tolist() == [*momentum[:6].tolist(), 0.0, *momentum[7:].tolist()]
+    with pytest.raises(ValueError, match="cover 2 of the 3"):
+        assemble_range(parts[:2], (4, 7))

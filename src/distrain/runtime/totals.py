@@ -3,7 +3,7 @@ summary covers the whole run (workers and parameter servers alike)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 
@@ -41,6 +41,9 @@ class RunTotals:
     #: workers the earlier segments lost (id -> Unix time declared dead), with or without a
     #: change of membership (parameter servers serve the others on)
     lost_workers: dict[int, float] = field(default_factory=dict)
+    #: parameter servers the earlier segments lost, and those that returned (index -> Unix time)
+    lost_servers: dict[int, float] = field(default_factory=dict)
+    returned_servers: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> RunTotals:
@@ -51,7 +54,8 @@ class RunTotals:
                    time_to_target_s=None if target is None else float(target),
                    segment_wall_s=[float(v) for v in state.get("segment_wall_s", [])],
                    changes=[dict(c) for c in state.get("changes", [])],
-                   lost_workers={int(w): float(t) for w, t in state.get("lost_workers", {}).items()})
+                   lost_workers=_times(state.get("lost_workers")), lost_servers=_times(state.get("lost_servers")),
+                   returned_servers=_times(state.get("returned_servers")))
 
     def for_another_worker(self) -> RunTotals:
         """The totals a worker takes from another's checkpoint (it was lost before that one was
@@ -59,8 +63,7 @@ class RunTotals:
         row = [0.0] * len(self.row)
         if row:
             row[2] = self.row[2]  # training time is the run's
-        return RunTotals(row, self.eval_s, self.time_to_target_s, list(self.segment_wall_s), list(self.changes),
-                         dict(self.lost_workers))
+        return replace(self, row=row)
 
     def resized(self, peers: int, me: int) -> RunTotals:
         """The totals of process ``me`` once the run goes on with ``peers`` processes (resumed with
@@ -78,8 +81,7 @@ class RunTotals:
             return out
 
         head, sent, received, tail = self.row[:5], self.row[5 : 5 + old], self.row[5 + old : 5 + 2 * old], self.row[5 + 2 * old :]
-        return RunTotals([*head, *fold(sent), *fold(received), *tail], self.eval_s, self.time_to_target_s,
-                         list(self.segment_wall_s), list(self.changes), dict(self.lost_workers))
+        return replace(self, row=[*head, *fold(sent), *fold(received), *tail])
 
     @property
     def wall_s(self) -> float:
@@ -101,14 +103,26 @@ class RunTotals:
         return [a + b for a, b in zip(self.row, row, strict=True)]
 
     def plus(self, row: list[float], eval_s: float, time_to_target_s: float | None,
-             changes: list[dict[str, Any]] | None = None, lost_workers: dict[int, float] | None = None) -> RunTotals:
+             changes: list[dict[str, Any]] | None = None, lost_workers: dict[int, float] | None = None,
+             lost_servers: dict[int, float] | None = None,
+             returned_servers: dict[int, float] | None = None) -> RunTotals:
         """The totals after this segment, whose counters are ``row`` (``row[2]``: its wall time),
-        membership changes ``changes`` and lost workers ``lost_workers``."""
+        membership changes ``changes``, lost workers ``lost_workers`` and parameter servers lost
+        and returned."""
         target = self.time_to_target_s if self.time_to_target_s is not None else time_to_target_s
         return RunTotals(self.total_row(row), self.eval_s + eval_s, target, [*self.segment_wall_s, row[2]],
-                         [*self.changes, *(changes or [])], {**self.lost_workers, **(lost_workers or {})})
+                         [*self.changes, *(changes or [])], {**self.lost_workers, **(lost_workers or {})},
+                         {**self.lost_servers, **(lost_servers or {})},
+                         {**self.returned_servers, **(returned_servers or {})})
 
     def state_dict(self) -> dict[str, Any]:
         return {"row": list(self.row), "eval_s": self.eval_s, "time_to_target_s": self.time_to_target_s,
                 "segment_wall_s": list(self.segment_wall_s), "changes": [dict(c) for c in self.changes],
-                "lost_workers": {str(w): t for w, t in self.lost_workers.items()}}
+                "lost_workers": {str(w): t for w, t in self.lost_workers.items()},
+                "lost_servers": {str(s): t for s, t in self.lost_servers.items()},
+                "returned_servers": {str(s): t for s, t in self.returned_servers.items()}}
+
+
+def _times(saved: dict[str, float] | None) -> dict[int, float]:
+    """A saved ``{id: Unix time}`` record (string keys, as JSON and checkpoints keep them)."""
+    return {int(k): float(t) for k, t in (saved or {}).items()}

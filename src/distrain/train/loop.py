@@ -371,7 +371,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
             SET_SIZE_KEY: store.world_size, **({EPOCH_WORKERS_KEY: first_world} if first_world != world else {}),
             "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(),
-                                  lost()).state_dict(),
+                                  lost(), algorithm.lost_servers, algorithm.returned_servers).state_dict(),
             **({PLAN_KEY: plan.state()} if plan is not None else {}),
             # after a loss the set is written by the members at this step (and any servers)
             **({MEMBERS_KEY: [*sorted(opt.ids), *range(world, store.world_size)]}
@@ -530,7 +530,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     opt.close()
 
     # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
-    run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(), lost())
+    run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(), lost(),
+                      algorithm.lost_servers, algorithm.returned_servers)
     mine = torch.tensor(run.row, dtype=torch.float64)
     elastic = opt.membership is not None
     rows = [[0.0] * len(mine) for _ in range(world if elastic else transport.world_size)]  # lost: zeros
@@ -547,8 +548,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                         run.lost_workers, run.segment_wall_s,
                         {**lm_figures(task, train_set, test_set, evals.test_loss), "model_parameters": count_parameters(model),
                          **{key: {str(s): t for s, t in sorted(servers.items())}
-                            for key, servers in (("lost_servers", algorithm.lost_servers),
-                                                 ("returned_servers", algorithm.returned_servers)) if servers}},
+                            for key, servers in (("lost_servers", run.lost_servers),
+                                                 ("returned_servers", run.returned_servers)) if servers}},
                         membership=run.changes, stopped_at_target=stopped_at_target,
                         workers_at_end=opt.workers if elastic or opt.joins is not None
                         else world - len(lost() if algorithm.synchronous else algorithm.lost_workers),

@@ -108,9 +108,13 @@ server carries the message of every shard it holds pieces of (:func:`.layout.sha
 which the server decodes and cuts to its pieces, and the step redone on a lost server's pieces
 carries what its messages decode to (:meth:`ParameterServer._pushed`), so the residuals neither
 lose nor repeat anything. A hung worker, node groups and the loss of the only server still stop
-the run; while the servers hold another's ranges, the run cannot resume
-from its checkpoints, and a worker that joins meets the live servers only, each sending it the
-ranges it owns (:meth:`ShardServer._meet_joiner`).
+the run. While the servers hold another's ranges, a worker that joins meets the live servers
+only, each sending it the ranges it owns (:meth:`ShardServer._meet_joiner`), and each server's
+checkpoint and its answer to :data:`~.wire.STATE` hold its ranges part by part with their
+optimizer state (:data:`~.wire.TAKEOVER_STATE_KEY`); the checkpoint sets name the live
+processes only, so a run resumes from them with every server on its own shard, put together
+from the others' files (:func:`.server.saved_server_state`), and ``wrap()``'s ``state_dict()``
+gives every server's state the same way (:meth:`ParameterServer._shard_states`).
 
 Asynchronous servers (``--ps-mode async``) have no common step to agree on: each worker takes a
 lost server over on its own (:meth:`ParameterServer._take_over_async`). The first worker to report

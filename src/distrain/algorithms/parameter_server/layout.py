@@ -5,6 +5,8 @@ See :mod:`distrain.algorithms.parameter_server` for how the pieces fit.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -125,3 +127,35 @@ def scatter_ranges(flat: torch.Tensor, ranges: list[tuple[int, int]], values: to
     for lo, hi in ranges:
         flat[lo:hi].copy_(values[offset : offset + hi - lo])
         offset += hi - lo
+
+
+def assemble_range(parts: list[tuple[list[tuple[int, int]], torch.Tensor, dict[str, Any]]],
+                   target: tuple[int, int]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The parameters of ``target`` (a [lo, hi) range of the flat vector) and their optimizer
+    state, put together from ``parts``: each the ranges some server held, their values
+    concatenated, and the optimizer state of those values (what the servers of a run whose
+    lost server's ranges the others held save, so that the run resumes with every server on
+    its own shard). Per-element state (a 1-D tensor as long as the part) is cut to ``target``,
+    zeros where a part has none of it yet; other state (such as Adam's step count) is the
+    first part's that has it. ValueError unless the parts cover ``target``."""
+    lo, hi = target
+    values = torch.empty(hi - lo)
+    covered = torch.zeros(hi - lo, dtype=torch.bool)
+    state: dict[str, Any] = {}
+    for ranges, held, held_state in parts:
+        offset = 0
+        for a, b in ranges:
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                cut = slice(offset + x - a, offset + y - a)
+                values[x - lo : y - lo] = held[cut]
+                covered[x - lo : y - lo] = True
+                for key, value in held_state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == held.numel():
+                        state.setdefault(key, torch.zeros(hi - lo, dtype=value.dtype))[x - lo : y - lo] = value[cut]
+                    else:
+                        state.setdefault(key, value)
+            offset += b - a
+    if not bool(covered.all()):
+        raise ValueError(f"the parts saved cover {int(covered.sum())} of the {hi - lo} parameters of {target}")
+    return values, state

@@ -26,6 +26,7 @@ from distrain.algorithms.parameter_server.elastic import (
 )
 from distrain.algorithms.parameter_server.layout import (
     ShardLayout,
+    assemble_range,
     positions,
     shard_bounds,
     shard_of,
@@ -49,6 +50,7 @@ from distrain.algorithms.parameter_server.wire import (
     STOP,
     TAKEOVER,
     TAKEOVER_FIELDS,
+    TAKEOVER_STATE_KEY,
     check_start_header,
     physical_memory,
     recv_state,
@@ -81,6 +83,8 @@ log = logging.getLogger(__name__)
 
 #: How often an asynchronous server looks in the store for workers asking to join (seconds).
 JOIN_POLL_S = 0.1
+#: The optimizer state of a shard put together from several servers' files (:func:`saved_server_state`).
+SHARD_STATE_KEY = "shard_state"
 
 
 class ShardServer:
@@ -165,8 +169,10 @@ class ShardServer:
         """This server's optimizer state, update count, the steps it served and each pusher's
         last clock (what ``wrap()``'s ``state_dict()`` holds)."""
         clocks = list(self.clocks) if self.settings.ps_mode == "async" else [self.steps] * len(self.pushers)
+        held = ({TAKEOVER_STATE_KEY: self._takeover_state()}
+                if self.layout is not None and self.settings.ps_mode == "sync" else {})
         return {"optimizer": self.optimizer.state_dict(), "updates": self.updates, "steps": self.steps,
-                "clocks": clocks}
+                "clocks": clocks, **held}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`optimizer_state` of a run with the same shards and pushers."""
@@ -795,21 +801,40 @@ class ShardServer:
         world = self.transport.world_size
         store = CheckpointStore(self.run_dir, self.transport.rank, world)
         # after a loss the set is written by the processes still serving and training
-        members = [r for r in range(world) if r not in self.lost_pushers]
+        lost_servers = [] if self.layout is None else [self.num_workers + t for t in range(self.settings.servers)
+                                                        if t not in self.layout.live()]
+        members = [r for r in range(world) if r not in self.lost_pushers and r not in lost_servers]
         store.save(step, {"shard": self._holding(len(self._gains))[1], "optimizer": self.optimizer.state_dict(),
                           "step": step,
                           "model_name": self.settings.model, "algorithm_name": "ps",
                           "world_size": world, SET_SIZE_KEY: world, "steps_per_epoch": self.steps_per_epoch,
                           "total_steps": self.total_steps, "totals": self.totals().state_dict(),
-                          **({MEMBERS_KEY: members} if self.lost_pushers else {})})
+                          **({TAKEOVER_STATE_KEY: self._takeover_state()}
+                             if self.layout is not None and self.settings.ps_mode == "sync" else {}),
+                          **({MEMBERS_KEY: members} if self.lost_pushers or lost_servers else {})})
+
+    def _takeover_state(self) -> dict[str, Any]:
+        """What a synchronous server's checkpoint saved while a takeover is in force holds besides
+        the values (its ``shard``: the ranges it holds, concatenated): the run's shards
+        (``bounds``) and its parts, each ranges and their optimizer state (one part: the shard and
+        the pieces step under one optimizer), from which a resumed run gives every server its own
+        shard back (:func:`saved_server_state`). Asynchronous runs do not resume."""
+        assert self.layout is not None
+        parts = [(self.layout.owned[self.index], optimizer_state_of(self.optimizer, self.shard))]
+        return {"bounds": torch.tensor(self.layout.bounds, dtype=torch.int64),
+                "parts": [{"ranges": torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2), "state": state}
+                          for ranges, state in parts]}
 
     def load(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's state (see :meth:`save`)."""
+        """Continue from a checkpoint's state (see :meth:`save` and :func:`saved_server_state`)."""
         if state["shard"].numel() != self.shard.numel():
             raise WorkerFailure(f"server {self.index}: its checkpoint holds {state['shard'].numel()} parameters, not "
-                                f"{self.shard.numel()}: it took over a lost server's, and such a run cannot resume")
+                                f"the {self.shard.numel()} of its shard")
         self.shard.data.copy_(state["shard"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if SHARD_STATE_KEY not in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        elif state[SHARD_STATE_KEY]:
+            self.optimizer.state[self.shard] = dict(state[SHARD_STATE_KEY])
 
     def totals(self) -> RunTotals:
         """This server's counters over the run so far, every segment (a row that trained no samples)."""
@@ -882,7 +907,7 @@ def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.opt
     if run_dir is not None:
         store = CheckpointStore(run_dir, transport.rank, transport.world_size)
         resume = store.resolve(settings.resume)
-        state = store.load(resume) if resume is not None else None
+        state = saved_server_state(store, resume, settings.run.workers) if resume is not None else None
     if state is not None and finished_for(state, settings.epochs):
         return  # the workers found the run finished too, and leave before anything collective
     if settings.workers_per_node:  # the workers create their node groups: collective over the world
@@ -901,6 +926,52 @@ def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.opt
     if gather_totals:  # the workers' final gather of counters (train.loop), as a row that trained no samples
         control.control_all_gather(torch.tensor(server.totals().row, dtype=torch.float64))
     control.control_barrier()
+
+
+def optimizer_state_of(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> dict[str, Any]:
+    """``optimizer``'s state of ``param``, a server's one parameter: per-element tensors and
+    scalars (such as Adam's step count)."""
+    return dict(optimizer.state.get(param, {}))
+
+
+def saved_server_state(store: Any, step: int, workers: int) -> dict[str, Any]:
+    """This server's state in ``step``'s checkpoint set (``store``: its CheckpointStore; ranks
+    from ``workers`` on are servers): its own file, or, where the set was saved while servers
+    held a lost one's ranges (the lost one wrote no file), its shard's parameters and optimizer
+    state put together from the servers' files (:func:`~.layout.assemble_range`, with
+    :data:`SHARD_STATE_KEY`): each server of the resumed run serves its own shard again."""
+    rank, members = store.rank, store.members(step)
+    own = store.load(step) if rank in members else None
+    if own is not None and TAKEOVER_STATE_KEY not in own:
+        return own
+    files = {r: own if r == rank else store.load(step, r) for r in members if r >= workers}
+    held = [f[TAKEOVER_STATE_KEY] for f in files.values() if TAKEOVER_STATE_KEY in f]
+    if not held:
+        raise WorkerFailure(f"server {rank - workers}: checkpoint step {step} has no file of it and no server's "
+                            "file holds its parameters")
+    bounds = [(int(lo), int(hi)) for lo, hi in held[0]["bounds"].tolist()]
+    parts: list[tuple[list[tuple[int, int]], torch.Tensor, dict[str, Any]]] = []
+    for r in sorted(files, key=lambda r: r != rank):  # its own file first: scalar state is the first part's
+        f = files[r]
+        if TAKEOVER_STATE_KEY not in f:  # a server that held its own shard only
+            parts.append(([bounds[r - workers]], f["shard"], f["optimizer"]["state"].get(0, {})))
+            continue
+        offset = 0
+        for part in f[TAKEOVER_STATE_KEY]["parts"]:
+            ranges = [(int(lo), int(hi)) for lo, hi in part["ranges"].tolist()]
+            n = sum(hi - lo for lo, hi in ranges)
+            parts.append((ranges, f["shard"][offset : offset + n], part["state"]))
+            offset += n
+    try:
+        values, state = assemble_range(parts, bounds[rank - workers])
+    except ValueError as exc:
+        raise WorkerFailure(f"server {rank - workers}: checkpoint step {step}: {exc}") from None
+    base = own if own is not None else next(iter(files.values()))
+    kept = {key: value for key, value in base.items() if key not in ("optimizer", TAKEOVER_STATE_KEY, "totals")}
+    log.info("server %d: its parameters of step %d put together from the servers' files (a takeover was in force)",
+             rank - workers, step)
+    # a server lost before the set was saved left no counters of its own (its earlier ones died with it)
+    return {**kept, "shard": values, SHARD_STATE_KEY: state, **({"totals": own["totals"]} if own is not None else {})}
 
 
 def step_shard(optimizer: torch.optim.Optimizer | RoundMomentumSGD, param: torch.nn.Parameter, lr_factor: float,

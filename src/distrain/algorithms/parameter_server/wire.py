@@ -27,6 +27,10 @@ TAKEOVER = -2
 TAKEOVER_FIELDS = 4
 #: An asynchronous takeover message's push redone when none is: only the parameters follow.
 NO_REDO = -1
+#: A synchronous server's optimizer state (a checkpoint's, or its answer to :data:`STATE`) while
+#: it holds a lost server's ranges: the run's shards and, part by part, the ranges it holds and
+#: their optimizer state, from which every server's own shard is put together again.
+TAKEOVER_STATE_KEY = "takeover"
 #: The clock of a worker's header that asks the server for its optimizer state (the state
 #: follows, :func:`send_state`; the worker's next header is its push as usual).
 STATE = -3

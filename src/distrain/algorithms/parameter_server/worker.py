@@ -21,6 +21,7 @@ from distrain.algorithms.parameter_server.elastic import (
 )
 from distrain.algorithms.parameter_server.layout import (
     ShardLayout,
+    assemble_range,
     gather_ranges,
     scatter_ranges,
     shard_bounds,
@@ -38,6 +39,7 @@ from distrain.algorithms.parameter_server.wire import (
     STOP,
     TAKEOVER,
     TAKEOVER_KEY,
+    TAKEOVER_STATE_KEY,
     recv_state,
     send_state,
 )
@@ -152,8 +154,9 @@ class ParameterServer(Algorithm):
         self._takeovers = 0  # asynchronous: the run's takeovers applied here (their order is the store's)
         #: servers that returned after their loss, each reached over the link opened as it did
         self._server_links: dict[int, Transport] = {}
-        #: when each server was last lost (taken over) and returned, as this worker saw it (Unix time)
-        self.server_lost: dict[int, float] = {}
+        #: servers lost (taken over) as this worker saw it, returned since or not (index -> Unix
+        #: time); checkpoints carry it, and at the end the servers the store declared dead join it
+        self.lost_servers: dict[int, float] = {}
         self._offered: set[str] = set()  # the lost servers' answers this worker offered (see _offer_answer)
         self.returned_servers: dict[int, float] = {}
         #: servers admitted back that were lost again before they met the others (when, Unix time)
@@ -227,14 +230,34 @@ class ParameterServer(Algorithm):
         if self._ended:
             raise RuntimeError("state_dict() under algorithm='ps' after this worker's training ended: the servers "
                                "stop serving it then; save the state before finish()")
-        if self.layout.live() != list(range(len(self.servers))):
-            raise WorkerFailure("the servers took over a lost server's parameters: their state no longer matches "
-                                "the run's shards, so it cannot be saved for a resume")
+        if self.asynchronous and self.layout.live() != list(range(len(self.servers))):
+            raise WorkerFailure("the asynchronous servers took over a lost server's parameters: their state no "
+                                "longer matches the run's shards, so it cannot be saved for a resume")
         asking = torch.tensor([STATE, 0], dtype=torch.int64)
+        states = {}
+        for s in self.layout.live():
+            self._to(s).send(asking, self.servers[s]).wait()
+            states[s] = recv_state(self._to(s), self.servers[s])
+        if len(states) == len(self.servers) and not any(TAKEOVER_STATE_KEY in state for state in states.values()):
+            return [states[s] for s in range(len(self.servers))]
+        return self._shard_states(states)
+
+    def _shard_states(self, held: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every server's state as if each held its own shard (what :meth:`load_server_state` of
+        a run with all its servers takes), from the live servers' ``held`` while a takeover is in
+        force: each shard's per-element optimizer state put together from the parts the servers
+        hold (:func:`~.layout.assemble_range`); the steps served and the hyperparameters are the
+        first live server's."""
+        first = held[min(held)]
+        parts = [([(int(lo), int(hi)) for lo, hi in part["ranges"].tolist()], part["state"])
+                 for state in held.values() for part in state[TAKEOVER_STATE_KEY]["parts"]]
         states = []
-        for s, server in enumerate(self.servers):
-            self._to(s).send(asking, server).wait()
-            states.append(recv_state(self._to(s), server))
+        for bounds in self.bounds:
+            _, state = assemble_range([(ranges, gather_ranges(self.flat, ranges), part) for ranges, part in parts],
+                                      bounds)
+            optimizer = {"state": {0: state} if state else {}, "param_groups": first["optimizer"]["param_groups"]}
+            states.append({**{k: v for k, v in first.items() if k not in ("optimizer", TAKEOVER_STATE_KEY)},
+                           "optimizer": optimizer})
         return states
 
     def _to(self, s: int) -> Transport:
@@ -392,7 +415,7 @@ class ParameterServer(Algorithm):
         if leader is None:  # it answered others this step: its answer taken from them, all take it over next step
             return
         gained = self.layout.take_over(s)
-        self.server_lost[s] = time.time()
+        self.lost_servers[s] = time.time()
         self._server_links.pop(s, None)
         me, numel = self.transport.rank, self.flat.numel()
         log.warning("worker %d: lost server %d at step %d; servers %s take over its parameters", me, s, self.clock,
@@ -479,7 +502,7 @@ class ParameterServer(Algorithm):
         that answer back as it holds pushes (``--max-staleness``, counted on the pieces), so with
         ``--max-staleness 0`` every worker gets the pieces after every worker's push redone."""
         gained = self.layout.take_over(lost)
-        self.server_lost[lost] = time.time()
+        self.lost_servers[lost] = time.time()
         log.warning("worker %d: lost server %d at its push %d; servers %s take over its parameters",
                     self.transport.rank, lost, self.clock, [t for t, pieces in gained.items() if pieces])
         self._send_takeover(gained, lambda t: torch.tensor([lost, n, int(self._header(t)[0]) if redo else NO_REDO,
@@ -700,7 +723,7 @@ class ParameterServer(Algorithm):
             covered += sum(hi - lo for lo, hi in ranges)
         for s, exc in dead.items():
             self._await_dead(s, exc)
-            self.server_lost.setdefault(s, time.time())
+            self.lost_servers.setdefault(s, time.time())
         if covered != self.flat.numel():
             log.warning("worker %d: servers %s were lost after its last push, before any worker took their "
                         "parameters over; it ends on its own last pull of them", self.transport.rank, sorted(dead))
@@ -718,7 +741,7 @@ class ParameterServer(Algorithm):
             self.lost_workers = {r: t for r, t in lost.items() if r < self.num_workers}
             # every server lost on the way, returned or not (when this worker took it over)
             self.lost_servers = {**{r - self.num_workers: t for r, t in lost.items() if r >= self.num_workers},
-                                 **self.server_lost}
+                                 **self.lost_servers}
         return self._control
 
     def newly_lost(self, force: bool = False) -> dict[int, float]:
