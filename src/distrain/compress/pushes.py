@@ -43,6 +43,7 @@ from distrain.comm.sparse_ring import (
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.base import CompressInfo, Compressor, TensorMeta
 from distrain.compress.momentum_correction import MomentumCorrection
+from distrain.compress.registry import build_compressor
 
 PACKED = 2
 
@@ -97,6 +98,12 @@ class PushDecoder:
             template, _ = compressor.compress(torch.zeros(numel, dtype=dtype), CompressInfo())
             self.layout = [(t.dtype, t.numel()) for t in template]
         self.packed_nbytes = sum(n * torch.empty((), dtype=d).element_size() for d, n in self.layout)
+
+    @classmethod
+    def of(cls, spec: str, numel: int, seed: int = 0) -> PushDecoder:
+        """The decoder of pushes that workers compress with ``spec`` (their compressor, built
+        without error feedback and with the run's ``seed``) for a shard of ``numel`` elements."""
+        return cls(build_compressor(spec, error_feedback=False, seed=seed), numel)
 
     def body_nbytes(self, header: torch.Tensor) -> int:
         """Body bytes ``header`` announces; ProtocolError unless it fits this shard and compressor."""

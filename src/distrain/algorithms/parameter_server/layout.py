@@ -114,6 +114,11 @@ def positions(held: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> tor
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
+def ranges_of(saved: torch.Tensor) -> list[tuple[int, int]]:
+    """The [lo, hi) ranges of a checkpoint's (n, 2) int64 tensor of them."""
+    return [(int(lo), int(hi)) for lo, hi in saved.tolist()]
+
+
 def gather_ranges(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """``flat``'s ``ranges`` concatenated (a view when there is one)."""
     if len(ranges) == 1:

@@ -28,6 +28,7 @@ from distrain.algorithms.parameter_server.layout import (
     ShardLayout,
     assemble_range,
     positions,
+    ranges_of,
     shard_bounds,
     shard_of,
     shards_touched,
@@ -59,7 +60,6 @@ from distrain.algorithms.parameter_server.wire import (
 from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Handle, Transport, blocked
 from distrain.compress.pushes import PushDecoder
-from distrain.compress.registry import build_compressor
 from distrain.errors import WorkerFailure
 from distrain.runtime.faults import (
     FaultWatch,
@@ -158,8 +158,7 @@ class ShardServer:
         self._held: list[tuple[int, int, int]] = []  # takeover answers held back: (row, takeover, push)
         self._proposed = False  # this server proposed the step every worker stops at (SIGTERM)
         c = settings.compression
-        self.decoder = (PushDecoder(build_compressor(c.spec, error_feedback=False, seed=settings.run.seed), numel)
-                        if c.enabled else None)
+        self.decoder = PushDecoder.of(c.spec, numel, settings.run.seed) if c.enabled else None
         #: compressed pushes after a takeover: a decoder per shard of the run's layout (its size)
         self._decoders: dict[int, PushDecoder] = {}
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
@@ -169,10 +168,8 @@ class ShardServer:
         """This server's optimizer state, update count, the steps it served and each pusher's
         last clock (what ``wrap()``'s ``state_dict()`` holds)."""
         clocks = list(self.clocks) if self.settings.ps_mode == "async" else [self.steps] * len(self.pushers)
-        held = ({TAKEOVER_STATE_KEY: self._takeover_state()}
-                if self.layout is not None and self.settings.ps_mode == "sync" else {})
         return {"optimizer": self.optimizer.state_dict(), "updates": self.updates, "steps": self.steps,
-                "clocks": clocks, **held}
+                "clocks": clocks, **self._takeover_state()}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`optimizer_state` of a run with the same shards and pushers."""
@@ -228,9 +225,8 @@ class ShardServer:
         with self._gain_lock:
             if k not in self._decoders:
                 lo, hi = self.layout.bounds[k]
-                self._decoders[k] = self.decoder if k == self.index else PushDecoder(
-                    build_compressor(self.settings.compression.spec, error_feedback=False,
-                                     seed=self.settings.run.seed), hi - lo)
+                self._decoders[k] = self.decoder if k == self.index else PushDecoder.of(
+                    self.settings.compression.spec, hi - lo, self.settings.run.seed)
             return self._decoders[k]
 
     def push_ranges(self, version: int = 0) -> list[tuple[int, int]] | None:
@@ -809,21 +805,22 @@ class ShardServer:
                           "model_name": self.settings.model, "algorithm_name": "ps",
                           "world_size": world, SET_SIZE_KEY: world, "steps_per_epoch": self.steps_per_epoch,
                           "total_steps": self.total_steps, "totals": self.totals().state_dict(),
-                          **({TAKEOVER_STATE_KEY: self._takeover_state()}
-                             if self.layout is not None and self.settings.ps_mode == "sync" else {}),
+                          **self._takeover_state(),
                           **({MEMBERS_KEY: members} if self.lost_pushers or lost_servers else {})})
 
     def _takeover_state(self) -> dict[str, Any]:
-        """What a synchronous server's checkpoint saved while a takeover is in force holds besides
-        the values (its ``shard``: the ranges it holds, concatenated): the run's shards
-        (``bounds``) and its parts, each ranges and their optimizer state (one part: the shard and
-        the pieces step under one optimizer), from which a resumed run gives every server its own
-        shard back (:func:`saved_server_state`). Asynchronous runs do not resume."""
-        assert self.layout is not None
-        parts = [(self.layout.owned[self.index], optimizer_state_of(self.optimizer, self.shard))]
-        return {"bounds": torch.tensor(self.layout.bounds, dtype=torch.int64),
-                "parts": [{"ranges": torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2), "state": state}
-                          for ranges, state in parts]}
+        """What a synchronous server's checkpoint (and ``wrap()``'s state) saved while a takeover
+        is in force holds besides the values (its ``shard``: the ranges it holds, concatenated),
+        under :data:`TAKEOVER_STATE_KEY`: the run's shards (``bounds``), the ranges it holds and
+        their optimizer state (the shard and the pieces step under one optimizer), from which a
+        resumed run gives every server its own shard back (:func:`saved_server_state`). Empty
+        while no takeover is in force, and asynchronous (those runs do not resume)."""
+        if self.layout is None or self.settings.ps_mode != "sync":
+            return {}
+        return {TAKEOVER_STATE_KEY: {
+            "bounds": torch.tensor(self.layout.bounds, dtype=torch.int64),
+            "ranges": torch.tensor(self.layout.owned[self.index], dtype=torch.int64).reshape(-1, 2),
+            "state": optimizer_state_of(self.optimizer, self.shard)}}
 
     def load(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (see :meth:`save` and :func:`saved_server_state`)."""
@@ -949,19 +946,14 @@ def saved_server_state(store: Any, step: int, workers: int) -> dict[str, Any]:
     if not held:
         raise WorkerFailure(f"server {rank - workers}: checkpoint step {step} has no file of it and no server's "
                             "file holds its parameters")
-    bounds = [(int(lo), int(hi)) for lo, hi in held[0]["bounds"].tolist()]
+    bounds = ranges_of(held[0]["bounds"])
     parts: list[tuple[list[tuple[int, int]], torch.Tensor, dict[str, Any]]] = []
     for r in sorted(files, key=lambda r: r != rank):  # its own file first: scalar state is the first part's
         f = files[r]
-        if TAKEOVER_STATE_KEY not in f:  # a server that held its own shard only
+        if TAKEOVER_STATE_KEY in f:
+            parts.append((ranges_of(f[TAKEOVER_STATE_KEY]["ranges"]), f["shard"], f[TAKEOVER_STATE_KEY]["state"]))
+        else:  # a server that held its own shard only
             parts.append(([bounds[r - workers]], f["shard"], f["optimizer"]["state"].get(0, {})))
-            continue
-        offset = 0
-        for part in f[TAKEOVER_STATE_KEY]["parts"]:
-            ranges = [(int(lo), int(hi)) for lo, hi in part["ranges"].tolist()]
-            n = sum(hi - lo for lo, hi in ranges)
-            parts.append((ranges, f["shard"][offset : offset + n], part["state"]))
-            offset += n
     try:
         values, state = assemble_range(parts, bounds[rank - workers])
     except ValueError as exc:

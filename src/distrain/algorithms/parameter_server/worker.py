@@ -23,6 +23,7 @@ from distrain.algorithms.parameter_server.layout import (
     ShardLayout,
     assemble_range,
     gather_ranges,
+    ranges_of,
     scatter_ranges,
     shard_bounds,
     shards_touched,
@@ -49,7 +50,6 @@ from distrain.compress.base import CompressInfo
 from distrain.compress.gradients import take_momentum
 from distrain.compress.momentum_correction import MomentumCorrection
 from distrain.compress.pushes import PushDecoder, ShardPush, send_message
-from distrain.compress.registry import build_compressor
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import is_comm_error, store_client
 from distrain.runtime.health import LOST_CHECK_S, dead_since, declared_dead
@@ -249,8 +249,8 @@ class ParameterServer(Algorithm):
         hold (:func:`~.layout.assemble_range`); the steps served and the hyperparameters are the
         first live server's."""
         first = held[min(held)]
-        parts = [([(int(lo), int(hi)) for lo, hi in part["ranges"].tolist()], part["state"])
-                 for state in held.values() for part in state[TAKEOVER_STATE_KEY]["parts"]]
+        parts = [(ranges_of(state[TAKEOVER_STATE_KEY]["ranges"]), state[TAKEOVER_STATE_KEY]["state"])
+                 for state in held.values()]
         states = []
         for bounds in self.bounds:
             _, state = assemble_range([(ranges, gather_ranges(self.flat, ranges), part) for ranges, part in parts],
@@ -397,9 +397,7 @@ class ParameterServer(Algorithm):
         pushed = torch.empty_like(self.grad)
         for k, (lo, hi) in enumerate(self.bounds):
             if k not in self._decoders:
-                c = self.settings.compression
-                self._decoders[k] = PushDecoder(build_compressor(c.spec, error_feedback=False, seed=self.settings.run.seed),
-                                                hi - lo)
+                self._decoders[k] = PushDecoder.of(self.settings.compression.spec, hi - lo, self.settings.run.seed)
             pushed[lo:hi] = self._decoders[k].decode(self._messages[k])
         return pushed
 
