@@ -450,29 +450,29 @@ STREAMING = {**DILOCO, "split": True, "fragments": 2, "overlap_steps": 1}
 
 def streaming_reference(victim: int, at: int, back: int | None, steps: int, h: int = 4, overlap: int = 1,
                         lr: float = 0.1, momentum: float = 0.9, sent_late: bool = False, compress: str | None = None,
-                        twice: bool = False) -> torch.Tensor:
+                        twice: bool = False, syncs: list[int] | None = None) -> torch.Tensor:
     """:data:`STREAMING`'s shared parameters after ``steps`` inner steps, then its end (every
     fragment that moved since its sync syncs, every exchange is applied): each exchange averages
     the pseudo-gradients of the workers live as it began, as they were then, and is applied
     ``overlap`` steps later, when every live worker's fragment takes the shared one. ``victim``
     is gone from step ``at`` until step ``back``, where it takes the shared parameters (not yet
     those of an exchange still to be applied) and the first other worker's momentum.
-    ``sent_late``: the exchange begun just after the loss sends the pseudo-gradients as they are
+    ``sent_late``: the first exchange begun after the loss sends the pseudo-gradients as they are
     when it is applied instead. ``compress``: each worker sends what that compressor makes of its
     pseudo-gradient, with error feedback per fragment (a joiner's residuals start empty);
     ``twice``: the survivors' residuals take the pseudo-gradient of the sync just after the loss
-    twice."""
+    twice. ``syncs``: one fragment, synced at those step counts (``--sync-every auto``)."""
     from distrain.compress import CompressInfo, build_compressor
 
     dim = gradient(0, 0).numel()
-    bounds = [(0, dim // 2), (dim // 2, dim)]
+    bounds = [(0, dim // 2), (dim // 2, dim)] if syncs is None else [(0, dim)]
     feedback = {r: build_compressor(compress, residual_device="cpu") for r in range(WORKERS)} if compress else {}
-    offsets = [2 % h, 0]
+    offsets = [2 % h, 0] if syncs is None else [0]
     shared = torch.zeros(dim, dtype=torch.float64)
     local = {r: shared.clone() for r in range(WORKERS)}
     buf: dict[int, torch.Tensor | None] = dict.fromkeys(range(WORKERS))
     pending: list[tuple[int, int, list[int], torch.Tensor | None]] = []  # fragment, due, senders, sum
-    synced = [0, 0]
+    synced = [0] * len(bounds)
 
     def mean(i: int, senders: list[int], count: int = 0) -> torch.Tensor:
         lo, hi = bounds[i]
@@ -506,8 +506,9 @@ def streaming_reference(victim: int, at: int, back: int | None, steps: int, h: i
             local[r] = local[r] - lr * buf[r]
         count = step + 1
         for i, offset in enumerate(offsets):
-            if count % h == offset:
-                late = sent_late and count == at + 1
+            if (count in syncs) if syncs is not None else count % h == offset:
+                late = sent_late and count > at
+                sent_late = sent_late and not late
                 pending.append((i, count + overlap, list(live), None if late else mean(i, live, count)))
                 synced[i] = count
         while pending and pending[0][1] <= count:
@@ -535,6 +536,28 @@ def test_streaming_diloco_redoes_an_overlapped_exchange_and_a_restarted_worker_j
     every_worker_on(results, steps, expected)
     assert not torch.allclose(streaming_reference(0, 5, back, steps, sent_late=True), expected, atol=1e-3)
     assert not torch.allclose(streaming_reference(0, 5, None, steps), expected, atol=1e-3)
+
+
+@pytest.mark.slow  # CI: the streaming join test above covers the redo of an exchange in flight and the join
+def test_diloco_with_auto_h_and_an_overlap_redoes_the_exchange_agrees_on_h_and_takes_a_joiner(tmp_path: Path):
+    """--sync-every auto (H from 2 to 6) with one step of overlap: the next H is agreed once an
+    exchange is applied, a step after its sync. Worker 0 killed mid-round (step 5): the survivors
+    find it gone at the exchange's wait (or the agreement), exchange again among themselves the
+    pseudo-gradients they sent, and agree on H; started again, it joins at a round's end with
+    the exchange in flight and takes part in the agreement after its apply. Every worker ends on
+    the reference computed from the rounds the run made."""
+    settings = {**DILOCO, "sync_every": "auto", "sync_every_min": 2, "sync_every_max": 6, "overlap_steps": 1}
+    _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, settings)
+    syncs, back = results[1]["syncs"], joined["joined_at_step"]
+    assert lost["workers"] == [0] and lost["members"] == [1, 2, 3] and joined["workers"] == [0]
+    assert syncs[0] == 2 and back in syncs and syncs[-1] == steps
+    expected = streaming_reference(0, 5, back, steps, syncs=syncs)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        assert [s for s in result["syncs"] if s >= back] == [s for s in syncs if s >= back], r  # the same rounds
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    assert not torch.allclose(streaming_reference(0, 5, None, steps, syncs=syncs), expected, atol=1e-3)
+    assert not torch.allclose(streaming_reference(0, 5, back, steps, syncs=syncs, sent_late=True), expected, atol=1e-3)
 
 
 @pytest.mark.slow  # CI: the streaming join test above, and compressed all-reduce's kill test

@@ -313,6 +313,21 @@ def test_streaming_diloco_keeps_the_steps_every_fragment_synced(lost_at, kept):
     assert build_algorithm("diloco", cfg).kept_steps(lost_at) == kept
 
 
+@pytest.mark.parametrize("overlap,lost_at,kept", [(0, 6, 2), (0, 7, 6), (1, 6, 2), (1, 7, 6), (2, 7, 2), (2, 8, 6)])
+def test_diloco_with_auto_h_keeps_the_last_round_whose_exchange_completed(overlap, lost_at, kept):
+    """--sync-every auto, rounds ended at step counts 2 and 6: a worker lost at the sync of 6
+    (found there, after 6 steps), or at its wait ``--overlap-steps`` later (found in the step
+    after ``lost_at``), is in the model up to step 2; once that exchange completed, up to 6."""
+    from distrain.assemble import build_algorithm
+    from distrain.config import TrainConfig
+
+    cfg = TrainConfig.from_dict({"algorithm": "diloco", "workers": 4, "sync_every": "auto", "sync_every_min": 3,
+                                 "overlap_steps": overlap})
+    algorithm = build_algorithm("diloco", cfg)
+    algorithm.synced_at, algorithm.previous_sync = [6], 2
+    assert algorithm.kept_steps(lost_at) == kept
+
+
 def test_a_member_started_again_and_asking_to_join_is_not_waited_for():
     """Worker 2 died and its new life asks to join (alive: its heartbeat stamps, no dead mark):
     the survivors of its loss do not wait for it to register, it is not a member any more."""

@@ -52,8 +52,7 @@ model's device. The evaluated model (:meth:`DiLoCo.eval_model`) holds the shared
 last step of a run, and :meth:`DiLoCo.end` after a stop between syncs, sync whatever has moved
 since its last sync and apply every pending exchange, so the final model includes every step.
 
-Elastic runs (``--min-workers`` below ``--workers``; every configuration but ``--sync-every
-auto`` with ``--overlap-steps``): the survivors of a lost worker find it gone at an exchange and
+Elastic runs (``--min-workers`` below ``--workers``; every configuration): the survivors of a lost worker find it gone at an exchange and
 do that exchange again among themselves, each sending what it sent before (a compressed one
 compressed again from its residuals as the sync began), and a worker started again joins at a
 round's end with the shared parameters, the outer momentum, a member's inner optimizer state and
@@ -180,22 +179,18 @@ class DiLoCo(Algorithm):
     # worker has stepped on since), compressed from the compressor's state as the sync began, and
     # a worker that joins enters at a round's end (with empty residuals of its own) holding the
     # shared parameters and any exchange still to be applied. With --sync-every auto, the
-    # survivors then agree on the next period's H among themselves, and a joiner takes the
-    # members' H and next sync.
+    # survivors then agree on the next period's H among themselves (once the redone exchange is
+    # applied: --overlap-steps on), and a joiner takes the members' H and next sync (entering
+    # with an exchange in flight, it takes part in the agreement that follows its apply).
+    elastic = True
     redo_needs_gradients = False
     redo_when_behind = True
     settings: DiLoCoSettings
 
     @classmethod
     def survives(cls, settings: DiLoCoSettings) -> bool:
-        s, r = settings, settings.run
-        # auto with an overlap: the agreement on H follows each exchange's apply, T steps on (not elastic)
-        return ((s.sync_every != AUTO or s.overlap_steps == 0) and r.device == "cpu"
-                and 1 < r.workers and r.min_workers < r.workers)
-
-    @property
-    def elastic(self) -> bool:
-        return not (self.auto and self.overlap)
+        r = settings.run
+        return r.device == "cpu" and 1 < r.workers and r.min_workers < r.workers
 
     def state_before_step(self) -> dict[str, Any] | None:
         """With a compressor: the state with its compressor's as the interrupted sync began
@@ -495,8 +490,11 @@ class DiLoCo(Algorithm):
             h, last = self.sync_every, lost_at - self.overlap
             offsets = getattr(self, "offsets", None) or sync_offsets(h, self.fragments_wanted)  # (before setup)
             return max(0, min((last - offset) // h * h + offset if last >= offset else 0 for offset in offsets))
+        # auto: the last sync's exchange completed before the loss unless it was found there
+        # (at the sync, also one the members end a round early with to admit joiners, at lost_at;
+        # at its wait, T steps on, in step lost_at + 1)
         last = max(self.synced_at)
-        return last if last < lost_at else self.previous_sync
+        return last if last + max(self.overlap, 1) <= lost_at else self.previous_sync
 
     def replica_state(self) -> list[torch.Tensor]:
         """The shared parameters, the outer momentum, the counters and the exchanges still to be
