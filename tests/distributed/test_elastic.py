@@ -799,7 +799,7 @@ def check_async_join(results: dict[int, dict], victim: int, at: int) -> int:
     return back
 
 
-@pytest.mark.slow  # CI: the asynchronous takeover and join tests, each on its own
+@pytest.mark.slow  # CI: the asynchronous servers' kill test and the synchronous takeovers
 def test_a_worker_joins_asynchronous_servers_that_hold_a_lost_ones_parameters(tmp_path: Path):
     """``--ps-mode async --max-staleness 0``, two servers: worker 0 killed as step 3 begins and
     started again, server 1 killed at round 6 (the other takes over [5, 10); no restart for a
@@ -1036,6 +1036,7 @@ def test_a_users_state_saved_while_a_server_is_taken_over_resumes_with_every_ser
     assert not torch.allclose(ps_takeover_reference((5, 10), save), expected, atol=1e-4)
 
 
+@pytest.mark.slow  # CI: the return test and the compressed takeover take a lost server over
 def test_parameter_servers_take_over_a_server_lost_while_it_answered_some_workers(tmp_path: Path):
     """Two servers ([0, 5) and [5, 10)); server 1 answers step 3 to workers 0 and 1 only, then dies
     (once they pushed step 4): workers 2 and 3 find it lost at step 3, 0 and 1 at step 4. The
@@ -1058,6 +1059,7 @@ def test_parameter_servers_take_over_a_server_lost_while_it_answered_some_worker
     assert not torch.allclose(ps_takeover_reference((5, 10), at - 1), expected, atol=1e-4)
 
 
+@pytest.mark.slow  # CI: the synchronous takeovers (the return test; compressed) and the asynchronous servers' kill test
 def test_asynchronous_servers_take_over_a_lost_server(tmp_path: Path):
     """``--ps-mode async --max-staleness 0``, three servers over 10 parameters; server 1 is killed
     once it applied the first push of round 3: every worker finds its pull failing, the first to
@@ -1086,7 +1088,7 @@ def test_asynchronous_servers_take_over_a_lost_server(tmp_path: Path):
     assert not torch.allclose(ps_takeover_reference((4, 7), at), expected, atol=1e-4)  # the round reset shows
 
 
-@pytest.mark.slow  # CI: the synchronous takeover under compressed pushes, and the asynchronous one above
+@pytest.mark.slow  # CI: the synchronous takeover under compressed pushes
 def test_asynchronous_servers_take_over_a_lost_server_under_compressed_pushes(tmp_path: Path):
     """The asynchronous takeover above with top-k pushes and error feedback per shard: each
     worker's push redone on the pieces is what its message to the lost server decodes to, and
@@ -1106,7 +1108,7 @@ def test_asynchronous_servers_take_over_a_lost_server_under_compressed_pushes(tm
     assert not torch.allclose(ps_takeover_reference((4, 7), at - 1), ps_takeover_reference((4, 7), at - 1, servers=3))
 
 
-@pytest.mark.slow  # CI: the takeover above
+@pytest.mark.slow  # CI: the asynchronous servers' kill test and the synchronous takeovers
 def test_a_worker_that_ended_takes_a_lost_asynchronous_servers_parameters_at_the_end(tmp_path: Path):
     """``--ps-mode async --max-staleness 0``, two servers: worker 3 takes 4 steps and ends (its
     STOP sent, it waits for the final parameters); server 1 is killed at round 6, which only
@@ -1173,7 +1175,7 @@ def test_a_restarted_server_takes_its_parameters_back(tmp_path: Path):
     assert not torch.allclose(ps_join_reference(-1, at, at, steps), expected, atol=1e-4)
 
 
-@pytest.mark.slow  # CI: a server lost as it answered some workers (above)
+@pytest.mark.slow  # CI: the return test, whose lost server is taken over first
 def test_a_joiner_left_out_by_a_server_lost_as_it_comes_leaves_a_users_script_and_the_others_go_on(tmp_path: Path):
     """distrain launch: worker 0, killed as step 3 begins, starts again, and server 1 dies as the
     servers open the link with it (``link``). The joiner leaves its script left out (exit status
