@@ -18,7 +18,9 @@ Fault injection for tests (environment variables, read by every worker):
                                        it takes their state), ``entry`` (the joiner, once
                                        admitted; once per run: not when the mark file exists),
                                        ``recovery`` (a survivor of a loss, once the survivors
-                                       agreed, before their new group opens), ``link`` (a
+                                       agreed, before their new group opens), ``meet`` (a
+                                       member, once every member is ready to open the new
+                                       group, before its rendezvous), ``link`` (a
                                        parameter server, ID its global rank, as it opens its
                                        link with a joiner)
     DISTRAIN_INJECT_KILL_ANSWERING='RANK:STEP:N'  synchronous parameter server RANK (global rank)

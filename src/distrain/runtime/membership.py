@@ -17,7 +17,8 @@ sees that another survivor has flagged the change. Every survivor then:
 4. proposes the registered members by compare-and-set: the first proposal is the agreement,
    which every survivor reads back, so all of them hold the same member list;
 5. marks itself ready for the new epoch's group and, once every member has, opens it over the
-   store under the new epoch's prefix, with ranks in member order. A member lost meanwhile (or
+   store under the new epoch's prefix, with ranks in member order (the opening bounded by
+   ``stale_after`` plus :data:`OPEN_GRACE_S`, not the run's timeout). A member lost meanwhile (or
    while the state moves to who needs it) makes them agree again from step 1 over whoever is
    left; so does a loss while the members admit a joiner, which then takes a member's state in
    that agreement (:meth:`Membership.settle`).
@@ -79,6 +80,10 @@ CLOSED = "closed"
 JOIN_ENV = "DISTRAIN_JOIN"
 #: How often a wait polls the store for a membership change (seconds).
 POLL_S = 0.05
+#: Seconds, besides ``stale_after``, the members give the opening of a group once every one of
+#: them is ready: connecting takes milliseconds, so a member that has not come by then died
+#: after its ready mark (its heartbeat is stale by then) or is stuck.
+OPEN_GRACE_S = 10.0
 #: The steps a worker that joins reports while it holds no member's state yet (it registers
 #: with them when a loss interrupts its admission: the others then hand it their state).
 NOT_ENTERED = -1
@@ -483,12 +488,25 @@ class Membership:
         """Replace the default process group by one over the current members, once every one
         of them is ready to (:meth:`_meet`)."""
         self._meet()
+        inject_kill_in("meet", self.me)  # fault injection for tests
         if dist.is_initialized():
             _abort(dist.group.WORLD)  # an operation still waiting on the lost peer ends now
             dist.destroy_process_group()
-        dist.init_process_group(self.backend, store=dist.PrefixStore(self._key("group"), self.store),
-                                rank=self.rank, world_size=len(self.members),
-                                timeout=datetime.timedelta(seconds=self.timeout))
+        # a member that dies between its ready mark and the group's rendezvous would hold the
+        # others there for the run's whole timeout: the opening gets its own, shorter bound
+        opening = min(self.timeout, self.stale_after + OPEN_GRACE_S)
+        try:
+            dist.init_process_group(self.backend, store=dist.PrefixStore(self._key("group"), self.store),
+                                    rank=self.rank, world_size=len(self.members),
+                                    timeout=datetime.timedelta(seconds=opening))
+        except Exception as exc:
+            if gone := self._gone([m for m in self.members if m != self.me]):
+                self.flag()
+                raise MembershipChanged(f"worker(s) {gone} gone as the group of epoch {self.epoch} "
+                                        "opened") from exc
+            raise
+        if opening < self.timeout:  # the group's operations get the run's timeout
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout))
 
 
     def _meet(self) -> None:
