@@ -452,11 +452,26 @@ class DiLoCo(Algorithm):
         ``--sync-every auto`` the rounds after the current one are not known yet: one that
         ``proposed`` passes is taken at the current H (:meth:`before_admission` ends the round
         there if H changes before it)."""
+        if self.overlap:  # (see _first_wait)
+            proposed = max(proposed, self._first_wait())
         if not self.auto:
             return -(-proposed // self.sync_every) * self.sync_every
         if proposed <= self.next_sync:
             return self.next_sync
         return self.next_sync + -(-(proposed - self.next_sync) // self.sync_every) * self.sync_every
+
+    def _first_wait(self) -> int:
+        """With ``--overlap-steps`` T: the first step at which every member still has to look
+        for joiners, from this worker's (the proposer's) step. A member waits for a sync's
+        exchange only T steps after the sync, so one ahead of this worker may have passed the
+        next sync, and looked for joiners at its end, before this worker began it; none passes
+        that sync + T. (Without an overlap a member waits within the sync's own step.)"""
+        steps = self.inner_steps
+        if self.auto:
+            sync = self.next_sync if self.next_sync > steps else steps + 1
+        else:
+            sync = min(steps + 1 + (offset - steps - 1) % self.sync_every for offset in self.offsets)
+        return sync + self.overlap
 
     def before_admission(self) -> None:
         """``--sync-every auto``, at the step the members agreed to admit joiners: if it is not a
