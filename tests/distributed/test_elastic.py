@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -424,22 +425,33 @@ def test_diloco_restarted_worker_joins_at_a_rounds_end(tmp_path: Path):
     assert not torch.allclose(diloco_reference(0, 8, back, steps), expected, atol=1e-3)  # its round's progress died with it
 
 
+def auto_h_rejoin(tmp_path: Path, reference: Callable[..., torch.Tensor],
+                  **extra: object) -> tuple[list[int], int, int, torch.Tensor]:
+    """DiLoCo at ``--sync-every auto`` (H from 2 to 6; ``extra`` settings besides): worker 0
+    killed as step 5 begins and started again. Checks the members' records, that the first
+    round is H = 2 and the last ends the run, and that every worker made the same rounds from
+    the join on and ends on ``reference`` of those rounds. Returns the rounds' ends, the join's
+    step, the run's steps and the reference's parameters."""
+    settings = {**DILOCO, "sync_every": "auto", "sync_every_min": 2, "sync_every_max": 6, **extra}
+    _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, settings)
+    syncs, back = results[1]["syncs"], joined["joined_at_step"]
+    assert lost["workers"] == [0] and lost["members"] == [1, 2, 3] and joined["workers"] == [0]
+    assert syncs[0] == 2 and back in syncs and syncs[-1] == steps
+    expected = reference(0, 5, back, steps, syncs=syncs)
+    for r, result in results.items():
+        assert result["workers"] == WORKERS and result["steps"] == steps, r
+        assert [s for s in result["syncs"] if s >= back] == [s for s in syncs if s >= back], r  # the same rounds
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    return syncs, back, steps, expected
+
+
 @pytest.mark.slow  # CI: the join test above covers DiLoCo's redo and join; this one adds H's agreement
 def test_diloco_with_auto_h_survivors_agree_on_h_and_a_restarted_worker_joins(tmp_path: Path):
     """--sync-every auto (H from 2 to 6, chosen from measured times at every round's end): worker
     0 killed mid-round (step 5); the survivors redo the round's sync among themselves and agree
     on the next H; worker 0, started again, joins at a round's end with the members' H. Every
     worker ends on the reference computed from the rounds the run made."""
-    settings = {**DILOCO, "sync_every": "auto", "sync_every_min": 2, "sync_every_max": 6}
-    _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, settings)
-    syncs, back = results[1]["syncs"], joined["joined_at_step"]
-    assert lost["workers"] == [0] and lost["members"] == [1, 2, 3] and joined["workers"] == [0]
-    assert syncs[0] == 2 and back in syncs and syncs[-1] == steps  # the first round is H = 2; the last ends the run
-    expected = diloco_reference(0, 5, back, steps, syncs=syncs)
-    for r, result in results.items():
-        assert result["workers"] == WORKERS and result["steps"] == steps, r
-        assert [s for s in result["syncs"] if s >= back] == [s for s in syncs if s >= back], r  # the same rounds
-        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    syncs, back, steps, expected = auto_h_rejoin(tmp_path, diloco_reference)
     assert not torch.allclose(diloco_reference(0, 5, None, steps, syncs=syncs), expected, atol=1e-3)
     end = min(s for s in syncs if s > 5)  # worker 0's progress in the round it was lost in died with it
     assert not torch.allclose(diloco_reference(0, end, back, steps, syncs=syncs), expected, atol=1e-3)
@@ -549,16 +561,7 @@ def test_diloco_with_auto_h_and_an_overlap_redoes_the_exchange_agrees_on_h_and_t
     pseudo-gradients they sent, and agree on H; started again, it joins at a round's end with
     the exchange in flight and takes part in the agreement after its apply. Every worker ends on
     the reference computed from the rounds the run made."""
-    settings = {**DILOCO, "sync_every": "auto", "sync_every_min": 2, "sync_every_max": 6, "overlap_steps": 1}
-    _, results, steps, lost, joined = rejoin(tmp_path, 0, 5, settings)
-    syncs, back = results[1]["syncs"], joined["joined_at_step"]
-    assert lost["workers"] == [0] and lost["members"] == [1, 2, 3] and joined["workers"] == [0]
-    assert syncs[0] == 2 and back in syncs and syncs[-1] == steps
-    expected = streaming_reference(0, 5, back, steps, syncs=syncs)
-    for r, result in results.items():
-        assert result["workers"] == WORKERS and result["steps"] == steps, r
-        assert [s for s in result["syncs"] if s >= back] == [s for s in syncs if s >= back], r  # the same rounds
-        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=1e-5, atol=1e-6)  # shared: float32
+    syncs, back, steps, expected = auto_h_rejoin(tmp_path, streaming_reference, overlap_steps=1)
     assert not torch.allclose(streaming_reference(0, 5, None, steps, syncs=syncs), expected, atol=1e-3)
     assert not torch.allclose(streaming_reference(0, 5, back, steps, syncs=syncs, sent_late=True), expected, atol=1e-3)
 

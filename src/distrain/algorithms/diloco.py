@@ -52,8 +52,8 @@ model's device. The evaluated model (:meth:`DiLoCo.eval_model`) holds the shared
 last step of a run, and :meth:`DiLoCo.end` after a stop between syncs, sync whatever has moved
 since its last sync and apply every pending exchange, so the final model includes every step.
 
-Elastic runs (``--min-workers`` below ``--workers``; every configuration): the survivors of a lost worker find it gone at an exchange and
-do that exchange again among themselves, each sending what it sent before (a compressed one
+Elastic runs (``--min-workers`` below ``--workers``; every configuration): the survivors of a
+lost worker find it gone at an exchange and do that exchange again among themselves, each sending what it sent before (a compressed one
 compressed again from its residuals as the sync began), and a worker started again joins at a
 round's end with the shared parameters, the outer momentum, a member's inner optimizer state and
 the sum of any exchange still in flight; its parameters start from the shared ones.
