@@ -221,20 +221,13 @@ def _check_dpsgd(config: TrainConfig, name: str) -> None:
     mixing_matrix(build_topology(config.algo.topology, config.cluster.workers), config.algo.mixing)
 
 
-def _check_async_gossip(config: TrainConfig, name: str) -> None:
-    _require_peers(config, name)
-    if config.run.resume not in ("none", ""):
-        raise ConfigError("--resume", f"{name} is asynchronous (exchanges are in flight at any moment); "
-                                      "it cannot resume from a checkpoint: use --resume none")
-
-
 def _check_adpsgd(config: TrainConfig, name: str) -> None:
-    _check_async_gossip(config, name)
+    _require_peers(config, name)
     bipartite_graph(config.algo.topology, config.cluster.workers)
 
 
 def _check_prague(config: TrainConfig, name: str) -> None:
-    _check_async_gossip(config, name)
+    _require_peers(config, name)
     g, n = config.gossip.group_size, config.cluster.workers
     if n > 1 and g > n:
         # stacklevel 3: the warning points at the TrainConfig.validate() line that checked the config

@@ -984,6 +984,7 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.algorithm.load_state_dict(state["algorithm"])
         self.steps = int(state["steps"])
+        self.algorithm.resume_at(self.steps)
 
     def shard(self, dataset: Dataset, labels: Any = None) -> Subset:
         """This worker's shard of ``dataset``: the split ``distrain train`` makes (``partition``

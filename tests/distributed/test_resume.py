@@ -145,6 +145,85 @@ def test_checkpoint_of_a_real_run_loads_with_plain_torch_load(tmp_path):
         store.load(summary["steps"])
 
 
+# --- asynchronous gossip: each worker goes on from its own file -----------------------------------
+
+
+def _mean_model(run_dir: Path, step: int, workers: int) -> dict[str, torch.Tensor]:
+    """The average of the workers' models in ``step``'s set: the consensus there."""
+    files = [CheckpointStore(run_dir, rank, workers).load(step)["model"] for rank in range(workers)]
+    return {name: sum(f[name].double() for f in files) / workers for name in files[0]}
+
+
+def _complete(store: CheckpointStore, step: int) -> bool:
+    try:
+        return store.resolve(str(step)) == step
+    except CheckpointError:
+        return False
+
+
+def _training_steps(run_dir: Path, rank: int) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir, rank) if "loss" in r and not r.get("snapshot")]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("algorithm", ["adpsgd", pytest.param("prague", marks=pytest.mark.slow)])
+def test_an_asynchronous_run_goes_on_from_each_workers_own_file(tmp_path, algorithm):
+    """Asynchronous workers save at their own steps, each at its own time. A run resumed from a
+    set goes on with every worker from its own file: its own step count (its metrics go on from
+    the next step, none written twice or missing), the others' progress for the global budget,
+    and its model. With a learning rate of 1e-12 the resumed run only averages, which keeps the
+    workers' mean: it must end on the mean of the models of the set it resumed from."""
+    settings = {"algorithm": algorithm, "workers": 4, "epochs": 1, "checkpoint_every": 4}
+    full = tmp_path / "full"
+    first = launch_local(small_config(str(full), **settings))
+    total = first["steps"]
+    store = CheckpointStore(full, 0, 4)
+    end = store.latest_complete()
+    point = min(s for s in store.steps() if s < end and _complete(store, s))  # a periodic set pruning kept
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    _keep_only(cut, point)  # the run died after every worker had saved that step (before its summary)
+    (cut / "summary.json").unlink()
+    assert CheckpointStore(cut, 0, 4).latest_complete() == point
+    want = _mean_model(cut, point, 4)
+
+    resumed = launch_local(small_config(str(cut), resume="auto", **{**settings, "lr": 1e-12}))
+    assert resumed["resumed_from_step"] == point and resumed["segments"] == 2
+    assert sum(resumed["steps_per_worker"]) >= 4 * total  # the global budget: counted from the set's steps on
+    end = CheckpointStore(cut, 0, 4).latest_complete()
+    state = CheckpointStore(cut, 0, 4).load(end)
+    assert state["budget_done"] is True and end == max(state["algorithm"]["gossip_counts"])
+    assert state["algorithm"]["gossip_counts"] == resumed["steps_per_worker"]
+    got = _mean_model(cut, end, 4)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
+    for rank in range(4):
+        assert _training_steps(cut, rank) == list(range(1, resumed["steps_per_worker"][rank] + 1)), rank
+
+
+@pytest.mark.slow  # three 4-worker runs: test_an_asynchronous_run_goes_on_... resumes adpsgd in CI
+@pytest.mark.timeout(240)
+def test_a_finished_asynchronous_run_resumed_changes_nothing_and_extends_with_more_epochs(tmp_path):
+    """The workers of an asynchronous run end at different steps; the set they save at the end
+    says the budget was used up, so resuming with the same --epochs touches nothing (whichever
+    worker is the slowest), and a larger --epochs goes on from every worker's own last step."""
+    run = tmp_path / "run"
+    settings = {"algorithm": "adpsgd", "workers": 4, "epochs": 1, "slow_worker": "0:3x"}
+    first = launch_local(small_config(str(run), **settings))
+    assert first["steps_per_worker"][0] < first["steps"]  # the slow worker 0 did not reach the run's length
+    before = _snapshot(run)
+    again = launch_local(small_config(str(run), resume="auto", **settings))
+    assert again["already_finished"] is True and again["finished_step"] == max(first["steps_per_worker"])
+    assert _snapshot(run) == before
+
+    longer = launch_local(small_config(str(run), resume="auto", **{**settings, "epochs": 2}))
+    assert longer.get("already_finished") is None and longer["segments"] == 2
+    assert sum(longer["steps_per_worker"]) >= 4 * longer["steps"] == 8 * first["steps"]
+    assert all(b > a for a, b in zip(first["steps_per_worker"], longer["steps_per_worker"], strict=True))
+    for rank in range(4):
+        assert _training_steps(run, rank) == list(range(1, longer["steps_per_worker"][rank] + 1)), rank
+
+
 # --- a finished run, resumed ---------------------------------------------------------------------
 
 QUICK_TWO = ["--workers", "2", "--dataset", "synthetic", "--num-samples", "1200", "--model", "mlp",

@@ -370,5 +370,9 @@ class Algorithm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def resume_at(self, step: int) -> None:
+        """After :meth:`load_state_dict`: this worker goes on from its ``step``-th step (an
+        asynchronous worker's own count, which a file of another worker's does not hold)."""
+
     def close(self) -> None:
         pass

@@ -18,6 +18,13 @@ joins again, admitted in that membership epoch, see :meth:`SharedModel.revive`).
 training set) and the shutdown: a worker that has finished keeps averaging until it knows that
 every worker has finished, so the models stop changing everywhere before the final consensus.
 
+Checkpoints: a worker saves at its own step counts (a set of step ``s`` holds every worker as it
+stood at its ``s``-th step, each at its own time), with what it knows of the others' progress and
+its clock (:meth:`AsyncGossip.state_dict`); at the end every worker saves once more, after the
+gossip has drained, with every worker's exact step count and the run's clock
+(:meth:`AsyncGossip.final_state`). A resumed run starts each worker from its own file, its
+budget and clock going on from there (:meth:`AsyncGossip.load_state_dict`).
+
 Evaluation without a global barrier: every worker copies its model at the same wall-clock
 points, ``k * --snapshot-every`` seconds after the common start (at the first step boundary
 past each point). After training, the workers average their copies point by point (the
@@ -55,6 +62,9 @@ from distrain.runtime.membership import Change, LeftOut, LinkMissed, Membership,
 log = logging.getLogger(__name__)
 
 BUDGETS = ("global", "local", "time")
+#: Keys of an asynchronous worker's algorithm state in a checkpoint: every worker's step count as
+#: this worker knows it, and the run's clock in seconds (see :meth:`AsyncGossip.state_dict`).
+GOSSIP_COUNTS, GOSSIP_CLOCK = "gossip_counts", "gossip_clock"
 #: Snapshots kept in memory at most (fewer for large models: about 1 GiB in all).
 MAX_SNAPSHOTS = 512
 SNAPSHOT_BYTES = 2**30
@@ -620,6 +630,7 @@ class AsyncGossip(Algorithm):
         self._dead: Liveness | None = None  # the main thread's own store client (see newly_lost)
         self._last_step_at: float | None = None
         self._consensus_distance: float | None = None
+        self._resumed_at = 0.0  # a resumed run: the run's clock at its checkpoint, seconds
 
     def build_engine(self, transport: Transport) -> GossipEngine:
         """The communication engine (collective: create process groups here)."""
@@ -634,12 +645,59 @@ class AsyncGossip(Algorithm):
         self.flat.read(self.state.x)  # after any change to the module since setup
         self.read_copy.copy_(self.state.x)
         self.t0 = time.perf_counter()
+        # The run's clock: a joiner's is that of the peer that handed it its model, a resumed
+        # run's goes on from its checkpoint (the time budget and the snapshot points follow it).
+        earlier = self.engine.handed_at if self.engine is not None and self.entered is not None else self._resumed_at
+        if earlier:
+            self.t0 -= earlier
+            self.snapshots.start_at(earlier)
         if self.engine is not None:
-            if self.entered is not None:  # the clock of the peer that handed it its model: the run's
-                self.t0 -= self.engine.handed_at
-                self.snapshots.start_at(self.engine.handed_at)
             self.engine.t0 = self.t0
             self.engine.start()
+
+    # -- checkpoints --
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs besides the model and the optimizer: every worker's step
+        count and the run's clock, seconds. A set of step ``s`` holds every worker at its own
+        ``s``-th step, so each counts ``s`` for all (what this worker knows of the others may be
+        further on, steps that a run resumed from this set will not have taken: counted, they
+        would end its global budget early, and merged by maximum into a worker's own count)."""
+        own = self.state.own_steps
+        return {GOSSIP_COUNTS: [own] * self.state.world,
+                GOSSIP_CLOCK: self.elapsed() if hasattr(self, "t0") else self._resumed_at}
+
+    def final_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` once training is over (collective over the workers that finished):
+        every worker's exact step count and the latest clock, the same in every worker's file.
+        Workers lost on the way count the steps the others knew of."""
+        ctl = self._ctl()
+        mine = torch.tensor([self.state.own_steps, self.elapsed()], dtype=torch.float64)
+        rows = ctl.control_all_gather(mine) if ctl.world_size > 1 else [mine]
+        with self.state.lock:
+            counts = list(self.state.counts)
+        for i, row in enumerate(rows):  # in the control group's rank order (the survivors', after a loss)
+            counts[ctl.global_rank(i) if ctl.world_size > 1 else self.state.rank] = int(row[0])
+        return {GOSSIP_COUNTS: counts, GOSSIP_CLOCK: max(float(row[1]) for row in rows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from a checkpoint (before :meth:`start`): the step counts and the clock. A
+        checkpoint of another worker (this one was lost before it was saved) gives this worker
+        that worker's steps."""
+        if GOSSIP_COUNTS not in state:
+            return
+        counts = [int(c) for c in state[GOSSIP_COUNTS]]
+        if len(counts) != self.state.world:
+            raise WorkerFailure(f"the checkpoint counts the steps of {len(counts)} workers; this run has {self.state.world}")
+        with self.state.lock:
+            self.state.counts = counts
+            self.state.steps_at_round = counts[self.state.rank]  # --max-lag counts from here
+        self._resumed_at = float(state.get(GOSSIP_CLOCK, 0.0))
+
+    def resume_at(self, step: int) -> None:
+        with self.state.lock:
+            self.state.counts[self.state.rank] = step
+            self.state.steps_at_round = step
 
     def join(self) -> int:
         """This worker was started again and admitted (:attr:`entered`): take a live peer's model

@@ -57,8 +57,15 @@ def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any]
 def finished_before_start(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
     """The recorded result of a run resumed with nothing left to train (no worker need start;
     see :func:`distrain.train.resume.already_finished`), else None."""
-    from distrain.runtime.checkpoint import finished_for
-    from distrain.train.resume import already_finished
+    from distrain.runtime.checkpoint import finished_for, planned_steps
+    from distrain.train.resume import BUDGET_DONE_KEY, already_finished, nothing_left
 
     state = check_resume(cfg, run_dir, nprocs)
-    return already_finished(run_dir, state) if state is not None and finished_for(state, cfg.run.epochs) else None
+    if state is None:
+        return None
+    if BUDGET_DONE_KEY in state:  # asynchronous: whether its budget was used up (the workers decide alike)
+        total = planned_steps(cfg.run.epochs, int(state["steps_per_epoch"]))
+        done = nothing_left(state, total, cfg.gossip.time_budget if cfg.gossip.budget == "time" else None)
+    else:
+        done = finished_for(state, cfg.run.epochs)
+    return already_finished(run_dir, state) if done else None

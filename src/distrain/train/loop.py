@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from distrain.algorithms import ALGORITHMS
+from distrain.algorithms.gossip import GOSSIP_COUNTS
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig
 from distrain.data import (
@@ -76,12 +77,14 @@ from distrain.train.metrics import (
     write_summary,
 )
 from distrain.train.resume import (
+    BUDGET_DONE_KEY,
     EPOCH_WORKERS_KEY,
     already_finished,
     check_epoch_length,
     check_worker_count,
     describe_extension,
     epoch_workers,
+    nothing_left,
     resize_setting,
     resume_point,
     rng_state,
@@ -254,7 +257,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             steps_per_epoch = epoch_steps(sum(s["size"] for s in shards), first_world, cfg.data.batch_size)
             total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
         check_epoch_length(state, steps_per_epoch)
-        if int(state["step"]) >= total_steps:  # nothing left to train: touch nothing
+        time_budget = cfg.gossip.time_budget if cfg.gossip.budget == "time" else None  # (asynchronous runs)
+        if nothing_left(state, total_steps, time_budget):  # nothing left to train: touch nothing
             return already_finished(run_dir, state) if rank == 0 else None
 
     # --- model: identical initial parameters on every worker ------------------------------------
@@ -294,7 +298,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        start_step = opt.steps = int(state["step"])
+        start_step = opt.steps = int(state["step"])  # asynchronous: this worker's own steps (its set's differ)
         if source == rank and not resized:
             algorithm.load_state_dict(state["algorithm"])
             if "rng" in state:
@@ -313,7 +317,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             else:
                 log.warning("worker %d was lost before the checkpoint of step %d; it resumes from worker %d's state",
                             rank, start_step, source)
-        before = store.members(start_step)
+        algorithm.resume_at(start_step)
+        before = store.members(resume_step)
         back = [w for w in range(world) if w not in before]
         if resized:
             resumed.append({"event": "resized", "workers_before": saved_world, "members": list(range(world)),
@@ -362,11 +367,17 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         cpu = time.process_time() - cpu_start if cpu is None else cpu
         return [done, done * cfg.data.batch_size, wall, compute_seconds, exposed_seconds, *sent, *received, cpu]
 
-    def save(step: int, wall: float | None = None, cpu: float | None = None) -> None:
+    def save(step: int, wall: float | None = None, cpu: float | None = None, *, label: int | None = None,
+             algorithm_state: dict[str, Any] | None = None, members: list[int] | None = None) -> None:
+        """This worker's file of the set of step ``label`` (default ``step``, this worker's
+        steps; the final set of an asynchronous run, whose workers end at different steps, has a
+        common label); ``members``: the workers that write the set, if not those of ``opt.ids``."""
         # The run's length and counters go with the state: a resumed run checks the first, and
         # its summary.json adds the second to its own.
-        store.save(step, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "algorithm": algorithm.state_dict(),
+        members = sorted(opt.ids) if members is None else members
+        store.save(step if label is None else label, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "algorithm": algorithm.state_dict() if algorithm_state is None else algorithm_state,
             "step": step, "model_name": cfg.model.model, "algorithm_name": cfg.algo.algorithm, "world_size": world,
             "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
             SET_SIZE_KEY: store.world_size, **({EPOCH_WORKERS_KEY: first_world} if first_world != world else {}),
@@ -374,8 +385,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                                   lost(), algorithm.lost_servers, algorithm.returned_servers).state_dict(),
             **({PLAN_KEY: plan.state()} if plan is not None else {}),
             # after a loss the set is written by the members at this step (and any servers)
-            **({MEMBERS_KEY: [*sorted(opt.ids), *range(world, store.world_size)]}
-               if sorted(opt.ids) != list(range(world)) else {}),
+            **({MEMBERS_KEY: [*members, *range(world, store.world_size)]} if members != list(range(world)) else {}),
+            # asynchronous: whether the budget is used up (the set's step does not say)
+            **({} if algorithm.synchronous else {BUDGET_DONE_KEY: algorithm_state is not None and stop_at is None}),
         })
 
     def records() -> list[dict[str, Any]]:
@@ -525,7 +537,13 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         if leads(algorithm, transport):
             metrics.write({**point, **evals.snapshot(eval_model, point["time"]), "snapshot": True})
     metrics.close()
-    if step > start_step and not (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
+    if not algorithm.synchronous:  # (collective) the workers' exact steps; the set's label is the largest
+        final = algorithm.final_state()  # type: ignore[attr-defined]
+        ctl = algorithm.control_transport() or transport
+        finishers = sorted(ctl.global_rank(i) for i in range(ctl.world_size)) if ctl.world_size > 1 else [rank]
+        save(step, wall, cpu, label=max(final[GOSSIP_COUNTS][i] for i in finishers), algorithm_state=final,
+             members=finishers)
+    elif step > start_step and not (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
         save(step, wall, cpu)
     opt.close()
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from distrain.algorithms.gossip import GOSSIP_CLOCK, GOSSIP_COUNTS
 from distrain.errors import CheckpointError
 from distrain.optim.schedule import LRSchedule
 from distrain.runtime.checkpoint import WORLD_SIZE_KEY, CheckpointStore
@@ -44,6 +45,33 @@ RESIZABLE = ("allreduce", "diloco")
 EPOCH_WORKERS_KEY = "epoch_workers"
 #: What a resizable algorithm needs, for the refusals
 _RESIZABLE_WHEN = "allreduce, flat, and diloco with one fragment, no overlap, no compression and a fixed --sync-every"
+
+
+#: An asynchronous run's checkpoint entry: True in the set its workers saved once their budget
+#: was used up (after the gossip drained), False in the others (periodic, or at a stop). Its
+#: workers stand at different steps, so the step of a set does not say whether the run finished.
+BUDGET_DONE_KEY = "budget_done"
+
+
+def nothing_left(state: dict[str, Any], total_steps: int, time_budget: float | None = None) -> bool:
+    """Whether the run that saved ``state`` has trained all that a run of ``total_steps`` steps
+    asks for (every worker decides the same from its file of the set). Synchronous runs: the
+    step of the set. Asynchronous ones (:data:`BUDGET_DONE_KEY`): their budget was used up, and
+    its length has not grown since (``total_steps``, or the seconds of ``--budget time``,
+    ``time_budget``, against the run's clock at the end).
+
+    Example::
+
+        if nothing_left(state, total_steps=400):
+            ...  # already finished: touch nothing
+    """
+    if BUDGET_DONE_KEY not in state:
+        return int(state["step"]) >= total_steps
+    if not state[BUDGET_DONE_KEY]:
+        return False
+    if time_budget is not None:
+        return time_budget <= float(state["algorithm"].get(GOSSIP_CLOCK, 0.0))
+    return total_steps <= int(state.get("total_steps", 0))
 
 
 def saved_workers(state: dict[str, Any], default: int) -> int:
@@ -199,6 +227,8 @@ def already_finished(run_dir: str | Path, state: dict[str, Any]) -> dict[str, An
     except (OSError, ValueError):  # stopped between its last checkpoint and its summary
         summary = None
     step, per_epoch = int(state["step"]), int(state.get("steps_per_epoch") or 0)
+    if BUDGET_DONE_KEY in state:  # asynchronous: its workers' own steps differ; the furthest one's
+        step = max([step, *map(int, state["algorithm"].get(GOSSIP_COUNTS, []))])
     return {**(summary if isinstance(summary, dict) else {}), "already_finished": True, "finished_step": step,
             "finished_epochs": step / per_epoch if per_epoch else None, "run_dir": str(run_dir)}
 
