@@ -365,3 +365,35 @@ def test_a_dead_mark_of_a_joiners_earlier_life_is_not_a_new_loss():
     assert state.current_deaths({2: before, 3: before}) == {3: before}  # worker 3 never came back
     later = time.time() + 1
     assert state.current_deaths({2: later}) == {2: later}
+
+
+def test_an_asynchronous_workers_checkpoint_counts_its_own_step_for_all_and_restores_the_clock():
+    """A set of step s holds every worker at its own s-th step: the file counts s for everyone,
+    not the further progress this worker had heard of (resumed from the set, those steps were
+    never taken: counted, they end the global budget early, and merged by maximum they would
+    raise another worker's own count). Loaded, the counts, the lag bound's reference and the
+    run's clock (time budget, snapshot points) go on from there."""
+    from distrain.algorithms.adpsgd import ADPSGD
+    from distrain.algorithms.gossip import GOSSIP_CLOCK, GOSSIP_COUNTS
+
+    saved = object.__new__(ADPSGD)  # the hooks' state only: no engine threads, no process group
+    saved.state, saved._resumed_at = SharedModel(torch.zeros(2), rank=1, world=3), 0.0
+    saved.state.counts = [9, 6, 14]  # its own 6; the others further on, as far as it heard
+    state = saved.state_dict()
+    assert state[GOSSIP_COUNTS] == [6, 6, 6] and state[GOSSIP_CLOCK] == 0.0
+
+    resumed = object.__new__(ADPSGD)
+    resumed.state, resumed._resumed_at = SharedModel(torch.zeros(2), rank=2, world=3), 0.0
+    resumed.load_state_dict({GOSSIP_COUNTS: [12, 10, 14], GOSSIP_CLOCK: 7.5})  # a final set's exact counts
+    assert resumed.state.counts == [12, 10, 14] and resumed.state.steps_at_round == 14 and resumed._resumed_at == 7.5
+    resumed.resume_at(11)  # this worker took worker 0's file (it was lost before the set): its steps
+    assert resumed.state.counts == [12, 10, 11] and resumed.state.global_steps() == 33
+    with pytest.raises(WorkerFailure, match="steps of 2 workers; this run has 3"):
+        resumed.load_state_dict({GOSSIP_COUNTS: [1, 2], GOSSIP_CLOCK: 0.0})
+    resumed.snapshots = Snapshots(interval=1.0, limit=100)
+    resumed.settings, resumed.engine, resumed.entered = type("S", (), {"budget": "time", "time_budget": 10.0})(), None, None
+    resumed.flat = type("F", (), {"read": staticmethod(lambda out: out)})()
+    resumed.read_copy = torch.zeros(2)
+    resumed.start(total_steps=100, steps_per_epoch=10)
+    assert resumed.elapsed() >= 7.5 and resumed.snapshots.first == 8  # the clock goes on; points after 7.5 s
+    assert 0.75 <= resumed.budget.progress(11, 33, resumed.elapsed()) < 1
