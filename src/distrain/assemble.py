@@ -255,8 +255,6 @@ def _check_ps(config: TrainConfig, name: str) -> None:
         raise ConfigError("--max-restarts", "a lost worker joins a ps run again without --workers-per-node only; use 0")
     if config.optim.optimizer == "lars":
         raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
-    if config.ps.ps_mode == "async" and config.run.resume not in ("none", ""):
-        raise ConfigError("--resume", "resuming is supported for --ps-mode sync only")
     if config.algo.workers_per_node and config.compress.compress.strip() != "none":
         raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
 

@@ -201,6 +201,58 @@ def test_an_asynchronous_run_goes_on_from_each_workers_own_file(tmp_path, algori
         assert _training_steps(cut, rank) == list(range(1, resumed["steps_per_worker"][rank] + 1)), rank
 
 
+@pytest.mark.timeout(240)
+def test_asynchronous_parameter_servers_resume_from_the_set_every_worker_had_pushed(tmp_path):
+    """Asynchronous servers save a set once every worker has pushed its step (each worker saves
+    its own file there as it finishes that step). With --max-staleness 0 nobody is ahead then,
+    so the set is the synchronous run's, the round's momentum included: resumed from it, the
+    run ends on the uninterrupted run's parameters (to the order in which pushes were added)."""
+    settings = {"workers": 2, "epochs": 2, "checkpoint_every": 7, "algorithm": "ps", "servers": 2,
+                "ps_mode": "async", "max_staleness": 0, "momentum": 0.9}
+    full = tmp_path / "full"
+    summary = launch_local(small_config(str(full), **settings))
+    total = summary["steps"]
+    store = CheckpointStore(full, 0, 4)
+    point = min(s for s in store.steps() if s < total and _complete(store, s))
+    assert 0 < point and CheckpointStore(full, 2, 4).load(point)["step"] == point  # a server's file too
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    _keep_only(cut, point)
+    (cut / "summary.json").unlink()
+    resumed = launch_local(small_config(str(cut), resume="auto", **settings))
+    assert resumed["resumed_from_step"] == point and resumed["steps_per_worker"] == [total, total]
+    for rank in range(4):  # the workers' models and the servers' shards
+        want, got = (CheckpointStore(d, rank, 4).load(total) for d in (full, cut))
+        for name, tensor in (want["model"] if rank < 2 else {"shard": want["shard"]}).items():
+            torch.testing.assert_close((got["model"] if rank < 2 else got)[name], tensor, rtol=0, atol=1e-5,
+                                       msg=f"rank {rank} {name}")
+
+
+@pytest.mark.slow  # a server lost, then a refusal: CI resumes asynchronous servers in the test above
+@pytest.mark.timeout(240)
+def test_asynchronous_servers_that_took_a_lost_server_over_refuse_to_resume_from_the_sets_after_it(tmp_path):
+    """The asynchronous servers do not save the pieces they take over from a lost server with
+    their state: they save no set while they hold them but the last (so that a finished run,
+    resumed, still says so), and a resume from it is refused in one line before anything starts."""
+    settings = {"workers": 2, "epochs": 2, "checkpoint_every": 7, "algorithm": "ps", "servers": 2,
+                "ps_mode": "async", "max_staleness": 0, "min_workers": 1}
+    run = tmp_path / "run"
+    os.environ["DISTRAIN_INJECT_KILL"] = "3:10"  # server 1 is rank 3
+    try:
+        summary = launch_local(small_config(str(run), **settings))
+    finally:
+        del os.environ["DISTRAIN_INJECT_KILL"]
+    total = summary["steps"]
+    store = CheckpointStore(run, 0, 4)
+    assert store.latest_complete() == total and store.members(total) == [0, 1, 2]
+    assert not any(10 < s < total and _complete(store, s) for s in store.steps())  # none while the pieces are held
+    again = launch_local(small_config(str(run), resume="auto", **settings))
+    assert again["already_finished"] is True
+    with pytest.raises(CheckpointError, match="held a lost server's parameters"):
+        launch_local(small_config(str(run), resume="auto", **{**settings, "epochs": 3}))
+    launch_local(small_config(str(run), resume="7", **{**settings, "epochs": 3}))  # a set from before the loss
+
+
 @pytest.mark.slow  # three 4-worker runs: test_an_asynchronous_run_goes_on_... resumes adpsgd in CI
 @pytest.mark.timeout(240)
 def test_a_finished_asynchronous_run_resumed_changes_nothing_and_extends_with_more_epochs(tmp_path):

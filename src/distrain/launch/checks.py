@@ -57,7 +57,8 @@ def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any]
 def finished_before_start(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any] | None:
     """The recorded result of a run resumed with nothing left to train (no worker need start;
     see :func:`distrain.train.resume.already_finished`), else None."""
-    from distrain.runtime.checkpoint import finished_for, planned_steps
+    from distrain.errors import CheckpointError
+    from distrain.runtime.checkpoint import CheckpointStore, finished_for, planned_steps
     from distrain.train.resume import BUDGET_DONE_KEY, already_finished, nothing_left
 
     state = check_resume(cfg, run_dir, nprocs)
@@ -68,4 +69,12 @@ def finished_before_start(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[
         done = nothing_left(state, total, cfg.gossip.time_budget if cfg.gossip.budget == "time" else None)
     else:
         done = finished_for(state, cfg.run.epochs)
-    return already_finished(run_dir, state) if done else None
+    if done:
+        return already_finished(run_dir, state)
+    if cfg.algo.algorithm == "ps" and cfg.ps.ps_mode == "async":
+        store = CheckpointStore(run_dir, 0, nprocs)
+        step = int(state["step"])
+        if any(r not in store.members(step) for r in range(cfg.cluster.workers, nprocs)):
+            raise CheckpointError(f"checkpoint of step {step} was saved while asynchronous servers held a lost server's "
+                                  "parameters, which they cannot resume from; name an earlier set with --resume STEP")
+    return None

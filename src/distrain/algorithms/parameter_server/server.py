@@ -547,8 +547,9 @@ class ShardServer:
         pusher's messages arrive in a thread of its own (:class:`Inbox`), so that a worker whose
         process died is found at once (its receive fails) in an elastic run: declared dead, it
         holds nobody back, and rounds count the live pushers (:meth:`RoundMomentumSGD.resize`)."""
-        n, limit = len(self.pushers), self.settings.max_staleness
-        clocks = self.clocks  # from a state sent at the start, else zeros
+        n, limit, every = len(self.pushers), self.settings.max_staleness, self.settings.checkpoint_every
+        clocks = self.clocks  # from a state sent at the start or a checkpoint, else zeros
+        saved = min(clocks) if every else 0  # the last step whose set this server saved
         ended = [False] * n
         pulled = [self.updates] * n  # self.updates when each pusher last got the parameters (a resumed run: its start)
         waiting: deque[int] = deque()  # rows of the pushers whose answer is held back
@@ -586,6 +587,9 @@ class ShardServer:
                     inbox.release(i)
                 # a worker that has ended (or was lost) holds nobody back
                 slowest = min((c for c, done in zip(clocks, ended, strict=True) if not done), default=None)
+                if every and slowest is not None and slowest // every > saved // every:
+                    saved = slowest // every * every
+                    self._save_async(saved)
                 for j in [j for j in waiting if slowest is None or clocks[j] - slowest <= limit]:
                     waiting.remove(j)
                     pulled[j] = self.updates
@@ -789,6 +793,16 @@ class ShardServer:
             raise WorkerFailure(f"server {self.index}: lost worker {worker} after its push {clock}; {live} left, "
                                 f"fewer than --min-workers {self.settings.run.min_workers}") from exc
 
+    def _save_async(self, step: int) -> None:
+        """The set of ``step``, once every live worker has pushed that step: each worker saves its
+        own file there as it finishes it. Faster workers' pushes of later steps (at most
+        ``--max-staleness`` ahead) are in the parameters and the momentum already, and a run
+        resumed from the set applies them again from where each worker stood; with
+        ``--max-staleness 0`` nobody is ahead, and the set is the synchronous run's. Not while
+        this server holds a lost server's pieces (their state is not saved: no resume there)."""
+        if not self._gains:
+            self.save(step)
+
     def save(self, step: int) -> None:
         if self.run_dir is None:
             return
@@ -814,7 +828,7 @@ class ShardServer:
         under :data:`TAKEOVER_STATE_KEY`: the run's shards (``bounds``), the ranges it holds and
         their optimizer state (the shard and the pieces step under one optimizer), from which a
         resumed run gives every server its own shard back (:func:`saved_server_state`). Empty
-        while no takeover is in force, and asynchronous (those runs do not resume)."""
+        while no takeover is in force, and asynchronous (their sets are not saved while one is)."""
         if self.layout is None or self.settings.ps_mode != "sync":
             return {}
         return {TAKEOVER_STATE_KEY: {
@@ -832,6 +846,9 @@ class ShardServer:
             self.optimizer.load_state_dict(state["optimizer"])
         elif state[SHARD_STATE_KEY]:
             self.optimizer.state[self.shard] = dict(state[SHARD_STATE_KEY])
+        if self.settings.ps_mode == "async":  # every worker goes on from its own file of the set, at its step
+            self.steps = int(state["step"])
+            self.clocks = [self.steps] * len(self.pushers)
 
     def totals(self) -> RunTotals:
         """This server's counters over the run so far, every segment (a row that trained no samples)."""

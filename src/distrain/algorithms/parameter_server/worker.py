@@ -789,6 +789,10 @@ class ParameterServer(Algorithm):
             state["compressor"] = self.push.compressor.state_dict()
         return state
 
+    def resume_at(self, step: int) -> None:
+        if self.asynchronous:  # the servers' clock for every worker of a set is the set's step
+            self.clock, self._offsets = step, {}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.clock = int(state.get("clock", 0))
         if self.push is not None and "compressor" in state:
