@@ -92,6 +92,15 @@ def test_resume_matches_uninterrupted_run(tmp_path, algorithm, servers):
     assert lines[-1]["bytes_sent"] == read_metrics(full, 0)[-1]["bytes_sent"] + again
 
 
+def _losing_server_1_at_step_10(run_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """A run of two workers and two servers whose server 1 (rank 3) is killed at step 10."""
+    os.environ["DISTRAIN_INJECT_KILL"] = "3:10"
+    try:
+        return launch_local(small_config(str(run_dir), **settings))
+    finally:
+        del os.environ["DISTRAIN_INJECT_KILL"]
+
+
 @pytest.mark.timeout(240)
 def test_a_run_whose_lost_server_was_taken_over_resumes_from_the_sets_saved_after_the_loss(tmp_path):
     """ps, two servers; server 1 killed as round 10 begins: server 0 takes its parameters over and
@@ -102,11 +111,7 @@ def test_a_run_whose_lost_server_was_taken_over_resumes_from_the_sets_saved_afte
     settings = {"workers": 2, "epochs": 2, "checkpoint_every": 7, "algorithm": "ps", "servers": 2, "min_workers": 1,
                 "momentum": 0.9}
     full = tmp_path / "full"
-    os.environ["DISTRAIN_INJECT_KILL"] = "3:10"  # server 1 is rank 3
-    try:
-        summary = launch_local(small_config(str(full), **settings))
-    finally:
-        del os.environ["DISTRAIN_INJECT_KILL"]
+    summary = _losing_server_1_at_step_10(full, settings)
     total = summary["steps"]
     assert list(summary["lost_servers"]) == ["1"]
     store = CheckpointStore(full, 0, 4)
@@ -237,12 +242,7 @@ def test_asynchronous_servers_that_took_a_lost_server_over_refuse_to_resume_from
     settings = {"workers": 2, "epochs": 2, "checkpoint_every": 7, "algorithm": "ps", "servers": 2,
                 "ps_mode": "async", "max_staleness": 0, "min_workers": 1}
     run = tmp_path / "run"
-    os.environ["DISTRAIN_INJECT_KILL"] = "3:10"  # server 1 is rank 3
-    try:
-        summary = launch_local(small_config(str(run), **settings))
-    finally:
-        del os.environ["DISTRAIN_INJECT_KILL"]
-    total = summary["steps"]
+    total = _losing_server_1_at_step_10(run, settings)["steps"]
     store = CheckpointStore(run, 0, 4)
     assert store.latest_complete() == total and store.members(total) == [0, 1, 2]
     assert not any(10 < s < total and _complete(store, s) for s in store.steps())  # none while the pieces are held
