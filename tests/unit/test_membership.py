@@ -328,6 +328,25 @@ def test_diloco_with_auto_h_keeps_the_last_round_whose_exchange_completed(overla
     assert algorithm.kept_steps(lost_at) == kept
 
 
+@pytest.mark.parametrize("sync_every,overlap,admitted", [(8, 0, 8), (8, 2, 16), ("auto", 0, 8), ("auto", 2, 16)])
+def test_diloco_admits_joiners_at_a_rounds_end_no_member_can_have_passed(sync_every, overlap, admitted):
+    """The proposer stands at inner step 6 and proposes step 8, the next round's end (H = 8).
+    With --overlap-steps 2 a member waits for that sync's exchange only at step 10, so one ahead
+    may already have passed step 8 and looked for joiners there: the admission goes to the
+    round's end after step 10, 16. Without an overlap every member waits within step 8."""
+    from distrain.algorithms.diloco import sync_offsets
+    from distrain.assemble import build_algorithm
+    from distrain.config import TrainConfig
+
+    cfg = TrainConfig.from_dict({"algorithm": "diloco", "workers": 4, "sync_every": sync_every, "sync_every_min": 8,
+                                 "overlap_steps": overlap})
+    algorithm = build_algorithm("diloco", cfg)
+    algorithm.inner_steps, algorithm.offsets = 6, sync_offsets(8, 1)
+    if sync_every == "auto":
+        algorithm.sync_every, algorithm.next_sync = 8, 8
+    assert algorithm.admission_step(8) == admitted
+
+
 def test_a_member_started_again_and_asking_to_join_is_not_waited_for():
     """Worker 2 died and its new life asks to join (alive: its heartbeat stamps, no dead mark):
     the survivors of its loss do not wait for it to register, it is not a member any more."""
