@@ -86,11 +86,25 @@ def share_summary(summary: dict[str, Any] | None) -> dict[str, Any]:
     """
     mine = json.dumps(summary).encode() if summary is not None else b""
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64))
+    gathered = dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64), async_op=True)
+    gathered.wait()
     source = next((r for r, size in enumerate(sizes) if size.item() > 0), None)  # the rank that wrote it
     if source is None:
         raise RuntimeError("no rank has the run summary")
     payload = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else torch.empty(
         int(sizes[source].item()), dtype=torch.uint8)
-    dist.broadcast(payload, src=source)
+    sent = dist.broadcast(payload, src=source, async_op=True)
+    sent.wait()
+    # The last collectives before a user's script may end. gloo's worker thread lets go of an
+    # operation after its wait has returned; were that the last reference, it would free the
+    # operation's tensors there, and freeing a tensor made in Python takes the interpreter's lock,
+    # which a thread cannot take once the interpreter is shutting down: the process aborted
+    # ("terminate called without an active exception") in about 1 of 10 runs of a script that
+    # ended right after distrain.fit under torchrun. Held here, the operations are freed by the
+    # interpreter itself, with their tensors.
+    _LAST_SHARED[:] = [gathered, sent]
     return summary if summary is not None else json.loads(payload.numpy().tobytes())
+
+
+#: The operations of the last :func:`share_summary` (see there).
+_LAST_SHARED: list[dist.Work] = []
