@@ -19,8 +19,8 @@ training set) and the shutdown: a worker that has finished keeps averaging until
 every worker has finished, so the models stop changing everywhere before the final consensus.
 
 Checkpoints: a worker saves at its own step counts (a set of step ``s`` holds every worker as it
-stood at its ``s``-th step, each at its own time), with what it knows of the others' progress and
-its clock (:meth:`AsyncGossip.state_dict`); at the end every worker saves once more, after the
+stood at its ``s``-th step, each at its own time), counting ``s`` steps for every worker, with its
+clock (:meth:`AsyncGossip.state_dict`); at the end every worker saves once more, after the
 gossip has drained, with every worker's exact step count and the run's clock
 (:meth:`AsyncGossip.final_state`). A resumed run starts each worker from its own file, its
 budget and clock going on from there (:meth:`AsyncGossip.load_state_dict`).
