@@ -91,7 +91,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if summary is not None and summary.get("already_finished"):
         from distrain.train.resume import finished_message
 
-        print(f"distrain: {finished_message(summary, cfg.run.epochs)}")
+        timed = cfg.gossip.time_budget if cfg.gossip.budget == "time" else None  # (asynchronous runs)
+        print(f"distrain: {finished_message(summary, cfg.run.epochs, timed)}")
     elif summary is not None:
         print(format_summary(summary))
     return 0

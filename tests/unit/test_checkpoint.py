@@ -591,3 +591,29 @@ def test_a_set_is_read_with_the_number_of_processes_that_wrote_it(tmp_path: Path
         CheckpointStore(tmp_path, rank, 2, keep=10).save(16, {"step": 16, "rank": rank, "set_size": 2})
     assert CheckpointStore(tmp_path, 0, 2).latest_complete() == 16
     assert CheckpointStore(tmp_path, 0, 2).members(16) == [0, 1]
+
+
+def test_an_asynchronous_run_is_finished_when_its_budget_was_used_up_and_has_not_grown(tmp_path):
+    """Asynchronous workers end at different steps, so the set's step does not say whether the
+    run finished: its ``budget_done`` does, against the planned steps (or --time-budget) then and
+    now. Every worker decides from its own file alike, and the message names the time budget."""
+    from distrain.algorithms.gossip import GOSSIP_CLOCK, GOSSIP_COUNTS
+    from distrain.train.resume import (
+        BUDGET_DONE_KEY,
+        already_finished,
+        finished_message,
+        nothing_left,
+    )
+
+    final = {"step": 12, "total_steps": 15, "steps_per_epoch": 15, BUDGET_DONE_KEY: True,
+             "algorithm": {GOSSIP_COUNTS: [12, 17, 22, 16], GOSSIP_CLOCK: 8.04}}
+    assert nothing_left(final, 15)  # a slow worker's file (12 < 15): the run is finished all the same
+    assert not nothing_left(final, 30)  # a larger --epochs goes on
+    assert nothing_left(final, 15, time_budget=8.0) and not nothing_left(final, 15, time_budget=10.0)
+    stopped = {**final, BUDGET_DONE_KEY: False}  # saved at a stop: never finished
+    assert not nothing_left(stopped, 15) and not nothing_left({**stopped, "step": 40}, 15)
+    assert nothing_left({"step": 15}, 15) and not nothing_left({"step": 14}, 15)  # synchronous: the step
+    result = already_finished(tmp_path, final)
+    assert result["finished_step"] == 22  # the furthest worker's
+    assert "in 8.0 s, all that --time-budget 8 asks for" in finished_message(result, 1.0, time_budget=8.0)
+    assert "all that --epochs 1 asks for" in finished_message(result, 1.0)

@@ -51,6 +51,8 @@ _RESIZABLE_WHEN = "allreduce, flat, and diloco with one fragment, no overlap, no
 #: was used up (after the gossip drained), False in the others (periodic, or at a stop). Its
 #: workers stand at different steps, so the step of a set does not say whether the run finished.
 BUDGET_DONE_KEY = "budget_done"
+#: :func:`already_finished` of an asynchronous run: the seconds it trained (its clock at the end)
+FINISHED_CLOCK_KEY = "finished_clock_s"
 
 
 def nothing_left(state: dict[str, Any], total_steps: int, time_budget: float | None = None) -> bool:
@@ -227,16 +229,22 @@ def already_finished(run_dir: str | Path, state: dict[str, Any]) -> dict[str, An
     except (OSError, ValueError):  # stopped between its last checkpoint and its summary
         summary = None
     step, per_epoch = int(state["step"]), int(state.get("steps_per_epoch") or 0)
+    clock = {}
     if BUDGET_DONE_KEY in state:  # asynchronous: its workers' own steps differ; the furthest one's
         step = max([step, *map(int, state["algorithm"].get(GOSSIP_COUNTS, []))])
+        clock = {FINISHED_CLOCK_KEY: float(state["algorithm"].get(GOSSIP_CLOCK, 0.0))}
     return {**(summary if isinstance(summary, dict) else {}), "already_finished": True, "finished_step": step,
-            "finished_epochs": step / per_epoch if per_epoch else None, "run_dir": str(run_dir)}
+            "finished_epochs": step / per_epoch if per_epoch else None, "run_dir": str(run_dir), **clock}
 
 
-def finished_message(result: dict[str, Any], epochs: float) -> str:
-    """One line telling the user a resumed run had nothing left to do (see :func:`already_finished`)."""
+def finished_message(result: dict[str, Any], epochs: float, time_budget: float | None = None) -> str:
+    """One line telling the user a resumed run had nothing left to do (see :func:`already_finished`);
+    ``time_budget``: the run's ``--time-budget`` when it trains for a time (``--budget time``)."""
     done = result.get("finished_epochs")
     trained = f"{result['finished_step']} steps" + (f" ({done:g} epoch{'s' if done != 1 else ''})" if done is not None else "")
+    if time_budget is not None and FINISHED_CLOCK_KEY in result:
+        return (f"run {result['run_dir']} has already trained {trained} in {result[FINISHED_CLOCK_KEY]:.1f} s, all that "
+                f"--time-budget {time_budget:g} asks for; nothing to do (a larger --time-budget trains further)")
     return (f"run {result['run_dir']} has already trained {trained}, all that --epochs {epochs:g} asks for; "
             "nothing to do (a larger --epochs trains further)")
 
