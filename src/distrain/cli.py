@@ -89,10 +89,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         summary = launch_local(cfg)
     if summary is not None and summary.get("already_finished"):
-        from distrain.train.resume import finished_message
+        from distrain.train.resume import finished_message, time_budget
 
-        timed = cfg.gossip.time_budget if cfg.gossip.budget == "time" else None  # (asynchronous runs)
-        print(f"distrain: {finished_message(summary, cfg.run.epochs, timed)}")
+        print(f"distrain: {finished_message(summary, cfg.run.epochs, time_budget(cfg))}")
     elif summary is not None:
         print(format_summary(summary))
     return 0

@@ -59,14 +59,14 @@ def finished_before_start(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[
     see :func:`distrain.train.resume.already_finished`), else None."""
     from distrain.errors import CheckpointError
     from distrain.runtime.checkpoint import CheckpointStore, finished_for, planned_steps
-    from distrain.train.resume import BUDGET_DONE_KEY, already_finished, nothing_left
+    from distrain.train.resume import BUDGET_DONE_KEY, already_finished, nothing_left, time_budget
 
     state = check_resume(cfg, run_dir, nprocs)
     if state is None:
         return None
     if BUDGET_DONE_KEY in state:  # asynchronous: whether its budget was used up (the workers decide alike)
         total = planned_steps(cfg.run.epochs, int(state["steps_per_epoch"]))
-        done = nothing_left(state, total, cfg.gossip.time_budget if cfg.gossip.budget == "time" else None)
+        done = nothing_left(state, total, time_budget(cfg))
     else:
         done = finished_for(state, cfg.run.epochs)
     if done:

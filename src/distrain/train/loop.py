@@ -90,6 +90,7 @@ from distrain.train.resume import (
     rng_state,
     saved_workers,
     set_rng_state,
+    time_budget,
 )
 
 log = logging.getLogger(__name__)
@@ -257,8 +258,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             steps_per_epoch = epoch_steps(sum(s["size"] for s in shards), first_world, cfg.data.batch_size)
             total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
         check_epoch_length(state, steps_per_epoch)
-        time_budget = cfg.gossip.time_budget if cfg.gossip.budget == "time" else None  # (asynchronous runs)
-        if nothing_left(state, total_steps, time_budget):  # nothing left to train: touch nothing
+        if nothing_left(state, total_steps, time_budget(cfg)):  # nothing left to train: touch nothing
             return already_finished(run_dir, state) if rank == 0 else None
 
     # --- model: identical initial parameters on every worker ------------------------------------

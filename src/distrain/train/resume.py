@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from distrain.algorithms.gossip import GOSSIP_CLOCK, GOSSIP_COUNTS
+from distrain.config import TrainConfig
 from distrain.errors import CheckpointError
 from distrain.optim.schedule import LRSchedule
 from distrain.runtime.checkpoint import WORLD_SIZE_KEY, CheckpointStore
@@ -53,6 +54,12 @@ _RESIZABLE_WHEN = "allreduce, flat, and diloco with one fragment, no overlap, no
 BUDGET_DONE_KEY = "budget_done"
 #: :func:`already_finished` of an asynchronous run: the seconds it trained (its clock at the end)
 FINISHED_CLOCK_KEY = "finished_clock_s"
+
+
+def time_budget(cfg: TrainConfig) -> float | None:
+    """The seconds an asynchronous run trains for with ``--budget time`` (None: its budget is in
+    steps)."""
+    return cfg.gossip.time_budget if cfg.gossip.budget == "time" else None
 
 
 def nothing_left(state: dict[str, Any], total_steps: int, time_budget: float | None = None) -> bool:
