@@ -14,7 +14,10 @@ configuration's repeats after the other's:
   step time and the link, so that exchanges cost at most 10% of compute;
 - ``diloco-h16-nesterov``: DiLoCo at H = 16 (64 outer steps) with the outer Nesterov step at lr
   0.7, momentum 0.9 (DiLoCo's published outer optimizer, distrain's default), which the scenario's
-  256-step runs by hand found overshooting over a few outer steps.
+  256-step runs by hand found overshooting over a few outer steps;
+- ``diloco-h4-lr0.002``: DiLoCo at H = 4 (auto's choice on this link) with plain averaging, its
+  inner Adam at 0.002 (0.004 scaled by the square root of one worker's batch over the global
+  batch, 16 / 64: the scenario keeps 0.004 for every optimizer step).
 
 Figures (fixed before the run), for each DiLoCo configuration: the median over repeats of the
 per-repeat ratio of its final validation loss (on all the validation text) to all-reduce's, with
@@ -53,7 +56,9 @@ LONG = 1024
 EVERY = 256  # the evaluations compared along the run
 #: DiLoCo configurations of this script's own, beside bench_diloco's
 EXTRA: list[dict] = [{"label": "diloco-h16-nesterov", "algorithm": "diloco", "sync_every": 16,
-                      "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9}]
+                      "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9},
+                     {"label": "diloco-h4-lr0.002", "algorithm": "diloco", "sync_every": 4,
+                      "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0, "lr": 0.002}]
 CHOICES = {c["label"]: c for c in [*CONFIGS, *EXTRA] if c.get("algorithm") == "diloco"}
 
 
