@@ -771,6 +771,85 @@ def test_asynchronous_parameter_servers_serve_the_workers_left(tmp_path: Path):
     assert not torch.allclose(ps_reference(victim, at + 1), expected, atol=1e-3)  # its push of step 3 never came
 
 
+def hierarchical_ps_run(tmp_path: Path, victim: int, at: int, where: str, per_node: int,
+                        env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
+    """Two servers, ``--workers-per-node per_node``, worker ``victim`` lost (killed at step ``at``
+    as ``where`` says, or as ``env`` injects it): the run's process and the survivors' results,
+    once nothing of the run is left running."""
+    settings = {"algorithm": "ps", "workers_per_node": per_node}
+    done = launch_tagged(tmp_path, victim if env is None else -1, at, where, "--servers", "2", settings=settings,
+                         env=env)
+    assert done.returncode == 0, done.stderr
+    survivors = sorted(set(range(WORKERS)) - {victim})
+    assert not (tmp_path / f"worker{victim}.pt").exists()
+    return done, {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in survivors}
+
+
+def check_hierarchical_ps(results: dict[int, dict], victim: int, at: int) -> None:
+    """Every survivor took every step, recorded the loss and ends on the servers' parameters
+    of the survivors' pushes from step ``at`` on (:func:`ps_reference`): no step lost or
+    applied twice."""
+    expected = ps_reference(victim, at)
+    survivors = sorted(results)
+    for r, result in results.items():
+        [change] = result["changes"]
+        assert (change["event"], change["workers"], change["members"]) == ("lost", [victim], survivors), change
+        assert result["steps"] == STEPS and result["ids"] == survivors, r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(ps_reference(victim, at + 1), expected, atol=1e-4)  # the reference can fail
+
+
+def test_hierarchical_parameter_servers_go_on_when_a_nodes_leader_dies_after_its_pull(tmp_path: Path):
+    """``--workers-per-node 2`` (nodes {0, 1} and {2, 3}), two servers: worker 0, node 0's leader,
+    dies once it pulled the parameters of step 1, before it hands them on to worker 1. Worker 1
+    finds the node's broadcast failing, leads the node now, and pushes the step again; the
+    servers, which found worker 0 gone and took worker 1 for its node's pusher, answer it with
+    that step's parameters without applying it again. Every survivor ends on the parameters of
+    all four workers' pushes of step 1 and the survivors' after."""
+    env = kill_in(tmp_path, "node-broadcast", 0)
+    done, results = hierarchical_ps_run(tmp_path, 0, 0, "start", 2, env=env)
+    assert "lost worker 0 at step 2; serving the other 3 (worker 1 leads its node now)" in done.stderr
+    assert "node 0 lost worker(s) [0]; 1 left, led by worker 1" in done.stderr
+    check_hierarchical_ps(results, 0, 1)
+
+
+@pytest.mark.slow  # CI: the leader lost after its pull above
+@pytest.mark.parametrize("victim,where,per_node,env", [
+    (0, "start", 2, None), (1, "start", 2, None), (0, "backward", 3, None), (2, "backward", 3, None),
+    (3, "start", 3, None), (1, "start", 3, "node-broadcast")],
+    ids=["leader", "member", "leader-of-3", "member-of-3", "whole-node", "member-after-its-gradient"])
+def test_hierarchical_parameter_servers_go_on_without_a_lost_worker(tmp_path: Path, victim: int, where: str,
+                                                                     per_node: int, env: str | None):
+    """A node's leader or another worker lost as step 3 begins (or between its backward and its
+    step): the node's survivors meet again over their own group, sum their gradients of the
+    step again and push them through their leader (the node's next worker when the leader was
+    lost); a node lost whole is dropped by the servers as a worker is in flat runs. With
+    ``node-broadcast`` a worker dies once it sent its gradient of the first step: the leader,
+    which holds that step's answer, only hands it on."""
+    at = 3
+    if env is not None:
+        at, env = 1, kill_in(tmp_path, env, victim)
+    _, results = hierarchical_ps_run(tmp_path, victim, at, where, per_node, env=env)
+    check_hierarchical_ps(results, victim, at)
+
+
+@pytest.mark.slow  # CI: the leader lost after its pull above
+def test_a_nodes_leader_lost_as_it_ends_leaves_its_successor_to_tell_the_servers(tmp_path: Path):
+    """Worker 0, node 0's leader, dies after its last step once it told server 0 (not server 1)
+    that its node's training is over: worker 1 leads the node now and tells server 1 only, once
+    that server took it for the node's pusher (server 0, told already, would never receive it).
+    The run ends; the survivors end on the parameters of every step of all four workers, and
+    record the loss after their last step."""
+    done, results = hierarchical_ps_run(tmp_path, 0, 0, "start", 2, env=kill_in(tmp_path, "node-stop", 0))
+    assert "server 1: lost worker 0 at step 9; serving the other 3 (worker 1 leads its node now)" in done.stderr
+    expected = ps_reference(0, STEPS)
+    for r, result in results.items():
+        [change] = result["changes"]
+        assert result["steps"] == STEPS and (change["event"], change["workers"], change["lost_at_step"]) == (
+            "lost", [0], STEPS), r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.slow  # CI: the kill above, and the synchronous servers' join test below (the same admission)
 def test_a_restarted_worker_joins_asynchronous_parameter_servers_again(tmp_path: Path):
     """``--ps-mode async --max-staleness 0``, two servers, worker 0 killed as step 3 begins and

@@ -22,7 +22,13 @@ Fault injection for tests (environment variables, read by every worker):
                                        member, once every member is ready to open the new
                                        group, before its rendezvous), ``link`` (a
                                        parameter server, ID its global rank, as it opens its
-                                       link with a joiner)
+                                       link with a joiner), ``node-broadcast`` (a worker of
+                                       hierarchical parameter servers, as it begins its node's
+                                       first broadcast of the parameters: a leader once it
+                                       pulled them, another once it sent its gradient),
+                                       ``node-stop`` (a worker of synchronous parameter
+                                       servers, once it told the first server its training
+                                       is over)
     DISTRAIN_INJECT_KILL_ANSWERING='RANK:STEP:N'  synchronous parameter server RANK (global rank)
                                        kills itself with SIGKILL once it answered step STEP (as
                                        its workers count them) to its first N live workers and

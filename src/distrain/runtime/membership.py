@@ -42,7 +42,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -636,6 +637,17 @@ def watch_waits(check: Callable[[float], bool] | None) -> None:
     """Make every wait of this thread (``wait_work``) poll ``check(seconds waited)`` (None:
     stop); when it returns True the wait raises :class:`MembershipChanged`."""
     _watch.check = check
+
+
+@contextmanager
+def watching(check: Callable[[float], bool]) -> Iterator[None]:
+    """:func:`watch_waits` with ``check`` inside the block, and this thread's watch as it was after."""
+    before = getattr(_watch, "check", None)
+    _watch.check = check
+    try:
+        yield
+    finally:
+        _watch.check = before
 
 
 def wait_work(work: dist.Work, p2p: bool = False, group: dist.ProcessGroup | None = None) -> None:

@@ -57,7 +57,8 @@ payload's size, checked by the server before it allocates); each pull is the flo
 shard. When a worker's training ends it sends ``[-1, 0]`` (:data:`STOP`) to every server, which
 serves until every worker has.
 
-Elastic (flat, ``--min-workers`` below ``--workers``): a server whose
+Elastic (flat, or hierarchical with synchronous servers; ``--min-workers`` below ``--workers``):
+a server whose
 receive from a worker fails (the worker's process died: its connection resets) declares it
 dead in the store and serves the others; the round in progress completes without that
 worker's push (or with it, if it arrived first: a gradient counts once), and every later round
@@ -80,6 +81,14 @@ and sends it its parameters and the clock of its slowest live worker (it then pu
 round's gradient: never stale, holding nobody back; two servers' clocks may differ by one, and
 the worker keeps one per server). Asynchronous workers end at different pulls: once every worker
 has ended, the servers answer each with their final parameters (:meth:`ParameterServer.end`).
+
+Hierarchical (:mod:`.nodes`): a node's workers that lose one of them meet again over a group of
+their own and take the newest parameters one of them holds; where the step was not handed on,
+they sum their gradients of it again and the node's leader pushes them, the next worker of the
+node when the leader was lost: the servers, whose exchange with the leader failed, take it for
+the node's pusher (:meth:`ShardServer._succeed`) and answer a round the lost leader had pushed
+with its parameters, without applying it again. A node lost whole is dropped as a flat worker is.
+Workers do not join hierarchical runs again.
 
 A lost worker joins again when the launcher starts it again (``--max-restarts``): it asks in the
 store (:meth:`~distrain.runtime.membership.Membership.enter`), and the workers and the servers,
@@ -107,8 +116,8 @@ compresses each shard of the run's layout, its error feedback keyed by the shard
 server carries the message of every shard it holds pieces of (:func:`.layout.shards_touched`),
 which the server decodes and cuts to its pieces, and the step redone on a lost server's pieces
 carries what its messages decode to (:meth:`ParameterServer._pushed`), so the residuals neither
-lose nor repeat anything. A hung worker, node groups and the loss of the only server still stop
-the run. While the servers hold another's ranges, a worker that joins meets the live servers
+lose nor repeat anything. A hung worker, the loss of the only server and, with node groups, the
+loss of any server still stop the run. While the servers hold another's ranges, a worker that joins meets the live servers
 only, each sending it the ranges it owns (:meth:`ShardServer._meet_joiner`), and each server's
 checkpoint and its answer to :data:`~.wire.STATE` hold its ranges part by part with their
 optimizer state (:data:`~.wire.TAKEOVER_STATE_KEY`); the checkpoint sets name the live
@@ -154,7 +163,8 @@ only a server uses); :mod:`distrain.assemble` makes them from the flags and star
 The package: :mod:`.worker` (:class:`ParameterServer`, the worker side), :mod:`.server`
 (:class:`ShardServer`, :func:`serve`), :mod:`.settings`, :mod:`.layout` (who owns which ranges),
 :mod:`.server_optim` (the optimizer a server steps), :mod:`.wire` (headers and optimizer state as
-tensors) and :mod:`.elastic` (going on without a lost worker, admitting it again).
+tensors), :mod:`.elastic` (going on without a lost worker, admitting it again) and :mod:`.nodes` (a
+node's workers going on without a lost one).
 
 Example::
 

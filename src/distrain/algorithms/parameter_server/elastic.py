@@ -49,7 +49,7 @@ def admissions(store: dist.Store | None, workers: list[int], me: int, settings: 
     none, or the run is not elastic): the workers and the servers each look there at every step's
     end, and admit them together at the step agreed in the store (see
     :meth:`~distrain.runtime.membership.Membership.admit`)."""
-    if store is None or not elastic_servers(settings) or not store.check([RESTARTS_KEY]):
+    if store is None or not elastic_servers(settings) or settings.workers_per_node or not store.check([RESTARTS_KEY]):
         return None
     return Membership(store, list(workers), me, timeout=settings.run.timeout)
 
@@ -126,8 +126,9 @@ def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, s
 
 def servers_taken_over(settings: PSSettings) -> bool:
     """Whether a lost server's ranges are taken over by the others (elastic, two servers or
-    more), synchronous or asynchronous, with dense or compressed pushes."""
-    return elastic_servers(settings) and settings.servers > 1
+    more, every worker pushing: not ``--workers-per-node``), synchronous or asynchronous, with
+    dense or compressed pushes."""
+    return elastic_servers(settings) and settings.servers > 1 and not settings.workers_per_node
 
 
 def servers_return(settings: PSSettings) -> bool:

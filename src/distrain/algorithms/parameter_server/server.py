@@ -47,6 +47,7 @@ from distrain.algorithms.parameter_server.settings import ServerSettings, elasti
 from distrain.algorithms.parameter_server.wire import (
     HEADER,
     NO_REDO,
+    NODE_ROW_KEY,
     STATE,
     STOP,
     TAKEOVER,
@@ -70,7 +71,7 @@ from distrain.runtime.faults import (
     maybe_injected_kill,
     store_client,
 )
-from distrain.runtime.health import declare_dead
+from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import SERVERS_RETURN_KEY, LinkMissed, Membership, RunEnded
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
@@ -85,6 +86,9 @@ log = logging.getLogger(__name__)
 JOIN_POLL_S = 0.1
 #: The optimizer state of a shard put together from several servers' files (:func:`saved_server_state`).
 SHARD_STATE_KEY = "shard_state"
+#: What an exchange with a pusher returns when its worker was lost and its node's next worker
+#: leads it now (:meth:`ShardServer._with_worker`, hierarchical).
+SUCCEEDED = object()
 
 
 class ShardServer:
@@ -109,7 +113,11 @@ class ShardServer:
         self.num_workers = settings.run.workers
         self.index = transport.rank - self.num_workers
         k = settings.workers_per_node  # hierarchical: only node leaders push, each its node's sum
-        self.pushers = NodeMap(self.num_workers, k).leaders if k else list(range(self.num_workers))
+        self.nodes = NodeMap(self.num_workers, k) if k else None
+        self.pushers = self.nodes.leaders if self.nodes is not None else list(range(self.num_workers))
+        #: hierarchical, elastic: rows whose node's leader was lost and whose new leader has not
+        #: pushed a round since (it may push again the round the old one pushed: see _row_header)
+        self._succeeded: set[int] = set()
         self.lost_pushers: list[int] = []  # workers lost during the run (elastic runs)
         header = torch.zeros(HEADER, dtype=torch.int64)
         transport.recv(header, source).wait()
@@ -273,8 +281,7 @@ class ShardServer:
             if self.watch is not None:
                 self.watch.step = step
             for i in list(live):
-                self._with_worker(i, live, step, grads,
-                                  lambda i=i: self._recv_header(headers[i], pushers[i], self._peer(i)))
+                self._row_header(i, live, step, grads, headers)
             clocks = headers[live, 0]
             if bool((clocks == STOP).all()):
                 break
@@ -286,8 +293,12 @@ class ShardServer:
                                     f"{[pushers[i] for i in live]} sent clocks {clocks.tolist()} (-1: training ended)")
             ranges = self.push_ranges()
             for i in list(live):
-                self._with_worker(i, live, step, grads, lambda i=i, grads=grads, ranges=ranges:
-                                  (h := self._recv_push(grads[i], pushers[i], self._peer(i), ranges)) and h.wait())
+                while self._with_worker(i, live, step, grads, lambda i=i, grads=grads, ranges=ranges: (
+                        h := self._recv_push(grads[i], pushers[i], self._peer(i), ranges)) and h.wait()) is SUCCEEDED:
+                    self._row_header(i, live, step, grads, headers)  # its node's new leader pushes the step again
+                    if i in live and int(headers[i, 0]) != step + 1:
+                        raise WorkerFailure(f"server {self.index}: step {step + 1} expected, worker {pushers[i]} "
+                                            f"sent clock {int(headers[i, 0])}")
             lr = float(headers[live, 1].clone().view(torch.float64).mean())
             self._step(grads.sum(0).div_(self.num_workers), lr)
             cut = injected_answers(self.transport.rank, step + 1)  # fault injection for tests (None: all)
@@ -295,7 +306,7 @@ class ShardServer:
                                             lambda i=i: self._peer(i).send(self.shard.data, pushers[i]))
                        for i in list(live)[:cut]}
             for i, h in handles.items():
-                if h is not None:
+                if h is not None and h is not SUCCEEDED:  # (a node's new leader asks for this answer again)
                     self._with_worker(i, live, step, grads, h.wait)
             if cut is not None:  # once the answered ones pushed again (so they hold the answer), die
                 for i in handles:
@@ -494,10 +505,31 @@ class ShardServer:
         log.warning("server %d: back after step %d with its parameters and their optimizer state; serving %d workers",
                     self.index, step, self.live_pushers)
 
+    def _row_header(self, i: int, live: list[int], step: int, grads: torch.Tensor, headers: torch.Tensor) -> None:
+        """Pusher row ``i``'s next header into ``headers[i]`` (its row leaves ``live`` when its
+        worker is lost). A node's new leader may first push again the round ``step`` its lost
+        leader had pushed and been answered (hierarchical, elastic): it gets that round's
+        parameters, the push is not applied again."""
+        while True:
+            if self._with_worker(i, live, step, grads, lambda: self._recv_header(headers[i], self.pushers[i],
+                                                                                 self._peer(i))) is SUCCEEDED:
+                continue
+            if i in live and self.nodes is not None and int(headers[i, 0]) == STOP and self._store_client() is not None:
+                self._store_client().set(NODE_ROW_KEY.format(self.index, i), "stop")  # (its successor asks)
+            if i not in live or int(headers[i, 0]) != step or i not in self._succeeded:
+                self._succeeded.discard(i)
+                return
+            log.info("server %d: worker %d pushed step %d again, which its node's lost leader had pushed; answered, "
+                     "not applied", self.index, self.pushers[i], step)
+            again = torch.empty(self.shard.numel())
+            self._with_worker(i, live, step, grads, lambda again=again: (
+                self._peer(i).recv(again, self.pushers[i]).wait(), self._peer(i).send(self.shard.data, self.pushers[i]).wait()))
+
     def _with_worker(self, i: int, live: list[int], step: int, grads: torch.Tensor, fn: Any) -> Any:
         """``fn()``, an exchange with pusher row ``i`` (its result; None once the worker is lost);
         in an elastic run a worker whose process died (its connection reset) is lost: declared
-        dead, its row zeroed, the others served."""
+        dead, its row zeroed, the others served; hierarchical, a node that has workers left is
+        led by the next of them (:meth:`_succeed`): :data:`SUCCEEDED` is returned then."""
         if i not in live:
             return None
         try:
@@ -506,16 +538,36 @@ class ShardServer:
             if not self._survives(exc):
                 raise
             worker = self.pushers[i]
-            live.remove(i)
-            self.lost_pushers.append(worker)
             grads[i].zero_()
-            declare_dead(self._store_client(), worker)
-            log.warning("server %d: lost worker %d at step %d; serving the other %d", self.index, worker, step + 1,
-                        len(live))
-            if len(live) < max(1, self.settings.run.min_workers):
-                raise WorkerFailure(f"server {self.index}: lost worker {worker} at step {step + 1}; {len(live)} "
+            store = self._store_client()
+            declare_dead(store, worker)
+            self.lost_pushers.append(worker)
+            successor = self._succeed(i)
+            if successor is None:
+                live.remove(i)
+            left = len(live) if self.nodes is None else sum(not declared_dead(store, w) for w in range(self.num_workers))
+            log.warning("server %d: lost worker %d at step %d; serving the other %d%s", self.index, worker, step + 1,
+                        left, "" if successor is None else f" (worker {successor} leads its node now)")
+            if left < max(1, self.settings.run.min_workers):
+                raise WorkerFailure(f"server {self.index}: lost worker {worker} at step {step + 1}; {left} "
                                     f"left, fewer than --min-workers {self.settings.run.min_workers}") from exc
+            return None if successor is None else SUCCEEDED
+
+    def _succeed(self, i: int) -> int | None:
+        """Hierarchical: the next live worker of row ``i``'s node, now its leader and pusher (the
+        node's workers choose the same: the lowest not declared dead; one lost too is found so at
+        its first exchange here), or None (flat, or nobody left on the node)."""
+        if self.nodes is None:
             return None
+        store = self._store_client()
+        node = self.nodes.node_of(self.pushers[i])
+        left = [w for w in self.nodes.members(node) if w not in self.lost_pushers and not declared_dead(store, w)]
+        if not left:
+            return None
+        self.pushers[i] = left[0]
+        self._succeeded.add(i)
+        store.set(NODE_ROW_KEY.format(self.index, i), str(left[0]))
+        return left[0]
 
     def _survives(self, exc: BaseException) -> bool:
         """Whether an exchange with a worker that failed with ``exc`` leaves the others served:
@@ -813,14 +865,17 @@ class ShardServer:
         # after a loss the set is written by the processes still serving and training
         lost_servers = [] if self.layout is None else [self.num_workers + t for t in range(self.settings.servers)
                                                         if t not in self.layout.live()]
-        members = [r for r in range(world) if r not in self.lost_pushers and r not in lost_servers]
+        lost = set(self.lost_pushers)
+        if self.nodes is not None and elastic_servers(self.settings):  # hierarchical: workers that push nothing here
+            lost |= {w for w in range(self.num_workers) if declared_dead(self._store_client(), w)}
+        members = [r for r in range(world) if r not in lost and r not in lost_servers]
         store.save(step, {"shard": self._holding(len(self._gains))[1], "optimizer": self.optimizer.state_dict(),
                           "step": step,
                           "model_name": self.settings.model, "algorithm_name": "ps",
                           "world_size": world, SET_SIZE_KEY: world, "steps_per_epoch": self.steps_per_epoch,
                           "total_steps": self.total_steps, "totals": self.totals().state_dict(),
                           **self._takeover_state(),
-                          **({MEMBERS_KEY: members} if self.lost_pushers or lost_servers else {})})
+                          **({MEMBERS_KEY: members} if lost or lost_servers else {})})
 
     def _takeover_state(self) -> dict[str, Any]:
         """What a synchronous server's checkpoint (and ``wrap()``'s state) saved while a takeover

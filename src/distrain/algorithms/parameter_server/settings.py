@@ -44,7 +44,8 @@ class ServerSettings(PSSettings):
 
 
 def elastic_servers(settings: PSSettings) -> bool:
-    """Whether the servers go on without a lost worker (see the module docstring)."""
+    """Whether the servers go on without a lost worker (see the module docstring): flat, or
+    hierarchical (``--workers-per-node``) with synchronous servers."""
     r = settings.run
-    return (not settings.workers_per_node and r.device == "cpu" and 1 < r.workers
+    return ((not settings.workers_per_node or settings.ps_mode == "sync") and r.device == "cpu" and 1 < r.workers
             and r.min_workers < r.workers and "TORCHELASTIC_RUN_ID" not in os.environ)

@@ -42,6 +42,11 @@ ANSWER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "
 #: Store keys of the order of asynchronous takeovers: the n-th lost server (see
 #: :meth:`ParameterServer._take_over_async`).
 ASYNC_TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/async-takeover/{}"
+#: Store keys of what a synchronous server heard last from a node's pusher row (hierarchical,
+#: elastic): its server index, then the row; the value is ``stop`` once the row's STOP arrived,
+#: else the rank of the node's worker it took for the row's pusher after its leader was lost
+#: (see :meth:`ParameterServer._send_stop_for_lost_leader`).
+NODE_ROW_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/node-row/{}/{}"
 #: The largest shard a server accepts, and worker 0 sends (float32 parameters): 8 GiB.
 MAX_SHARD_BYTES = 2**33
 #: The largest layout of an optimizer state a worker or server accepts (JSON bytes).

@@ -28,6 +28,7 @@ from distrain.algorithms.parameter_server.layout import (
     shard_bounds,
     shards_touched,
 )
+from distrain.algorithms.parameter_server.nodes import ElasticNode, NodeLoss
 from distrain.algorithms.parameter_server.server_optim import momentum_corrected
 from distrain.algorithms.parameter_server.settings import PSSettings, elastic_servers
 from distrain.algorithms.parameter_server.wire import (
@@ -36,6 +37,7 @@ from distrain.algorithms.parameter_server.wire import (
     GIB,
     MAX_SHARD_BYTES,
     NO_REDO,
+    NODE_ROW_KEY,
     STATE,
     STOP,
     TAKEOVER,
@@ -51,9 +53,9 @@ from distrain.compress.gradients import take_momentum
 from distrain.compress.momentum_correction import MomentumCorrection
 from distrain.compress.pushes import PushDecoder, ShardPush, send_message
 from distrain.errors import ConfigError, WorkerFailure
-from distrain.runtime.faults import is_comm_error, store_client
+from distrain.runtime.faults import inject_kill_in, is_comm_error, store_client
 from distrain.runtime.health import LOST_CHECK_S, dead_since, declared_dead
-from distrain.runtime.membership import LeftOut, LinkMissed, wait_polling
+from distrain.runtime.membership import RESTARTS_KEY, LeftOut, LinkMissed, wait_polling
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +171,14 @@ class ParameterServer(Algorithm):
         k = settings.workers_per_node
         self.nodes = NodeGroups(transport, k, timeout=settings.run.timeout, workers=self.num_workers) if k else None
         self.pushes = self.nodes is None or self.nodes.is_leader
+        #: elastic: the node's survivors meet again when one of them dies (see :mod:`.nodes`)
+        self.node: ElasticNode | None = None
+        self._held = 0  # the step whose parameters the node's last broadcast brought
+        if self.nodes is not None and elastic_servers(settings) and (store := self._store_client()) is not None:
+            if store.check([RESTARTS_KEY]):
+                raise ConfigError("--max-restarts", "a lost worker joins a ps run again without --workers-per-node "
+                                                    "only; use 0")
+            self.node = ElasticNode(self.nodes, store, settings.run.timeout)
 
     def _push_info(self, ctx: StepContext) -> tuple[CompressInfo, bool]:
         """How this step's pushes are compressed (key 0; set per shard), and whether they are dense."""
@@ -285,6 +295,10 @@ class ParameterServer(Algorithm):
             self.grad.add_(torch.cat([p.detach().reshape(-1) for p in self.params]).to(self.grad.device),
                            alpha=self.weight_decay)
         self.clock += 1
+        if self.node is not None:
+            self._node_step(info, dense)
+            self._flat_to_params()
+            return
         intra = self.nodes.intra if self.nodes is not None and self.nodes.intra.world_size > 1 else None
         if intra is not None:
             intra.reduce(self.grad, dst=0).wait()  # the leader holds the node's sum
@@ -295,6 +309,43 @@ class ParameterServer(Algorithm):
         if self.nodes is not None:
             self.nodes.fold_stats()
         self._flat_to_params()
+
+    def _node_step(self, info: CompressInfo | None, dense: bool) -> None:
+        """The step of a node whose workers may die (elastic, ``--workers-per-node``): the node's
+        sum into its leader, the leader's push and pull, the parameters handed on. When a worker
+        of the node dies on the way, the survivors meet again (:meth:`ElasticNode.regroup`) and
+        take the newest parameters one of them holds (:meth:`ElasticNode.recover`): this step's,
+        and it is done; or the step before, and each survivor sums its own gradient again and the
+        leader, the node's new one if the old one was lost, pushes it (the servers answer a round
+        the old one had pushed without applying it again)."""
+        node = self.node
+        assert node is not None
+        own = self.grad.clone()  # a reduce leaves scratch in the others' copies
+        held = self.clock - 1  # the step whose parameters this worker holds
+        regrouped = False
+        while True:
+            try:
+                if regrouped:
+                    regrouped, held = False, node.recover(held, self.flat)
+                    if held == self.clock:
+                        break
+                    if held != self.clock - 1:
+                        raise WorkerFailure(f"worker {node.me}: at step {self.clock}, its node's newest parameters "
+                                            f"are of step {held}")
+                    self.grad.copy_(own)
+                if held < self.clock:
+                    node.reduce(self.grad)
+                    if node.is_leader:
+                        self._push_pull(info, dense)
+                        held = self.clock
+                inject_kill_in("node-broadcast", node.me)  # fault injection for tests
+                node.broadcast(self.flat)
+                break
+            except NodeLoss:
+                node.regroup()
+                self.pushes, regrouped = node.is_leader, True
+        self._held = self.clock
+        node.fold_stats()
 
     def _push_pull(self, info: CompressInfo | None, dense: bool) -> None:
         """Send every server its gradient shard (with this step's clock and learning rate);
@@ -681,20 +732,46 @@ class ParameterServer(Algorithm):
         every push went into (a node's leader hands it on inside the node)."""
         if self._ended or self._final_pulled:
             return
+        self._ended = True
+        stop = torch.tensor([STOP, 0], dtype=torch.int64)
         if self.pushes:
-            self._ended = True
-            stop = torch.tensor([STOP, 0], dtype=torch.int64)
             if self.asynchronous:
                 self._final_parameters(stop)
             else:
-                for h in [self._to(s).send(stop, self.servers[s]) for s in self.layout.live()]:
-                    h.wait()
+                self._send_stop(stop)
+        if self.node is not None:  # its node's workers wait for one another (see ElasticNode.end)
+            self.node.end(self._held, self.flat, lambda: self._send_stop_for_lost_leader(stop))
         if self.asynchronous:
             self._final_pulled = True
             intra = self.nodes.intra if self.nodes is not None and self.nodes.intra.world_size > 1 else None
             if intra is not None:
                 intra.broadcast(self.flat, src=0).wait()
             self._flat_to_params()
+
+    def _send_stop(self, stop: torch.Tensor) -> None:
+        """Tell every live synchronous server that this worker's (or its node's) training is over."""
+        for i, s in enumerate(self.layout.live()):
+            self._to(s).send(stop, self.servers[s]).wait()
+            if i == 0:
+                inject_kill_in("node-stop", self.transport.rank)  # fault injection for tests
+
+    def _send_stop_for_lost_leader(self, stop: torch.Tensor) -> None:
+        """Its node's leader was lost after the last step, maybe before it told every server that
+        the node's training is over, and this worker leads the node now: tell each server that
+        did not hear it from the leader, once it took this worker for the node's pusher (a STOP
+        it does not expect would never be received)."""
+        assert self.node is not None
+        store, me, deadline = self._store_client(), self.node.me, time.monotonic() + self.settings.run.timeout
+        for s in self.layout.live():
+            key = NODE_ROW_KEY.format(s, self.node.node)
+            while (said := store.get(key).decode() if store.check([key]) else None) not in ("stop", str(me)):
+                if time.monotonic() > deadline:
+                    raise WorkerFailure(f"worker {me}: server {s} neither heard the end of node {self.node.node}'s "
+                                        f"training from its lost leader nor took this worker for it within "
+                                        f"{self.settings.run.timeout:g} s")
+                time.sleep(0.02)
+            if said == str(me):
+                self._to(s).send(stop, self.servers[s]).wait()
 
     def _final_parameters(self, stop: torch.Tensor) -> None:
         """Asynchronous: send every live server ``stop`` and receive its final parameters with the
@@ -801,3 +878,5 @@ class ParameterServer(Algorithm):
     def close(self) -> None:
         if self.nodes is not None:
             self.nodes.close()
+        if self.node is not None:
+            self.node.fold_stats()
