@@ -40,3 +40,24 @@ def test_survivors_name_the_step_and_the_lost_rank(tmp_path, algorithm, workers,
     last = run.stderr.strip().splitlines()[-1]
     assert f"{what} was killed by SIGKILL" in last, run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow  # the run goes on from a loss during training: tests/distributed/test_elastic.py
+def test_a_worker_lost_as_hierarchical_servers_start_stops_the_run_at_once(tmp_path):
+    """``ps --workers-per-node 2``: worker 3 killed as the run starts, as it is about to make the
+    node groups (whose rendezvous would wait for it until the store's two-minute timeout): every
+    process sees it declared dead where they meet first and leaves, the last line names it,
+    nothing is left running, well within that timeout."""
+    mark = tmp_path / "killed-at"
+    run = run_cli([*QUICK, "--workers", "4", "--epochs", "3", "--algorithm", "ps", "--servers", "2",
+                   "--workers-per-node", "2", "--run-dir", str(tmp_path / "run")],
+                  DISTRAIN_INJECT_KILL_IN="node-groups:3", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 1, run.stderr
+    assert run.orphans == []
+    assert mark.exists()
+    last = run.stderr.strip().splitlines()[-1]
+    assert "worker 3 was killed by SIGKILL; the run was stopped" in last, run.stderr
+    notes = sorted((tmp_path / "run" / "failures").glob("rank-*.txt"))
+    assert [p.name for p in notes] == [f"rank-{r}.txt" for r in (0, 1, 2, 4, 5)]  # the others, servers too
+    for note in notes:  # not the groups' rendezvous timing out (--timeout later)
+        assert "rank(s) [3] lost as the run started, before its node groups were made" in note.read_text(), note

@@ -26,6 +26,8 @@ Fault injection for tests (environment variables, read by every worker):
                                        hierarchical parameter servers, as it begins its node's
                                        first broadcast of the parameters: a leader once it
                                        pulled them, another once it sent its gradient),
+                                       ``node-groups`` (a worker of parameter servers, as
+                                       it is about to make its node groups),
                                        ``node-stop`` (a worker of synchronous parameter
                                        servers, once it told the first server its training
                                        is over)

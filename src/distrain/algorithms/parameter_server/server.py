@@ -33,6 +33,7 @@ from distrain.algorithms.parameter_server.layout import (
     shard_of,
     shards_touched,
 )
+from distrain.algorithms.parameter_server.nodes import meet_before_node_groups
 from distrain.algorithms.parameter_server.server_optim import (
     RoundMomentumSGD,
     follow_pushers,
@@ -980,6 +981,9 @@ def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.opt
     if state is not None and finished_for(state, settings.epochs):
         return  # the workers found the run finished too, and leave before anything collective
     if settings.workers_per_node:  # the workers create their node groups: collective over the world
+        if elastic_servers(settings):
+            meet_before_node_groups(store_client(settings.run.timeout), transport.rank, transport.world_size,
+                                    settings.run.timeout)
         node_process_groups(settings.run.workers, settings.workers_per_node, settings.run.timeout)
     emulation.start()
     start, cpu_start = time.perf_counter(), time.process_time()

@@ -28,7 +28,11 @@ from distrain.algorithms.parameter_server.layout import (
     shard_bounds,
     shards_touched,
 )
-from distrain.algorithms.parameter_server.nodes import ElasticNode, NodeLoss
+from distrain.algorithms.parameter_server.nodes import (
+    ElasticNode,
+    NodeLoss,
+    meet_before_node_groups,
+)
 from distrain.algorithms.parameter_server.server_optim import momentum_corrected
 from distrain.algorithms.parameter_server.settings import PSSettings, elastic_servers
 from distrain.algorithms.parameter_server.wire import (
@@ -169,6 +173,9 @@ class ParameterServer(Algorithm):
         self._loaded_servers: list[dict[str, Any]] | None = None  # load_server_state(): sent at the start
         # --workers-per-node: sum inside the node; only its leader talks to the servers
         k = settings.workers_per_node
+        inject_kill_in("node-groups", transport.rank)  # fault injection for tests
+        if k and elastic_servers(settings):
+            meet_before_node_groups(self._store_client(), transport.rank, transport.world_size, settings.run.timeout)
         self.nodes = NodeGroups(transport, k, timeout=settings.run.timeout, workers=self.num_workers) if k else None
         self.pushes = self.nodes is None or self.nodes.is_leader
         #: elastic: the node's survivors meet again when one of them dies (see :mod:`.nodes`)
