@@ -6,19 +6,24 @@ inside the node (:mod:`~distrain.algorithms.hierarchical`). When a worker of the
 mates find the node's reduce or broadcast failing (its connections reset, or its dead mark in the
 store, which every wait of theirs watches), and the survivors of the node meet again over a gloo
 group of their own (:class:`NodeLink`), named in the store by their ids, so that survivors who
-saw the loss at different moments still meet. The leader then says whether it already holds the
-step's answer: if so it only hands it on; if not, every survivor sums its own gradient of the
-step again, without the lost one's, and the leader (the node's new one, if the old one was lost)
-pushes it. The servers take a node's new leader for its lost one (:meth:`ShardServer._succeed
+saw the loss at different moments still meet. They then take the newest parameters one of them
+holds (:meth:`ElasticNode.recover`: a broadcast may have reached one survivor and failed for
+another, which went on to the next step): where those are the step's answer, the step is done;
+where not, every survivor sums its own gradient of the step again, without the lost one's, and
+the leader (the node's new one, if the old one was lost) pushes it. The servers take a node's
+new leader for its lost one (:meth:`ShardServer._succeed
 <distrain.algorithms.parameter_server.server.ShardServer._succeed>`) and answer a push of a round
 they already served, which the old leader had pushed before it died, with that round's
-parameters without applying it again: no step is lost or applied twice.
+parameters without applying it again: no step is lost or applied twice. After its last step each
+worker waits in the store for its node's others (:meth:`ElasticNode.end`), so that none leaves
+while a mate still needs it.
 
 Example::
 
     node = ElasticNode(nodes, store, timeout=60)       # every worker, after NodeGroups
     node.reduce(grad)                                  # NodeLoss: a mate died; then
     node.regroup()                                     # the survivors meet again
+    step = node.recover(held, flat)                    # and take the newest parameters
 """
 
 from __future__ import annotations
