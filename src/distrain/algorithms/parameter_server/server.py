@@ -515,7 +515,7 @@ class ShardServer:
             if self._with_worker(i, live, step, grads, lambda: self._recv_header(headers[i], self.pushers[i],
                                                                                  self._peer(i))) is SUCCEEDED:
                 continue
-            if i in live and self.nodes is not None and int(headers[i, 0]) == STOP and self._store_client() is not None:
+            if i in live and self.nodes is not None and int(headers[i, 0]) == STOP and elastic_servers(self.settings):
                 self._store_client().set(NODE_ROW_KEY.format(self.index, i), "stop")  # (its successor asks)
             if i not in live or int(headers[i, 0]) != step or i not in self._succeeded:
                 self._succeeded.discard(i)

@@ -174,14 +174,13 @@ class ParameterServer(Algorithm):
         # --workers-per-node: sum inside the node; only its leader talks to the servers
         k = settings.workers_per_node
         inject_kill_in("node-groups", transport.rank)  # fault injection for tests
-        if k and elastic_servers(settings):
-            meet_before_node_groups(self._store_client(), transport.rank, transport.world_size, settings.run.timeout)
+        store = self._store_client() if k and elastic_servers(settings) else None  # None: node losses stop the run
+        meet_before_node_groups(store, transport.rank, transport.world_size, settings.run.timeout)
         self.nodes = NodeGroups(transport, k, timeout=settings.run.timeout, workers=self.num_workers) if k else None
         self.pushes = self.nodes is None or self.nodes.is_leader
         #: elastic: the node's survivors meet again when one of them dies (see :mod:`.nodes`)
         self.node: ElasticNode | None = None
-        self._held = 0  # the step whose parameters the node's last broadcast brought
-        if self.nodes is not None and elastic_servers(settings) and (store := self._store_client()) is not None:
+        if self.nodes is not None and store is not None:
             if store.check([RESTARTS_KEY]):
                 raise ConfigError("--max-restarts", "a lost worker joins a ps run again without --workers-per-node "
                                                     "only; use 0")
@@ -351,7 +350,6 @@ class ParameterServer(Algorithm):
             except NodeLoss:
                 node.regroup()
                 self.pushes, regrouped = node.is_leader, True
-        self._held = self.clock
         node.fold_stats()
 
     def _push_pull(self, info: CompressInfo | None, dense: bool) -> None:
@@ -747,7 +745,7 @@ class ParameterServer(Algorithm):
             else:
                 self._send_stop(stop)
         if self.node is not None:  # its node's workers wait for one another (see ElasticNode.end)
-            self.node.end(self._held, self.flat, lambda: self._send_stop_for_lost_leader(stop))
+            self.node.end(self.clock, self.flat, lambda: self._send_stop_for_lost_leader(stop))
         if self.asynchronous:
             self._final_pulled = True
             intra = self.nodes.intra if self.nodes is not None and self.nodes.intra.world_size > 1 else None
