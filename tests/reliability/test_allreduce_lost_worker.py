@@ -94,7 +94,7 @@ def test_a_restarted_worker_joins_and_ends_with_the_same_parameters(tmp_path):
     check_worker_0_came_back(run_dir, total, back, processes=4)
 
 
-@pytest.mark.slow  # CI: a member lost while a worker joins, through wrap() (tests/distributed/test_elastic.py)
+@pytest.mark.slow  # CI: a worker lost and started again, through wrap() (tests/distributed/test_elastic.py)
 def test_a_member_lost_while_a_worker_joins_leaves_the_joiner_on_the_members_data_plan(tmp_path):
     """Worker 0, killed at step 12, starts again; worker 2 dies once the group with it is open,
     before it took the members' state. The joiner takes it in the agreement that follows, and its
@@ -144,7 +144,7 @@ def test_a_restarted_worker_joins_the_parameter_servers_again(tmp_path):
         assert [line["step"] for line in lines if "loss" in line] == list(range(1, total + 1))
 
 
-@pytest.mark.slow  # CI: a server lost as it answered some workers (tests/distributed/test_elastic.py)
+@pytest.mark.slow  # CI: distrain train's resume from the sets saved after a server's takeover (test_resume.py)
 def test_a_server_lost_as_a_joiner_comes_lets_the_joiner_leave_and_the_others_go_on(tmp_path):
     """--algorithm ps --servers 2 --max-restarts 1: worker 0, killed at step 12, starts again, and
     server 1 dies as the servers open the link with it (``link``). The joiner and server 0 see the
