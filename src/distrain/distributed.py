@@ -42,6 +42,7 @@ by then, ``wrap()`` exits the process with status 0.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -49,6 +50,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -381,32 +383,36 @@ class DistributedOptimizer:
             self.transport = Transport(process_group, link_model=self.emulation.link_model,
                                        ids=joined.members if joined else None)
             self.rank, self.workers = self.transport.rank, dist.get_world_size(workers_group)
-        if broadcast and joined is None:
-            _broadcast_from_rank0(model, workers_group)
-        self.algorithm.setup(model, optimizer, self.transport)
         self.params = [p for p in model.parameters() if p.requires_grad]
         #: the workers' ids (their ranks when the run started) in rank order; an elastic run
         #: drops the lost ones and adds those that join
         self.ids = list(joined.members) if joined is not None else list(range(self.workers))
         self.id = joined.me if joined is not None else self.rank
-        #: parameter servers that admit workers started again (the servers hand them the
-        #: parameters; the workers only record the change): where this worker learns of joins
-        self.joins = self._server_admissions(joined)
-        self._joins_looked = time.monotonic()  # asynchronous parameter servers: the last look for joiners
         self.membership = None if link is not None else joined or self._elastic_membership()
         if self.membership is not None:
-            self.algorithm.keep_local = True
             watch_waits(self.membership.changed)  # this thread's waits leave as soon as a survivor flags a loss
+            self.transport.meet = self.membership.meet
         #: membership changes so far (elastic runs), as records for metrics and the summary
         self.changes: list[Change] = []
         self._retired: tuple[list[int], list[int], float] | None = None  # traffic of groups left behind
         # Asynchronous gossip tells a lost peer from a slow one by its heartbeat in the store, and
-        # so do elastic survivors (distrain's own loop stamps one for every algorithm).
+        # so do elastic survivors (distrain's own loop stamps one for every algorithm). Stamped
+        # before the first collective: a survivor of a loss as the run starts finds every other
+        # worker's heartbeat, so none is taken for silent.
         wants_heartbeat = not self.algorithm.synchronous or self.membership is not None
         world = dist.get_world_size() if joined is None else self.config.cluster.workers
         # (a worker that joins stamps from before it asked to join)
         self._heartbeat = joined.heartbeat if joined is not None and joined.heartbeat is not None \
             else start_heartbeat(self.id, world, ceiling=config.cluster.timeout) if heartbeat and wants_heartbeat else None
+        if broadcast and joined is None:
+            _broadcast_from_rank0(model, workers_group)
+        self._set_up_first(joined is not None)
+        #: parameter servers that admit workers started again (the servers hand them the
+        #: parameters; the workers only record the change): where this worker learns of joins
+        self.joins = self._server_admissions(joined)
+        self._joins_looked = time.monotonic()  # asynchronous parameter servers: the last look for joiners
+        if self.membership is not None:
+            self.algorithm.keep_local = True
         self.steps = 0
         self.compute_seconds = self.exposed_seconds = 0.0  # summed over this worker's steps
         #: compute seconds of the last step (forward and backward, without network waits, with
@@ -432,6 +438,49 @@ class DistributedOptimizer:
             self._started = True
             self._begin()
             log.warning("worker %d joined the run at step %d with %d workers", self.id, self.steps, self.workers)
+
+    def _set_up_first(self, joins: bool) -> None:
+        """Set the algorithm up over the first group (a worker that ``joins``: the group the
+        members opened with it). In an elastic run, a worker lost meanwhile (e.g. as the node
+        groups are made) makes the others agree on the survivors and set up over their group."""
+        if self.membership is None:
+            self.algorithm.setup(self.model, self.optimizer, self.transport)
+            return
+        first = [True]
+
+        def set_up() -> None:
+            if first:
+                first.clear()
+                self._guarded(lambda: self.algorithm.setup(self.model, self.optimizer, self.transport))
+            else:
+                self._set_up_again(start=False)
+
+        width = self.workers  # the run's workers, each counted by its id from now on if some are lost
+        changes = self.membership.settle(lambda: None, NOT_ENTERED if joins else 0, then=set_up)
+        if changes and not joins:  # (a joiner takes its admission's changes with the others' state)
+            self.changes += changes
+            self._retired = ([0] * width, [0] * width, 0.0)
+            log.warning("worker %d: lost worker(s) %s as the run started; %d workers go on (recovered in %.2f s)",
+                        self.id, sorted({w for c in changes for w in c.lost}), self.workers, changes[-1].seconds)
+
+    def _guarded(self, set_up: Callable[[], None]) -> None:
+        """``set_up()``; when it fails, the algorithm and transport it left half made are closed
+        (best effort) and let go before the error goes on."""
+        try:
+            set_up()
+        except BaseException:
+            for part in (self.algorithm, self.transport):
+                with contextlib.suppress(Exception):
+                    part.close()
+            self.algorithm = self.transport = None  # type: ignore[assignment]
+            gc.collect()
+            raise
+
+    def _set_up_again(self, start: bool = True) -> None:
+        """After a change of members: transport and algorithm over the new default group (see
+        :meth:`_build`), or nothing of them left if it fails (a member lost meanwhile)."""
+        assert self.membership is not None
+        self._guarded(lambda: self._build(self.membership.members, start))
 
     def _joined_change(self, joined: Membership) -> Change:
         members, steps = joined._members_of(joined.epoch)
@@ -779,22 +828,24 @@ class DistributedOptimizer:
         self.algorithm = self.transport = None  # type: ignore[assignment]
         gc.collect()
         assert self.membership is not None
-        changes = self.membership.settle(change_members, steps)
-        self._build(changes[-1].members)
+        changes = self.membership.settle(change_members, steps, then=self._set_up_again)
         self.algorithm.load_state_dict(state)
         self.algorithm.membership_changed()
         self.changes += changes
         return changes[-1]
 
-    def _build(self, members: list[int]) -> None:
-        """Transport and algorithm over the default group, whose ranks are the workers ``members``."""
+    def _build(self, members: list[int], start: bool = True) -> None:
+        """Transport and algorithm over the default group, whose ranks are the workers ``members``
+        (``start``: the algorithm started, as after a change in a run under way)."""
         assert self.membership is not None
+        inject_kill_in("build", self.id)  # fault injection for tests
         self.ids, self.rank, self.workers = list(members), self.membership.rank, len(members)
-        self.transport = Transport(link_model=self.emulation.link_model, ids=self.ids)
+        self.transport = Transport(link_model=self.emulation.link_model, ids=self.ids, meet=self.membership.meet)
         self.algorithm = build_algorithm(self.config.algo.algorithm, self.config)
         self.algorithm.setup(self.model, self.optimizer, self.transport)
         self.algorithm.keep_local = True
-        self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
+        if start:
+            self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
 
     @torch.no_grad()
     def _take_state(self, src: int, receive: bool = True) -> None:

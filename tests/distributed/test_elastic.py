@@ -339,6 +339,46 @@ def test_hierarchical_all_reduce_goes_on_without_a_nodes_leader_and_takes_it_bac
     assert not torch.allclose(reference(0, at + 1, back, steps), expected)  # the survivors redid step 3 without it
 
 
+@pytest.mark.slow  # CI: the flat all-reduce join test above
+def test_hierarchical_all_reduce_goes_on_without_a_worker_lost_as_its_node_groups_are_made(tmp_path: Path):
+    """--workers-per-node 2: worker 3 killed as the run starts, about to make the node groups. The
+    others meet in the launcher's store before making them, find it dead there at once (the
+    groups' rendezvous would wait the whole --timeout for it), agree on [0, 1, 2] and make the
+    nodes of their ids ({0, 1} and {2}); every step is theirs alone, and nothing is left running."""
+    done = launch_tagged(tmp_path, -1, 0, "start", settings={"workers_per_node": 2},
+                         env=kill_in(tmp_path, "node-groups", 3))
+    assert done.returncode == 0, done.stderr
+    assert "rank 3 failed: killed by SIGKILL; the others go on without it" in done.stderr
+    assert "lost worker(s) [3] as the run started; 3 workers go on" in done.stderr
+    expected = reference(3, 0)
+    for r in (0, 1, 2):
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        [change] = result["changes"]
+        assert (change["workers"], change["members"], change["lost_at_step"]) == ([3], [0, 1, 2], 0), r
+        assert result["steps"] == STEPS and result["leaders"] == [0, 2], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(reference(3, 1), expected)  # the reference can fail: a first step with worker 3
+
+
+@pytest.mark.slow  # CI: the flat all-reduce join test above
+def test_hierarchical_all_reduce_goes_on_without_a_survivor_lost_as_the_node_groups_are_made_again(tmp_path: Path):
+    """--workers-per-node 2: worker 0 killed as step 3 begins; the survivors agree on [1, 2, 3],
+    and worker 2 dies before it makes the node groups again over them (``build``). Workers 1 and
+    3 find it dead in their meeting before the groups, agree again on [1, 3] and redo step 3
+    between themselves (each the only worker of its node)."""
+    at = 3
+    done = launch_tagged(tmp_path, 0, at, "start", settings={"workers_per_node": 2}, env=kill_in(tmp_path, "build", 2))
+    assert done.returncode == 0, done.stderr
+    expected = absent_reference({0: (at, STEPS), 2: (at, STEPS)}, STEPS)
+    for r in (1, 3):
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        events = [(c["workers"], c["members"], c["lost_at_step"]) for c in result["changes"]]
+        assert events == [([0], [1, 2, 3], at), ([2], [1, 3], at)], (r, events)
+        assert result["steps"] == STEPS and result["leaders"] == [1, 3], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(absent_reference({0: (at, STEPS), 2: (at + 1, STEPS)}, STEPS), expected)
+
+
 def close_in_float32(weight: torch.Tensor, expected: torch.Tensor) -> None:
     """DiLoCo's shared parameters are float32 and their sums run in an order the members' ids
     set: an element is within a few float32 roundings of the float64 ``expected``, measured on

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from distrain.comm.transport import Handle, Transport
 from distrain.errors import ConfigError
+from distrain.runtime.faults import inject_kill_in
 from distrain.topology import NodeMap
 
 log = logging.getLogger(__name__)
@@ -167,4 +168,7 @@ def build_hierarchy(transport: Transport, workers_per_node: int, *, own_ring: bo
         raise ConfigError("--workers-per-node", "hierarchical aggregation does not combine with --compress yet")
     if k >= transport.world_size:
         log.info("--workers-per-node %d >= %d workers: one node, no inter-node traffic", k, transport.world_size)
+    if transport.meet is not None:  # elastic: a worker lost now stops no one (see Transport)
+        inject_kill_in("node-groups", transport.ids[transport.rank])  # fault injection for tests
+        transport.meet("node-groups", "make their node groups")
     return HierarchicalAllReduce(NodeGroups(transport, k, timeout=timeout, ids=transport.ids))

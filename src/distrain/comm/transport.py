@@ -246,6 +246,12 @@ class Transport:
         process_group: the group to talk in; ``None`` means the default (world) group.
         link_model: an emulated network (``distrain.emulation.LinkModel``) that delays each
             message by its link's latency and bandwidth; ``None`` for the real network.
+        ids: the workers' ids, in group rank order (default: their global ranks).
+        meet: in an elastic run, the members' meeting in the run's store before they make
+            groups of some of them over this group (``meet(name, what)``, see
+            :meth:`~distrain.runtime.membership.Membership.meet`): a member lost meanwhile
+            raises a loss at once, where those groups' rendezvous would wait the whole timeout
+            for it. None: no meeting (the groups are made straight away).
 
     Example::
 
@@ -255,8 +261,9 @@ class Transport:
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, link_model: LinkModel | None = None,
-                 ids: list[int] | None = None) -> None:
+                 ids: list[int] | None = None, meet: Callable[[str, str], None] | None = None) -> None:
         self._open(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), link_model, ids)
+        self.meet = meet
 
     @classmethod
     def detached(cls, rank: int, world_size: int, link_model: LinkModel | None = None) -> Transport:
@@ -272,6 +279,7 @@ class Transport:
         self.group = process_group
         self.rank = rank
         self.world_size = world_size
+        self.meet: Callable[[str, str], None] | None = None
         self.stats = TransportStats(sent=[0] * self.world_size, received=[0] * self.world_size)
         delays = link_model is not None and link_model.delays_messages and self.world_size > 1
         self.link_model = link_model if delays else None

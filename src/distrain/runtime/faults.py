@@ -26,8 +26,11 @@ Fault injection for tests (environment variables, read by every worker):
                                        hierarchical parameter servers, as it begins its node's
                                        first broadcast of the parameters: a leader once it
                                        pulled them, another once it sent its gradient),
-                                       ``node-groups`` (a worker of parameter servers, as
-                                       it is about to make its node groups),
+                                       ``node-groups`` (a worker of parameter servers, or
+                                       of an elastic hierarchical all-reduce, as it is about
+                                       to make its node groups), ``build`` (a member of an
+                                       elastic run, after a change of members, before it
+                                       builds its algorithm over the new group),
                                        ``node-stop`` (a worker of synchronous parameter
                                        servers, once it told the first server its training
                                        is over)

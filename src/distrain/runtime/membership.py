@@ -52,7 +52,14 @@ import torch.distributed as dist
 
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import inject_kill_in
-from distrain.runtime.health import DEAD_KEY, Heartbeat, declare_dead, heartbeat_stale, silent
+from distrain.runtime.health import (
+    DEAD_KEY,
+    Heartbeat,
+    declare_dead,
+    declared_dead,
+    heartbeat_stale,
+    silent,
+)
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
@@ -309,22 +316,26 @@ class Membership:
         change.seconds = time.perf_counter() - since
         return change
 
-    def settle(self, change: Callable[[], object], steps: int) -> list[Change]:
+    def settle(self, change: Callable[[], object], steps: int,
+               then: Callable[[], object] | None = None) -> list[Change]:
         """Run ``change()`` (:meth:`grow`, :meth:`recover`, or the first opening of a joiner's
-        group), and when a loss interrupts it, recover over whoever is left (with ``steps``
-        completed), as often as it takes, until a group is open. Returns the changes recorded
-        on the way (the last one's members form the open group)."""
+        group) and ``then()`` over the group it opened (what the members build on it, e.g. their
+        node groups), and when a loss interrupts either, recover over whoever is left (with
+        ``steps`` completed), as often as it takes, until both are done. Returns the changes
+        recorded on the way (the last one's members form the open group)."""
         known = len(self.changes)
         while True:
             try:
                 change()
+                if then is not None:
+                    then()
                 return self.changes[known:]
             except Exception as exc:
                 if not self.is_loss(exc):
                     raise
                 since = time.perf_counter()
-                log.warning("worker %d: a worker was lost while the group of epoch %d opened; the others agree "
-                            "again (%s)", self.me, self.epoch, exc)
+                log.warning("worker %d: a worker was lost while the members of epoch %d made their group; the "
+                            "others agree again (%s)", self.me, self.epoch, exc)
             change = partial(self.recover, steps, since)  # (outside the except block: its traceback holds the group)
 
     # -- growing: workers that join ---------------------------------------------------------------
@@ -516,17 +527,26 @@ class Membership:
         since the agreement; here a member gone meanwhile (declared dead, or silent), or a change
         flagged for this epoch, raises MembershipChanged within a poll, and the members agree
         again (:meth:`settle`)."""
-        self.store.set(self._key(f"ready/{self.me}"), "1")
+        self.meet("ready", "open the group")
+
+    def meet(self, name: str, what: str) -> None:
+        """Every member marks itself ready under this epoch's key ``name`` and waits for the
+        others' marks, before they ``what`` together over the epoch's group (e.g. make groups of
+        some of them, whose rendezvous would wait the whole timeout for a member that died): a
+        member gone meanwhile, or a change flagged for this epoch, raises MembershipChanged within
+        a poll. Gone is declared dead, or silent; as the run starts (epoch 0, every heartbeat
+        maybe not stamped yet), declared dead only."""
+        self.store.set(self._key(f"{name}/{self.me}"), "1")
         deadline = time.monotonic() + self.timeout
-        while waiting := [m for m in self.members if m != self.me and not self.store.check([self._key(f"ready/{m}")])]:
+        while waiting := [m for m in self.members if m != self.me and not self.store.check([self._key(f"{name}/{m}")])]:
             if self.store.check([self._key("changed")]):
-                raise MembershipChanged(f"a change of epoch {self.epoch} was flagged while its group opened")
-            if gone := self._gone(waiting):
+                raise MembershipChanged(f"a change of epoch {self.epoch} was flagged before its members could {what}")
+            if gone := (self._gone(waiting) if self.epoch else [m for m in waiting if declared_dead(self.store, m)]):
                 self.flag()
-                raise MembershipChanged(f"worker(s) {gone} gone while the group of epoch {self.epoch} opened")
+                raise MembershipChanged(f"worker(s) {gone} gone before the members of epoch {self.epoch} could {what}")
             if time.monotonic() > deadline:
-                raise WorkerFailure(f"worker {self.me}: workers {waiting} did not open the group of epoch "
-                                    f"{self.epoch} within {self.timeout:g} s")
+                raise WorkerFailure(f"worker {self.me}: workers {waiting} did not {what} in epoch {self.epoch} "
+                                    f"within {self.timeout:g} s")
             time.sleep(POLL_S / 2)
 
 

@@ -45,7 +45,7 @@ from distrain.data import (
 from distrain.data.sampler import DataPlan, ShardSampler
 from distrain.distributed import DistributedOptimizer
 from distrain.emulation import NetworkSettings
-from distrain.errors import ConfigError, DataError
+from distrain.errors import ConfigError, DataError, WorkerFailure
 from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
@@ -290,6 +290,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     opt = DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                                workers_group=workers_group, broadcast=False, heartbeat=False, joined=joined)
     algorithm, transport = opt.algorithm, opt.transport
+    if joined is None and opt.changes and state is not None:  # (its checkpoints name the workers that wrote them)
+        raise WorkerFailure(f"worker {rank}: lost worker(s) {sorted(w for c in opt.changes for w in c.lost)} as the "
+                            f"run resumed from step {state['step']}; resume it again")
 
     # --- resume: the state of every part, and what the earlier segments did ---------------------
     start_step = 0
@@ -341,6 +344,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         sampler = plan.samplers[rank]
 
     earlier = totals.offsets(transport.world_size)  # for the metrics lines
+    if joined is None and opt.changes:  # workers lost as the run started (wrap() went on without them)
+        plan = replan(cfg, opt, train_set, plan, opt.changes, 0, world)
+        sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule, plan, sampler)
     if joined is not None:  # where the others are: their step, data split and learning rate
         start_step = opt.steps
         if opt.algorithm.common_steps and cfg.data.dataset != "shards":  # the members' plan, from the store
@@ -349,7 +355,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             plan = plan_of(cfg, train_set, read_plan(joined, opt.changes[at].epoch))
             plan = replan(cfg, opt, train_set, plan, opt.changes[at + 1 :], start_step, world)
         sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule, plan, sampler)
-    if rank == 0 and joined is None:
+    if leads(algorithm, transport) and joined is None:  # (rank 0, or the first survivor of a loss as it started)
         write_json_atomic(run_dir / "config.json", {
             **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
             EPOCH_WORKERS_KEY: first_world,
