@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from distrain.launch.common import free_port
@@ -240,6 +241,7 @@ def test_a_store_request_that_fails_does_not_stop_the_heartbeat(monkeypatch):
     del master
 
 
+@pytest.mark.slow  # the benchmarks' fault tool (bench_churn.py --kill-at time), not a path of a run
 def test_a_timed_kill_strikes_the_named_rank_only_and_not_a_process_started_again(tmp_path):
     """DISTRAIN_INJECT_KILL_AFTER='rank:seconds' (benchmarks kill a process at a moment, not at a
     step): the named rank dies by SIGKILL with its mark written; another rank, or the same rank
