@@ -13,7 +13,8 @@ pushes, ``--compress group_topk:0.01``), ``adpsgd`` and
 ``--sync-every auto``, ``diloco-streaming`` DiLoCo in 4 fragments whose exchanges overlap 4 inner
 steps (``--fragments 4 --overlap-steps 4``), ``allreduce-hierarchical`` all-reduce with
 ``--workers-per-node 2``, ``ps-hierarchical`` ps with 2 servers and ``--workers-per-node 2``, whose
-lost workers are not started again: no restart case), on the default
+lost workers are not started again: no restart case, ``ps-hierarchical-server`` the same with one
+of the servers killed: the other takes over its parameters, no restart case), on the default
 job (``distrain train``: MNIST-1D, the CNN, 4 workers; DiLoCo for 45 epochs, see ``EPOCHS``) and for each of ``--seeds`` seeds (20):
 
 * **no fault**: the run as it is (its final accuracy is the reference);
@@ -101,17 +102,19 @@ EXTRA = {"ps": ("--servers", "2"), "ps-server": ("--servers", "2"), "ps-async": 
          "allreduce-group_topk": ("--compress", "group_topk:0.01"), "diloco-int8": ("--compress", "int8"),
          "diloco-auto": ("--sync-every", "auto"), "allreduce-hierarchical": ("--workers-per-node", "2"),
          "ps-hierarchical": ("--servers", "2", "--workers-per-node", "2"),
+         "ps-hierarchical-server": ("--servers", "2", "--workers-per-node", "2"),
          "diloco-streaming": ("--fragments", "4", "--overlap-steps", "4")}
 #: Cases that run another algorithm than their name.
 ALGORITHM = {"ps-server": "ps", "ps-async": "ps", "ps-async-server": "ps", "ps-server-group_topk": "ps",
              "allreduce-group_topk": "allreduce", "diloco-int8": "diloco", "diloco-auto": "diloco",
-             "allreduce-hierarchical": "allreduce", "diloco-streaming": "diloco", "ps-hierarchical": "ps"}
+             "allreduce-hierarchical": "allreduce", "diloco-streaming": "diloco", "ps-hierarchical": "ps",
+             "ps-hierarchical-server": "ps"}
 #: Lines of a failed run's stderr kept in its row (the run directory is a temporary one).
 STDERR_LINES = 200
 #: Algorithms whose lost workers are not started again (no kill + restart case).
-NO_RESTARTS = {"ps-async-server", "ps-hierarchical"}
+NO_RESTARTS = {"ps-async-server", "ps-hierarchical", "ps-hierarchical-server"}
 #: Cases whose victim is one of the two servers.
-SERVER_VICTIM = {"ps-server", "ps-async-server", "ps-server-group_topk"}
+SERVER_VICTIM = {"ps-server", "ps-async-server", "ps-server-group_topk", "ps-hierarchical-server"}
 #: Epochs of the kill cases where the default job's 15 are too short for a restart: DiLoCo trains
 #: them in about 5 s here (930 steps of about 6 ms), and a restarted worker needs about 3 s to
 #: start, load its data and join, so a kill in the run's second quarter left it nothing to join.

@@ -38,6 +38,7 @@ from distrain.algorithms.diloco import AUTO, DiLoCo, DiLoCoSettings
 from distrain.algorithms.dpsgd import DPSGD, DPSGDSettings
 from distrain.algorithms.gossip import GossipSettings
 from distrain.algorithms.parameter_server import ParameterServer, PSSettings, ServerSettings
+from distrain.algorithms.parameter_server.settings import NO_JOINS_IN_NODES
 from distrain.algorithms.prague import Prague, PragueSettings
 from distrain.compress.settings import CompressionSettings
 from distrain.emulation import Emulation
@@ -252,7 +253,7 @@ def _check_diloco(config: TrainConfig, name: str) -> None:
 
 def _check_ps(config: TrainConfig, name: str) -> None:
     if config.cluster.max_restarts and config.algo.workers_per_node:
-        raise ConfigError("--max-restarts", "a lost worker joins a ps run again without --workers-per-node only; use 0")
+        raise ConfigError("--max-restarts", NO_JOINS_IN_NODES)
     if config.optim.optimizer == "lars":
         raise ConfigError("--optimizer", "lars adapts per layer; the parameter server updates flat shards: use sgd or adam")
     if config.algo.workers_per_node and config.compress.compress.strip() != "none":

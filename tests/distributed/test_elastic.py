@@ -849,6 +849,35 @@ def check_hierarchical_ps(results: dict[int, dict], victim: int, at: int) -> Non
     assert not torch.allclose(ps_reference(victim, at + 1), expected, atol=1e-4)  # the reference can fail
 
 
+@pytest.mark.slow  # CI: distrain train's resume from the sets saved after a server's takeover (test_resume.py)
+@pytest.mark.parametrize("leader_lost", [False, True], ids=["server", "server-then-leader"])
+def test_hierarchical_parameter_servers_take_over_a_lost_server(tmp_path: Path, leader_lost: bool):
+    """``--workers-per-node 2`` (nodes {0, 1} and {2, 3}), two servers ([0, 5) and [5, 10)):
+    server 1 killed as step 3 begins. The nodes' leaders (workers 0 and 2) find their pushes
+    failing, agree on the takeover among themselves and server 0 takes [5, 10) over from a
+    leader's copy, redoes step 3 on it (its momentum starts again) and serves it from then on.
+    Then (``server-then-leader``) worker 0 is killed as step 5 begins: worker 1 leads node 0,
+    takes the takeover it did not push from the store and pushes to server 0 alone."""
+    at = 3
+    env = {**os.environ, "DISTRAIN_INJECT_KILL": f"{WORKERS + 1}:{at}"}
+    victim = 0 if leader_lost else -1
+    done = launch_tagged(tmp_path, victim, 5, "start", "--servers", "2",
+                         settings={"algorithm": "ps", "workers_per_node": 2}, env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"took over parameters [(5, 10)] of lost server 1 at step {at + 1}" in done.stderr
+    expected = ps_takeover_reference((5, 10), at, without=(0, 5) if leader_lost else None)
+    survivors = [1, 2, 3] if leader_lost else list(range(WORKERS))
+    for r in survivors:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["steps"] == STEPS, r
+        assert [c["workers"] for c in result["changes"]] == ([[0]] if leader_lost else []), r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
+    if leader_lost:
+        assert "worker 1: leads its node now; server 1 was lost, servers [0] hold its parameters" in done.stderr
+        assert not torch.allclose(ps_takeover_reference((5, 10), at), expected, atol=1e-4)
+    assert not torch.allclose(ps_reference(victim, 5), expected, atol=1e-4)  # the reset shows
+
+
 @pytest.mark.slow  # CI: the flat servers' join test below loses worker 0 first
 def test_hierarchical_parameter_servers_go_on_when_a_nodes_leader_dies_after_its_pull(tmp_path: Path):
     """``--workers-per-node 2`` (nodes {0, 1} and {2, 3}), two servers: worker 0, node 0's leader,
@@ -1078,12 +1107,14 @@ def test_a_worker_and_a_server_started_again_both_come_back(tmp_path: Path):
 
 
 def ps_takeover_reference(lost: tuple[int, int], at: int, steps: int = STEPS, lr: float = 0.1,
-                          momentum: float = 0.9, servers: int | None = None) -> torch.Tensor:
+                          momentum: float = 0.9, servers: int | None = None,
+                          without: tuple[int, int] | None = None) -> torch.Tensor:
     """SGD with momentum on every worker's gradient, the momentum of the parameters in ``lost``
     (a lost server's range) starting again from zero at step ``at`` (the step redone by the
     servers that took them over). ``servers``: each worker pushes the top-k of each of that many
     shards with error feedback (:data:`TOPK`, keyed by the shard), and the servers sum what the
-    pushes decode to."""
+    pushes decode to. ``without``: (worker, step) that worker's gradients missing from that step
+    on (the sum still over every worker, as the servers take it)."""
     from distrain.algorithms.parameter_server import shard_bounds
     from distrain.compress import CompressInfo, build_compressor
 
@@ -1091,7 +1122,7 @@ def ps_takeover_reference(lost: tuple[int, int], at: int, steps: int = STEPS, lr
     w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
     buf = None
     for step in range(steps):
-        pushed = [gradient(r, step) for r in range(WORKERS)]
+        pushed = [gradient(r, step) * (without is None or r != without[0] or step < without[1]) for r in range(WORKERS)]
         if servers is not None:
             for r, g in enumerate(pushed):
                 pushed[r] = torch.cat([feedback[r].decompress(*feedback[r].compress(

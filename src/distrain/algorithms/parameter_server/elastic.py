@@ -126,12 +126,13 @@ def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, s
 
 def servers_taken_over(settings: PSSettings) -> bool:
     """Whether a lost server's ranges are taken over by the others (elastic, two servers or
-    more, every worker pushing: not ``--workers-per-node``), synchronous or asynchronous, with
-    dense or compressed pushes."""
-    return elastic_servers(settings) and settings.servers > 1 and not settings.workers_per_node
+    more), synchronous or asynchronous, with dense or compressed pushes; with
+    ``--workers-per-node`` (synchronous servers only), by the nodes' pushers."""
+    return elastic_servers(settings) and settings.servers > 1
 
 
 def servers_return(settings: PSSettings) -> bool:
     """Whether a lost server, taken over by the others, may return (synchronous servers): a
-    launcher then starts lost servers again too."""
-    return servers_taken_over(settings) and settings.ps_mode == "sync"
+    launcher then starts lost servers again too (not ``--workers-per-node``, whose workers do
+    not join again)."""
+    return servers_taken_over(settings) and settings.ps_mode == "sync" and not settings.workers_per_node

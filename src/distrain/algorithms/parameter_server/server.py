@@ -51,6 +51,7 @@ from distrain.algorithms.parameter_server.wire import (
     NODE_ROW_KEY,
     STATE,
     STOP,
+    TAKEN_OVER_KEY,
     TAKEOVER,
     TAKEOVER_FIELDS,
     TAKEOVER_STATE_KEY,
@@ -72,7 +73,7 @@ from distrain.runtime.faults import (
     maybe_injected_kill,
     store_client,
 )
-from distrain.runtime.health import declare_dead, declared_dead
+from distrain.runtime.health import dead_since, declare_dead, declared_dead
 from distrain.runtime.membership import SERVERS_RETURN_KEY, LinkMissed, Membership, RunEnded
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
@@ -346,6 +347,10 @@ class ShardServer:
         if self.layout is None:
             self.layout = ShardLayout(shard_bounds(numel, self.settings.servers))
         pieces = self.layout.take_over(lost)[self.index]
+        if self.nodes is not None:  # a node's worker that leads it later takes the takeovers it did not push
+            store = self._store_client()
+            life = f"{lost}@{dead_since(store, self.num_workers + lost)}"
+            store.compare_set(TAKEN_OVER_KEY.format(life), "", str(self.settings.servers - len(self.layout.live())))
         if not pieces:
             log.warning("server %d: server %d is lost; the others take over its parameters", self.index, lost)
             return grads

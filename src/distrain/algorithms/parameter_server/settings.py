@@ -43,6 +43,11 @@ class ServerSettings(PSSettings):
     epochs: float
 
 
+#: Why ``--max-restarts`` is refused with ``--workers-per-node`` (from the config before any
+#: worker starts, or by a ``wrap()`` script's worker that finds restarts on in the store).
+NO_JOINS_IN_NODES = "a lost worker joins a ps run again without --workers-per-node only; use 0"
+
+
 def elastic_servers(settings: PSSettings) -> bool:
     """Whether the servers go on without a lost worker (see the module docstring): flat, or
     hierarchical (``--workers-per-node``) with synchronous servers."""

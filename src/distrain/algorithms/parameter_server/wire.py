@@ -39,6 +39,10 @@ TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") +
 #: Store keys of a lost server's answer of a step, offered by a worker it answered to those it
 #: did not (see :meth:`ParameterServer._agree`): its life, then the step.
 ANSWER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/takeover-answer/{}/{}"
+#: Store keys of the synchronous takeovers the servers made (hierarchical, elastic): the lost
+#: server's life (see :meth:`ParameterServer._life`); the value is the step taken over. A node's
+#: worker that becomes its pusher takes them in their order (:meth:`ParameterServer._follow_takeovers`).
+TAKEN_OVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/taken-over/{}"
 #: Store keys of the order of asynchronous takeovers: the n-th lost server (see
 #: :meth:`ParameterServer._take_over_async`).
 ASYNC_TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/async-takeover/{}"

@@ -34,7 +34,11 @@ from distrain.algorithms.parameter_server.nodes import (
     meet_before_node_groups,
 )
 from distrain.algorithms.parameter_server.server_optim import momentum_corrected
-from distrain.algorithms.parameter_server.settings import PSSettings, elastic_servers
+from distrain.algorithms.parameter_server.settings import (
+    NO_JOINS_IN_NODES,
+    PSSettings,
+    elastic_servers,
+)
 from distrain.algorithms.parameter_server.wire import (
     ANSWER_KEY,
     ASYNC_TAKEOVER_KEY,
@@ -44,6 +48,7 @@ from distrain.algorithms.parameter_server.wire import (
     NODE_ROW_KEY,
     STATE,
     STOP,
+    TAKEN_OVER_KEY,
     TAKEOVER,
     TAKEOVER_KEY,
     TAKEOVER_STATE_KEY,
@@ -182,8 +187,7 @@ class ParameterServer(Algorithm):
         self.node: ElasticNode | None = None
         if self.nodes is not None and store is not None:
             if store.check([RESTARTS_KEY]):
-                raise ConfigError("--max-restarts", "a lost worker joins a ps run again without --workers-per-node "
-                                                    "only; use 0")
+                raise ConfigError("--max-restarts", NO_JOINS_IN_NODES)
             self.node = ElasticNode(self.nodes, store, settings.run.timeout)
 
     def _push_info(self, ctx: StepContext) -> tuple[CompressInfo, bool]:
@@ -349,6 +353,8 @@ class ParameterServer(Algorithm):
                 break
             except NodeLoss:
                 node.regroup()
+                if node.is_leader and not self.pushes and self.takes_over:
+                    self._follow_takeovers()
                 self.pushes, regrouped = node.is_leader, True
         node.fold_stats()
 
@@ -578,7 +584,7 @@ class ParameterServer(Algorithm):
             if store.check([answer]):
                 self._take_answer(store, s, answer)
                 return None
-            live = [w for w in range(self.num_workers) if not declared_dead(store, w)]
+            live = self._live_pushers(store)
             seen = {w: int(store.get(TAKEOVER_KEY.format(life, w)).decode()) for w in live
                     if store.check([TAKEOVER_KEY.format(life, w)])}
             if self.clock - 1 in seen.values():  # they are behind (see above)
@@ -591,6 +597,32 @@ class ParameterServer(Algorithm):
                 raise WorkerFailure(f"worker {me}: lost server {s} at step {self.clock}; workers "
                                     f"{sorted(w for w in live if seen.get(w) != self.clock)} never reported it there")
             time.sleep(0.02)
+
+    def _live_pushers(self, store: Any) -> list[int]:
+        """The workers that push to the servers, not declared dead: every worker, or with
+        ``--workers-per-node`` each node's lowest live one, its leader (the servers' rule,
+        :meth:`ShardServer._succeed`)."""
+        live = [w for w in range(self.num_workers) if not declared_dead(store, w)]
+        if self.nodes is None:
+            return live
+        nodes = self.nodes.map
+        return [w for w in live if min(m for m in live if nodes.node_of(m) == nodes.node_of(w)) == w]
+
+    def _follow_takeovers(self) -> None:
+        """A worker that leads its node now (its leader was lost) pushes to the servers as they
+        are: the servers' takeovers it did not push (their marks in the store, in the servers'
+        order) change its layout as they changed the leader's."""
+        store, taken = self._store_client(), []
+        for s in self.layout.live():
+            life = dead_since(store, self.servers[s])
+            if life is not None and store.check([key := TAKEN_OVER_KEY.format(f"{s}@{life}")]):
+                taken.append((int(store.get(key).decode()), s))
+        for _, s in sorted(taken):
+            gained = self.layout.take_over(s)
+            self.lost_servers.setdefault(s, time.time())
+            self._server_links.pop(s, None)
+            log.warning("worker %d: leads its node now; server %d was lost, servers %s hold its parameters",
+                        self.transport.rank, s, [t for t, pieces in gained.items() if pieces])
 
     def _life(self, store: Any, s: int) -> str:
         """Which death of server ``s`` (one that returned may be lost again): its dead mark, the
@@ -766,6 +798,8 @@ class ParameterServer(Algorithm):
         did not hear it from the leader, once it took this worker for the node's pusher (a STOP
         it does not expect would never be received)."""
         assert self.node is not None
+        if self.takes_over:
+            self._follow_takeovers()
         store, me, deadline = self._store_client(), self.node.me, time.monotonic() + self.settings.run.timeout
         for s in self.layout.live():
             key = NODE_ROW_KEY.format(s, self.node.node)
