@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -102,7 +103,7 @@ def _losing_server_1_at_step_10(run_dir: Path, settings: dict[str, Any]) -> dict
 
 
 @pytest.mark.timeout(240)
-def test_a_run_whose_lost_server_was_taken_over_resumes_from_the_sets_saved_after_the_loss(tmp_path):
+def test_a_run_whose_lost_server_was_taken_over_resumes_from_the_sets_saved_after_the_loss(tmp_path, caplog):
     """ps, two servers; server 1 killed as round 10 begins: server 0 takes its parameters over and
     saves them with its own shard, with their optimizer state, in the sets that follow (server 1
     writes none, and the sets name the others only). A run resumed from such a set gives each
@@ -111,7 +112,9 @@ def test_a_run_whose_lost_server_was_taken_over_resumes_from_the_sets_saved_afte
     settings = {"workers": 2, "epochs": 2, "checkpoint_every": 7, "algorithm": "ps", "servers": 2, "min_workers": 1,
                 "momentum": 0.9}
     full = tmp_path / "full"
-    summary = _losing_server_1_at_step_10(full, settings)
+    with caplog.at_level(logging.WARNING, logger="distrain.launch.local"):
+        summary = _losing_server_1_at_step_10(full, settings)
+    assert "server 1 (rank 3) was killed by SIGKILL; the workers and the other servers finished without it" in caplog.text
     total = summary["steps"]
     assert list(summary["lost_servers"]) == ["1"]
     store = CheckpointStore(full, 0, 4)

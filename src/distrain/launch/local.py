@@ -212,7 +212,8 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
     if failures and survivable and finished and len(finished) + len(failures) == len(ranks) \
             and all(code != EXIT_BAD_INPUT for _, code, _ in failures):
         for rank, code, _ in [f for f in failures if f[2] not in restarted]:
-            log.warning("%s; the other workers finished without it%s", _describe_exit(run_dir, rank, code, nworkers),
+            log.warning("%s; the %s finished without it%s", _describe_exit(run_dir, rank, code, nworkers),
+                        "other workers" if rank < nworkers else "workers and the other servers",
                         _traceback_note(run_dir, rank))
         return
     if failures:
