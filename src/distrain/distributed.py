@@ -446,13 +446,10 @@ class DistributedOptimizer:
         if self.membership is None:
             self.algorithm.setup(self.model, self.optimizer, self.transport)
             return
-        first = [True]
-
         def set_up() -> None:
-            if first:
-                first.clear()
+            if self.algorithm is not None:  # the first try, over the first group
                 self._guarded(lambda: self.algorithm.setup(self.model, self.optimizer, self.transport))
-            else:
+            else:  # a loss undid it (_guarded let it go): over the survivors' group
                 self._set_up_again(start=False)
 
         width = self.workers  # the run's workers, each counted by its id from now on if some are lost

@@ -124,6 +124,13 @@ def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, s
     return link, ranks
 
 
+def server_life(store: dist.Store, index: int, rank: int) -> str:
+    """Which death of server ``index`` (global rank ``rank``; one that returned may be lost
+    again): its dead mark, the same for every worker and server. The store keys of a takeover
+    are named by it."""
+    return f"{index}@{dead_since(store, rank)}"
+
+
 def servers_taken_over(settings: PSSettings) -> bool:
     """Whether a lost server's ranges are taken over by the others (elastic, two servers or
     more), synchronous or asynchronous, with dense or compressed pushes; with

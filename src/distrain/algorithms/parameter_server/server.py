@@ -20,6 +20,7 @@ from distrain.algorithms.hierarchical import node_process_groups
 from distrain.algorithms.parameter_server.elastic import (
     admissions,
     return_link,
+    server_life,
     servers_link,
     servers_return,
     survivors_transport,
@@ -73,7 +74,7 @@ from distrain.runtime.faults import (
     maybe_injected_kill,
     store_client,
 )
-from distrain.runtime.health import dead_since, declare_dead, declared_dead
+from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import SERVERS_RETURN_KEY, LinkMissed, Membership, RunEnded
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
@@ -349,7 +350,7 @@ class ShardServer:
         pieces = self.layout.take_over(lost)[self.index]
         if self.nodes is not None:  # a node's worker that leads it later takes the takeovers it did not push
             store = self._store_client()
-            life = f"{lost}@{dead_since(store, self.num_workers + lost)}"
+            life = server_life(store, lost, self.num_workers + lost)
             store.compare_set(TAKEN_OVER_KEY.format(life), "", str(self.settings.servers - len(self.layout.live())))
         if not pieces:
             log.warning("server %d: server %d is lost; the others take over its parameters", self.index, lost)

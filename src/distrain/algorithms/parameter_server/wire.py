@@ -40,8 +40,9 @@ TAKEOVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") +
 #: did not (see :meth:`ParameterServer._agree`): its life, then the step.
 ANSWER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/takeover-answer/{}/{}"
 #: Store keys of the synchronous takeovers the servers made (hierarchical, elastic): the lost
-#: server's life (see :meth:`ParameterServer._life`); the value is the step taken over. A node's
-#: worker that becomes its pusher takes them in their order (:meth:`ParameterServer._follow_takeovers`).
+#: server's life (see :func:`~distrain.algorithms.parameter_server.elastic.server_life`); the value
+#: is the takeover's place in the servers' order (1 for the first lost server). A node's worker
+#: that becomes its pusher takes them in that order (:meth:`ParameterServer._follow_takeovers`).
 TAKEN_OVER_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/taken-over/{}"
 #: Store keys of the order of asynchronous takeovers: the n-th lost server (see
 #: :meth:`ParameterServer._take_over_async`).

@@ -15,6 +15,7 @@ from distrain.algorithms.base import Algorithm, StepContext
 from distrain.algorithms.hierarchical import NodeGroups
 from distrain.algorithms.parameter_server.elastic import (
     return_link,
+    server_life,
     servers_link,
     servers_taken_over,
     survivors_transport,
@@ -613,9 +614,8 @@ class ParameterServer(Algorithm):
         are: the servers' takeovers it did not push (their marks in the store, in the servers'
         order) change its layout as they changed the leader's."""
         store, taken = self._store_client(), []
-        for s in self.layout.live():
-            life = dead_since(store, self.servers[s])
-            if life is not None and store.check([key := TAKEN_OVER_KEY.format(f"{s}@{life}")]):
+        for s in self.layout.live():  # (a live server's life names no takeover)
+            if store.check([key := TAKEN_OVER_KEY.format(self._life(store, s))]):
                 taken.append((int(store.get(key).decode()), s))
         for _, s in sorted(taken):
             gained = self.layout.take_over(s)
@@ -625,9 +625,8 @@ class ParameterServer(Algorithm):
                         self.transport.rank, s, [t for t, pieces in gained.items() if pieces])
 
     def _life(self, store: Any, s: int) -> str:
-        """Which death of server ``s`` (one that returned may be lost again): its dead mark, the
-        same for every worker."""
-        return f"{s}@{dead_since(store, self.servers[s])}"
+        """Which death of server ``s`` (see :func:`server_life`)."""
+        return server_life(store, s, self.servers[s])
 
     def _offer_answers(self, _waited: float) -> None:
         """While a synchronous step's answers are slow to come: a server declared dead may have
