@@ -73,6 +73,48 @@ def test_stop_request_ends_every_worker_with_a_checkpoint(tmp_path, algorithm, w
         assert CheckpointStore(run_dir, rank, nprocs).load(last)["step"] == last
 
 
+def test_a_stop_request_arriving_inside_another_is_taken():
+    """Ctrl-C and the launcher's forwarded SIGTERM reach a worker together: the second handler
+    can run between any two lines of the first (also inside what it calls). Each such moment
+    is tried: the nested request must return, and the request stand (a handler that takes a
+    lock held by its own thread waits for ever; the run then stopped only when the launcher
+    killed its workers)."""
+    import sys
+    import threading
+
+    from distrain.runtime.faults import StopRequest
+
+    moment = 0
+    while True:
+        stop = StopRequest()  # not installed: called as the signal module would call it
+        lines = [0]
+
+        def nested(frame, event, arg, stop=stop, lines=lines, moment=moment):  # noqa: ANN001, ANN202
+            if event == "line":
+                lines[0] += 1
+                if lines[0] == moment + 1:
+                    sys.settrace(None)
+                    stop._handle(signal.SIGTERM, None)  # the second signal, at this moment of the first
+            return nested
+
+        def first(stop=stop, nested=nested):  # noqa: ANN202
+            sys.settrace(nested)
+            try:
+                stop._handle(signal.SIGINT, None)
+            finally:
+                sys.settrace(None)
+
+        handler = threading.Thread(target=first, daemon=True)
+        handler.start()
+        handler.join(timeout=5)
+        assert not handler.is_alive(), f"a second request {moment + 1} lines into the first never returned"
+        assert stop.requested.is_set()
+        if lines[0] <= moment:  # the first handler ran out of lines before this moment: all tried
+            break
+        moment += 1
+    assert moment >= 2  # the handler's own lines were tried
+
+
 @pytest.mark.slow  # a real run: 10-30 s on 2 busy cores
 def test_workers_die_with_a_launcher_killed_outright(tmp_path):
     """SIGKILL gives the launcher no chance to stop anyone: its workers and server must notice."""

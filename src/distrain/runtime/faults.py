@@ -98,6 +98,26 @@ class NonFinite(Exception):
         super().__init__(f"non-finite {what}")
 
 
+class SignalFlag:
+    """A flag that a signal handler sets and the loop reads: :class:`threading.Event` without
+    its lock.
+
+    A handler runs in the main thread between two bytecodes, also between two of an earlier
+    handler's: Ctrl-C and the launcher's forwarded SIGTERM arrive together, and a second
+    ``Event.set`` that runs inside the first one's ``with self._cond`` waits for a lock that its
+    own thread holds, for ever. Assigning an attribute takes no lock.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class StopRequest:
     """Turns SIGTERM / SIGINT into a request that the loop honours at a step boundary.
 
@@ -110,7 +130,7 @@ class StopRequest:
     """
 
     def __init__(self) -> None:
-        self.requested = threading.Event()
+        self.requested = SignalFlag()  # set from a signal handler: no lock (see SignalFlag)
         self._first: float | None = None
         self._previous: dict[int, Any] = {}
 
