@@ -305,3 +305,45 @@ def test_a_restarted_worker_0_joins_asynchronous_gossip_again_and_the_summary_ke
         assert [line["event"] for line in lines if "event" in line] == ["joined"]
         back = next(i for i, line in enumerate(lines) if "event" in line)
         assert max(line.get("groups", 0) for line in lines[back:]) >= 1  # grouped again (counted from its return)
+
+
+@pytest.mark.slow  # about 20 s; CI loses workers at the start through wrap() (tests/distributed/test_elastic.py)
+def test_a_worker_lost_as_the_run_resumes_leaves_the_others_going_on_from_the_checkpoint(tmp_path):
+    """A one-epoch run of hierarchical all-reduce is resumed for a second epoch, and worker 1
+    dies as the node groups are made, before the first step: the three others go on from the
+    checkpoint's step without it (it was lost there, not at step 0), end at the run's planned
+    length with the same parameters, and the summary keeps the first segment's counters."""
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "--workers", "4", "--workers-per-node", "2", "--checkpoint-every", "4", "--run-dir", str(run_dir)]
+    first = run_cli([*args, "--epochs", "1"])
+    assert first.returncode == 0, first.stderr
+    total = json.loads((run_dir / "summary.json").read_text())["steps"]
+    longer = run_cli([*args, "--epochs", "2", "--resume", "auto"], DISTRAIN_INJECT_KILL_IN="node-groups:1")
+    assert longer.returncode == 0, longer.stderr
+    assert longer.orphans == []
+    assert "worker 1 was killed by SIGKILL; the other workers finished without it" in longer.stderr
+    assert re.search(r"worker [023]: lost worker\(s\) \[1\] as the run started; 3 workers go on", longer.stderr)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    end = summary["steps"]
+    assert end == 2 * total  # the length the four workers planned
+    [lost] = summary["membership"]
+    assert lost["event"] == "lost" and lost["workers"] == [1] and lost["members"] == [0, 2, 3]
+    assert lost["lost_at_step"] == total
+    assert summary["workers_at_end"] == 3 and list(summary["lost_workers"]) == ["1"]
+    assert summary["steps_per_worker"] == [end, 0, end, end]  # a lost worker's row is empty, the others' whole
+    assert summary["segments"] == 2 and summary["resumed_from_step"] == total
+    assert_same_checkpoints(run_dir, end, [0, 2, 3])
+    assert CheckpointStore(run_dir, 0, 4).members(end) == [0, 2, 3]
+    for worker in (0, 2, 3):  # every survivor trained every step of the second epoch, the loss noted at its start
+        lines = [json.loads(line) for line in (run_dir / "metrics" / f"rank{worker}.jsonl").read_text().splitlines()]
+        events = [line for line in lines if line.get("event") == "lost"]
+        assert len(events) == 1 and events[0]["step"] == total and events[0]["workers"] == [1]
+        assert [line["step"] for line in lines if "loss" in line and line["step"] > total] == list(range(total + 1, end + 1))
+    # and resumed again, worker 1 returns from a member's checkpoint and all four end in step
+    third = run_cli([*args, "--epochs", "3", "--resume", "auto"])
+    assert third.returncode == 0, third.stderr
+    assert f"worker 1 was lost before the checkpoint of step {end}; it resumes from worker 0's state" in third.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 * total and summary["workers_at_end"] == 4 and summary["segments"] == 3
+    assert [c["event"] for c in summary["membership"]] == ["lost", "joined"]
+    assert_same_checkpoints(run_dir, 3 * total, range(4))

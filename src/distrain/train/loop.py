@@ -45,7 +45,7 @@ from distrain.data import (
 from distrain.data.sampler import DataPlan, ShardSampler
 from distrain.distributed import DistributedOptimizer
 from distrain.emulation import NetworkSettings
-from distrain.errors import ConfigError, DataError, WorkerFailure
+from distrain.errors import ConfigError, DataError
 from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
@@ -290,9 +290,6 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     opt = DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                                workers_group=workers_group, broadcast=False, heartbeat=False, joined=joined)
     algorithm, transport = opt.algorithm, opt.transport
-    if joined is None and opt.changes and state is not None:  # (its checkpoints name the workers that wrote them)
-        raise WorkerFailure(f"worker {rank}: lost worker(s) {sorted(w for c in opt.changes for w in c.lost)} as the "
-                            f"run resumed from step {state['step']}; resume it again")
 
     # --- resume: the state of every part, and what the earlier segments did ---------------------
     start_step = 0
@@ -321,6 +318,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                 log.warning("worker %d was lost before the checkpoint of step %d; it resumes from worker %d's state",
                             rank, start_step, source)
         algorithm.resume_at(start_step)
+        if joined is None:  # workers lost as the run resumed: the survivors go on from the checkpoint's step
+            for change in opt.changes:
+                change.step, change.steps = start_step, dict.fromkeys(change.steps, start_step)
         before = store.members(resume_step)
         back = [w for w in range(world) if w not in before]
         if resized:
@@ -343,9 +343,9 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             plan = plan.changed(list(range(world)), start_step, {}, split(cfg, train_set, world))
         sampler = plan.samplers[rank]
 
-    earlier = totals.offsets(transport.world_size)  # for the metrics lines
-    if joined is None and opt.changes:  # workers lost as the run started (wrap() went on without them)
-        plan = replan(cfg, opt, train_set, plan, opt.changes, 0, world)
+    earlier = totals.offsets(len(opt.peer_traffic()[0]))  # for the metrics lines (peers: the run's, lost ones too)
+    if joined is None and opt.changes:  # workers lost as the run started or resumed (wrap() went on without them)
+        plan = replan(cfg, opt, train_set, plan, opt.changes, start_step, world)
         sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule, plan, sampler)
     if joined is not None:  # where the others are: their step, data split and learning rate
         start_step = opt.steps
