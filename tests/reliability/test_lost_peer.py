@@ -61,3 +61,24 @@ def test_a_worker_lost_as_hierarchical_servers_start_stops_the_run_at_once(tmp_p
     assert [p.name for p in notes] == [f"rank-{r}.txt" for r in (0, 1, 2, 4, 5)]  # the others, servers too
     for note in notes:  # not the groups' rendezvous timing out (--timeout later)
         assert "rank(s) [3] lost as the run started, before its node groups were made" in note.read_text(), note
+
+
+@pytest.mark.parametrize("algorithm", ["adpsgd", pytest.param("prague", marks=pytest.mark.slow)])
+def test_a_worker_lost_before_the_gossip_groups_are_made_stops_the_run_at_once(tmp_path, algorithm):
+    """Asynchronous gossip: worker 2 killed as the run starts, as it is about to make the gossip
+    groups over every worker (whose rendezvous would wait for it as long as the groups' own
+    timeout: a week, for groups whose waits the survivors bound themselves): the others see it
+    declared dead where they meet first and leave, each in one line; the last line names it;
+    nothing is left running, well within --timeout."""
+    mark = tmp_path / "killed-at"
+    run = run_cli([*QUICK, "--workers", "4", "--epochs", "3", "--algorithm", algorithm, "--run-dir", str(tmp_path / "run")],
+                  timeout=120, DISTRAIN_INJECT_KILL_IN="gossip-groups:2", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 1, run.stderr
+    assert run.orphans == []
+    assert mark.exists()
+    assert "worker 2 was killed by SIGKILL; the run was stopped" in run.stderr.strip().splitlines()[-1], run.stderr
+    notes = sorted((tmp_path / "run" / "failures").glob("rank-*.txt"))
+    assert [p.name for p in notes] == [f"rank-{r}.txt" for r in (0, 1, 3)]
+    for note in notes:
+        assert "rank(s) [2] lost as the run started, before its gossip groups were made" in note.read_text(), note
+    assert run.wall < TIMEOUT  # where it met the others, not in a rendezvous

@@ -71,6 +71,7 @@ from distrain.algorithms.gossip import (
     SharedModel,
     Waiter,
     gossip_group,
+    meet_before_gossip_groups,
 )
 from distrain.algorithms.rejoin import POLL_S, Admissions, await_entry, open_pair
 from distrain.comm.transport import Handle, Transport
@@ -561,6 +562,7 @@ class ADPSGD(AsyncGossip):
         if self.entered is not None:  # no group to enter: links with each neighbour (see rejoin.py)
             return PairwiseGossip(self.state, transport, self.graph, seed=g.run.seed, liveness=liveness,
                                   peer_timeout=g.peer_timeout, admissions=admissions, entering=True)
+        meet_before_gossip_groups(liveness, transport, g.run.timeout)
         group = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)  # see Waiter
         return PairwiseGossip(self.state, Transport(group, link_model=transport.link_model), self.graph,
                               seed=g.run.seed, liveness=liveness, peer_timeout=g.peer_timeout, admissions=admissions)

@@ -56,8 +56,16 @@ from distrain.algorithms.rejoin import Admissions
 from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import WorkerFailure
+from distrain.runtime.faults import inject_kill_in
 from distrain.runtime.health import LOST_CHECK_S, Liveness
-from distrain.runtime.membership import Change, LeftOut, LinkMissed, Membership, restarted_workers
+from distrain.runtime.membership import (
+    Change,
+    LeftOut,
+    LinkMissed,
+    Membership,
+    meet_before_groups,
+    restarted_workers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -452,6 +460,17 @@ class PeerTimeout(RuntimeError):
 #: The gloo timeout of gossip groups whose waits a :class:`Waiter` bounds: a gloo timeout would
 #: close every connection of the group, so it must never fire while the survivors go on.
 GOSSIP_BACKSTOP_S = 7 * 24 * 3600.0
+
+
+def meet_before_gossip_groups(liveness: Liveness | None, transport: Transport, timeout: float) -> None:
+    """Before the gossip groups are made over every worker (collective: their rendezvous would
+    wait for a worker lost as the run starts until their timeout, a week for groups whose waits
+    the survivors bound themselves): with ``liveness`` (a run that survives losses), the workers
+    meet in the launcher's store first, and one lost before its mark stops the run in one line
+    (see :func:`~distrain.runtime.membership.meet_before_groups`)."""
+    inject_kill_in("gossip-groups", transport.rank)  # fault injection for tests
+    if liveness is not None:
+        meet_before_groups(liveness.store, transport.rank, transport.world_size, timeout, "its gossip groups", "gossip")
 
 
 def gossip_group(timeout: float) -> Any:

@@ -108,6 +108,7 @@ from distrain.algorithms.gossip import (
     SharedModel,
     Waiter,
     gossip_group,
+    meet_before_gossip_groups,
 )
 from distrain.algorithms.rejoin import POLL_S, Admissions, await_entry, open_pair
 from distrain.comm.ring import ring_all_reduce
@@ -984,6 +985,7 @@ class Prague(AsyncGossip):
             return GroupGossip(self.state, transport, transport, size, seed=g.run.seed, timeout=g.peer_timeout,
                                liveness=liveness, admissions=admissions, entry=self.entered.epoch)
         # With liveness the control group's waits are bounded by us (see Waiter), gloo's is a backstop.
+        meet_before_gossip_groups(liveness, transport, g.run.timeout)
         data = gossip_group(g.peer_timeout)
         control = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)
         link = transport.link_model

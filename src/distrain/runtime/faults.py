@@ -33,7 +33,8 @@ Fault injection for tests (environment variables, read by every worker):
                                        builds its algorithm over the new group),
                                        ``node-stop`` (a worker of synchronous parameter
                                        servers, once it told the first server its training
-                                       is over)
+                                       is over), ``gossip-groups`` (a worker of adpsgd or
+                                       prague, as it is about to make its gossip groups)
     DISTRAIN_INJECT_KILL_ANSWERING='RANK:STEP:N'  synchronous parameter server RANK (global rank)
                                        kills itself with SIGKILL once it answered step STEP (as
                                        its workers count them) to its first N live workers and

@@ -574,6 +574,23 @@ def await_ready(store: dist.Store, ranks: list[int], me: int, timeout: float,
         time.sleep(POLL_S / 2)
 
 
+def meet_before_groups(store: dist.Store | None, rank: int, world: int, timeout: float, what: str, key: str) -> None:
+    """Every process of a run that survives losses (``rank`` of ``world``) marks itself ready
+    in the launcher's ``store`` (under ``key``) before ``what`` (e.g. "its node groups") are
+    made over every process, and waits for the others' marks: one declared dead before its
+    mark (lost as the run starts) stops the run here at once, in one line, where making the
+    groups would wait for it until their timeout. No store (no launcher declares deaths):
+    nothing to wait for."""
+    if store is None:
+        return
+    try:
+        await_ready(dist.PrefixStore(f"{PREFIX}/groups/{key}", store), list(range(world)), rank, timeout,
+                    lambda r: declared_dead(store, r), f"process {rank}: {what} were not made")
+    except LinkMissed as exc:
+        raise WorkerFailure(f"process {rank}: rank(s) {exc.ranks} lost as the run started, before {what} "
+                            "were made; the run stops") from None
+
+
 def asked(store: dist.Store, start: int = 0, stop: int | None = None) -> list[int]:
     """Who asked to join the run, in the order they asked: asks ``start`` to ``stop`` (None: every
     ask so far); a worker started again several times is named once per ask."""

@@ -55,23 +55,6 @@ PREFIX = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/ps/
 _SLOTS = 1 << 16
 
 
-def meet_before_node_groups(store: Any, rank: int, world: int, timeout: float) -> None:
-    """Every process of an elastic hierarchical run (workers and servers; ``rank`` of ``world``)
-    marks itself ready in the launcher's store before the node groups are made, and waits for
-    the others' marks: one declared dead before its mark (lost as the run starts) stops the run
-    here at once, in one line, where making the groups would wait for it until the store's
-    timeout (two minutes)."""
-    if store is None:
-        return
-    try:
-        await_ready(dist.PrefixStore(f"{PREFIX}/groups", store), list(range(world)), rank, timeout,
-                    lambda r: declared_dead(store, r),
-                    f"process {rank}: the node groups were not made")
-    except LinkMissed as exc:
-        raise WorkerFailure(f"process {rank}: rank(s) {exc.ranks} lost as the run started, before its node groups "
-                            "were made; the run stops") from None
-
-
 class NodeLoss(Exception):
     """A worker of this node died during the node's reduce or broadcast."""
 

@@ -34,7 +34,6 @@ from distrain.algorithms.parameter_server.layout import (
     shard_of,
     shards_touched,
 )
-from distrain.algorithms.parameter_server.nodes import meet_before_node_groups
 from distrain.algorithms.parameter_server.server_optim import (
     RoundMomentumSGD,
     follow_pushers,
@@ -75,7 +74,13 @@ from distrain.runtime.faults import (
     store_client,
 )
 from distrain.runtime.health import declare_dead, declared_dead
-from distrain.runtime.membership import SERVERS_RETURN_KEY, LinkMissed, Membership, RunEnded
+from distrain.runtime.membership import (
+    SERVERS_RETURN_KEY,
+    LinkMissed,
+    Membership,
+    RunEnded,
+    meet_before_groups,
+)
 from distrain.runtime.totals import RunTotals
 from distrain.topology import NodeMap
 
@@ -988,8 +993,8 @@ def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.opt
         return  # the workers found the run finished too, and leave before anything collective
     if settings.workers_per_node:  # the workers create their node groups: collective over the world
         if elastic_servers(settings):
-            meet_before_node_groups(store_client(settings.run.timeout), transport.rank, transport.world_size,
-                                    settings.run.timeout)
+            meet_before_groups(store_client(settings.run.timeout), transport.rank, transport.world_size,
+                               settings.run.timeout, "its node groups", "nodes")
         node_process_groups(settings.run.workers, settings.workers_per_node, settings.run.timeout)
     emulation.start()
     start, cpu_start = time.perf_counter(), time.process_time()

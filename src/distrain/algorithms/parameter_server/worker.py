@@ -29,11 +29,7 @@ from distrain.algorithms.parameter_server.layout import (
     shard_bounds,
     shards_touched,
 )
-from distrain.algorithms.parameter_server.nodes import (
-    ElasticNode,
-    NodeLoss,
-    meet_before_node_groups,
-)
+from distrain.algorithms.parameter_server.nodes import ElasticNode, NodeLoss
 from distrain.algorithms.parameter_server.server_optim import momentum_corrected
 from distrain.algorithms.parameter_server.settings import (
     NO_JOINS_IN_NODES,
@@ -65,7 +61,13 @@ from distrain.compress.pushes import PushDecoder, ShardPush, send_message
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import inject_kill_in, is_comm_error, store_client
 from distrain.runtime.health import LOST_CHECK_S, dead_since, declared_dead
-from distrain.runtime.membership import RESTARTS_KEY, LeftOut, LinkMissed, wait_polling
+from distrain.runtime.membership import (
+    RESTARTS_KEY,
+    LeftOut,
+    LinkMissed,
+    meet_before_groups,
+    wait_polling,
+)
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +183,7 @@ class ParameterServer(Algorithm):
         k = settings.workers_per_node
         inject_kill_in("node-groups", transport.rank)  # fault injection for tests
         store = self._store_client() if k and elastic_servers(settings) else None  # None: node losses stop the run
-        meet_before_node_groups(store, transport.rank, transport.world_size, settings.run.timeout)
+        meet_before_groups(store, transport.rank, transport.world_size, settings.run.timeout, "its node groups", "nodes")
         self.nodes = NodeGroups(transport, k, timeout=settings.run.timeout, workers=self.num_workers) if k else None
         self.pushes = self.nodes is None or self.nodes.is_leader
         #: elastic: the node's survivors meet again when one of them dies (see :mod:`.nodes`)
