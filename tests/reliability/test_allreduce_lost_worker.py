@@ -347,3 +347,25 @@ def test_a_worker_lost_as_the_run_resumes_leaves_the_others_going_on_from_the_ch
     assert summary["steps"] == 3 * total and summary["workers_at_end"] == 4 and summary["segments"] == 3
     assert [c["event"] for c in summary["membership"]] == ["lost", "joined"]
     assert_same_checkpoints(run_dir, 3 * total, range(4))
+
+
+@pytest.mark.slow  # about 15 s; CI: a restarted worker joins through wrap() (tests/distributed/test_elastic.py)
+def test_a_worker_lost_while_the_others_load_their_data_is_started_again_and_joins(tmp_path):
+    """Worker 1 dies as its training begins, while the others load their data (each knows every
+    shard without a word to the others, so nothing waits for it there): the others go on
+    without it from step 0, and its new life, asking to join before they even saw the loss,
+    stays alive to them (the loss they agree on is its last life's), joins and ends with their
+    parameters."""
+    run_dir = tmp_path / "run"
+    run = run_cli([*QUICK, "--workers", "4", "--epochs", "2", "--max-restarts", "1", "--checkpoint-every", "4",
+                   "--run-dir", str(run_dir)], DISTRAIN_INJECT_KILL_AFTER="1:0.0")
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lost, joined = summary["membership"]
+    assert lost["event"] == "lost" and lost["workers"] == [1] and lost["lost_at_step"] == 0
+    assert joined["event"] == "joined" and joined["workers"] == [1] and joined["joined_at_step"] > 0
+    assert summary["workers_at_end"] == 4
+    end = summary["steps"]
+    assert summary["steps_per_worker"] == [end, end - joined["joined_at_step"], end, end]
+    assert_same_checkpoints(run_dir, end, range(4))

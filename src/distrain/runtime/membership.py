@@ -297,8 +297,10 @@ class Membership:
             raise WorkerFailure(f"worker {self.me} stopped at step {steps} because {cause}")
         members, done = self.agree(steps)
         lost = [m for m in self.members if m not in members]
-        for m in lost:  # every survivor sees them dead from now on (gossip, summaries)
-            declare_dead(self.store, m)
+        asking = self.asking()
+        for m in lost:  # every survivor sees them dead from now on (gossip, summaries), but a new
+            if m not in asking:  # life of one, already asking to join, is alive (its launcher declared the last)
+                declare_dead(self.store, m)
         if self.me not in members:
             raise LeftOut(f"worker {self.me} was left out of the run at step {steps}: the other workers "
                                 f"agreed on {members} without it (its heartbeat was late)")
@@ -478,6 +480,8 @@ class Membership:
             store.delete_key(DEAD_KEY.format(me))
         deadline = time.monotonic() + timeout
         while not store.check([ADMIT_KEY.format(n)]):
+            if reopen and store.check([DEAD_KEY.format(me)]):  # survivors that agreed on its last life's
+                store.delete_key(DEAD_KEY.format(me))  # loss as it asked declared that one dead: not this one
             # (admitted just before the members closed: it joins, and finds the run at its end)
             if store.check([CLOSED_KEY]) and not store.check([ADMIT_KEY.format(n)]):
                 raise RunEnded(f"worker {me} was started again, but the others had finished training")

@@ -99,8 +99,9 @@ ModelFactory = Callable[[], torch.nn.Module]
 
 
 def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | None,
-                test_set: Dataset | None) -> tuple[Dataset, np.ndarray, Dataset]:
-    """This worker's view of the data: the training set, its shard's indices, the test set."""
+                test_set: Dataset | None) -> tuple[Dataset, list[np.ndarray] | np.ndarray, Dataset]:
+    """This worker's view of the data: the training set, the indices of every worker's shard
+    of it (shard files: this worker's own files, all of its set), the test set."""
     d = cfg.data
     check_task_data(d.task_name(), train_set)
     if train_set is None and d.dataset == "shards":
@@ -117,7 +118,7 @@ def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | No
         raise DataError("the training set is empty")
     if world > n:
         raise ConfigError("--workers", f"must be at most the number of training samples ({n}), got {world}")
-    return train_set, split(cfg, train_set, world)[rank], test_set
+    return train_set, split(cfg, train_set, world), test_set
 
 
 def split(cfg: TrainConfig, train_set: Dataset, workers: int) -> list[np.ndarray]:
@@ -163,10 +164,16 @@ class WorkerData(NamedTuple):
 
 def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | None, test_set: Dataset | None,
                      group: Any = None, task: Task | None = None, collective: bool = True) -> WorkerData:
-    """This worker's shard and the run's length (collective over ``group``): ConfigError naming
-    ``--batch-size`` if some worker's shard is smaller than one batch. Not ``collective`` (a worker
-    joining a running job): every shard is taken to be this one's size."""
-    train_set, shard, test_set = worker_data(cfg, rank, world, train_set, test_set)
+    """This worker's shard and the run's length: ConfigError naming ``--batch-size`` if some
+    worker's shard is smaller than one batch.
+
+    Every worker holds the training set and splits it the same way, so each knows every shard
+    without a word to the others: a worker lost while the others load their data is then lost
+    to the elastic run, not to a collective that no member could recover from. Shard files
+    (each worker reads its own) are reported over ``group`` (collective); not ``collective`` (a
+    worker joining a running job), every shard is taken to be this one's size."""
+    train_set, shards_of, test_set = worker_data(cfg, rank, world, train_set, test_set)
+    shard = shards_of[rank] if isinstance(shards_of, list) else shards_of
     labelled = task is None or task.labels
     if getattr(train_set, "num_classes", None) is not None and not labelled:  # a vocabulary (text)
         num_classes = int(train_set.num_classes)  # type: ignore[attr-defined]
@@ -175,8 +182,12 @@ def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset
     else:  # regression: the model's outputs are the target's values
         target = batches_of(train_set, torch.tensor([0]), classes=False)[1]
         num_classes = int(target[0].numel())
-    shards = (shard_report(train_set, shard, num_classes if labelled else 0, group) if collective
-              else [{"rank": r, "size": len(shard), "label_histogram": []} for r in range(world)])
+    if isinstance(shards_of, list):
+        shards = [shard_row(r, train_set, s, num_classes if labelled else 0) for r, s in enumerate(shards_of)]
+    elif collective:
+        shards = shard_report(train_set, shard, num_classes if labelled else 0, group)
+    else:
+        shards = [{"rank": r, "size": len(shard), "label_histogram": []} for r in range(world)]
     if min(s["size"] for s in shards) < cfg.data.batch_size:
         small = min(shards, key=lambda s: s["size"])
         raise ConfigError("--batch-size", f"worker {small['rank']}'s shard has {small['size']} samples, fewer than one batch of {cfg.data.batch_size}")
@@ -187,12 +198,19 @@ def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset
     return WorkerData(train_set, test_set, num_classes, shards, steps_per_epoch, total_steps, sampler)
 
 
-def shard_report(dataset: Dataset, shard: np.ndarray, num_classes: int, group: Any = None) -> list[dict[str, Any]]:
-    """Every worker's shard size and label histogram (gathered; each worker knows only its own;
-    ``num_classes`` 0: no labels, an empty histogram)."""
+def shard_row(rank: int, dataset: Dataset, shard: np.ndarray, num_classes: int) -> dict[str, Any]:
+    """Worker ``rank``'s shard of ``dataset``: its size and label histogram (``num_classes`` 0:
+    no labels, an empty histogram)."""
     labels = labels_of(dataset)[shard] if len(shard) and num_classes else np.zeros(0, dtype=np.int64)
-    mine = torch.tensor([len(shard), *np.bincount(labels, minlength=num_classes)[:num_classes]], dtype=torch.int64)
-    rows = control_all_gather(mine, group)
+    return {"rank": rank, "size": len(shard),
+            "label_histogram": [int(v) for v in np.bincount(labels, minlength=num_classes)[:num_classes]]}
+
+
+def shard_report(dataset: Dataset, shard: np.ndarray, num_classes: int, group: Any = None) -> list[dict[str, Any]]:
+    """Every worker's :func:`shard_row`, gathered where each worker knows only its own (shard
+    files)."""
+    mine = shard_row(0, dataset, shard, num_classes)
+    rows = control_all_gather(torch.tensor([mine["size"], *mine["label_histogram"]], dtype=torch.int64), group)
     return [{"rank": r, "size": int(row[0]), "label_histogram": [int(v) for v in row[1:]]} for r, row in enumerate(rows)]
 
 
