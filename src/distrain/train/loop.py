@@ -99,15 +99,15 @@ ModelFactory = Callable[[], torch.nn.Module]
 
 
 def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | None,
-                test_set: Dataset | None) -> tuple[Dataset, list[np.ndarray] | np.ndarray, Dataset]:
-    """This worker's view of the data: the training set, the indices of every worker's shard
-    of it (shard files: this worker's own files, all of its set), the test set."""
+                test_set: Dataset | None) -> tuple[Dataset, np.ndarray, list[np.ndarray] | None, Dataset]:
+    """This worker's view of the data: the training set, its shard's indices, every worker's
+    shard (None for shard files: each worker reads its own, all of its set), the test set."""
     d = cfg.data
     check_task_data(d.task_name(), train_set)
     if train_set is None and d.dataset == "shards":
         # Shard files on shared storage: each worker reads only the files it owns.
         own = load_worker_shards(d.data_path, rank, world)
-        return own, np.arange(len(own)), load_shard_dir_test(d.data_path)
+        return own, np.arange(len(own)), None, load_shard_dir_test(d.data_path)
     if train_set is None:
         train_set, test_set = load_dataset(d.dataset, path=d.data_path, num_samples=d.num_samples, seed=cfg.run.seed,
                                            context=d.context, tokenizer=d.tokenizer)
@@ -118,7 +118,8 @@ def worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset | No
         raise DataError("the training set is empty")
     if world > n:
         raise ConfigError("--workers", f"must be at most the number of training samples ({n}), got {world}")
-    return train_set, split(cfg, train_set, world), test_set
+    shards = split(cfg, train_set, world)
+    return train_set, shards[rank], shards, test_set
 
 
 def split(cfg: TrainConfig, train_set: Dataset, workers: int) -> list[np.ndarray]:
@@ -172,8 +173,7 @@ def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset
     to the elastic run, not to a collective that no member could recover from. Shard files
     (each worker reads its own) are reported over ``group`` (collective); not ``collective`` (a
     worker joining a running job), every shard is taken to be this one's size."""
-    train_set, shards_of, test_set = worker_data(cfg, rank, world, train_set, test_set)
-    shard = shards_of[rank] if isinstance(shards_of, list) else shards_of
+    train_set, shard, every, test_set = worker_data(cfg, rank, world, train_set, test_set)
     labelled = task is None or task.labels
     if getattr(train_set, "num_classes", None) is not None and not labelled:  # a vocabulary (text)
         num_classes = int(train_set.num_classes)  # type: ignore[attr-defined]
@@ -182,8 +182,8 @@ def plan_worker_data(cfg: TrainConfig, rank: int, world: int, train_set: Dataset
     else:  # regression: the model's outputs are the target's values
         target = batches_of(train_set, torch.tensor([0]), classes=False)[1]
         num_classes = int(target[0].numel())
-    if isinstance(shards_of, list):
-        shards = [shard_row(r, train_set, s, num_classes if labelled else 0) for r, s in enumerate(shards_of)]
+    if every is not None:
+        shards = [shard_row(r, train_set, s, num_classes if labelled else 0) for r, s in enumerate(every)]
     elif collective:
         shards = shard_report(train_set, shard, num_classes if labelled else 0, group)
     else:
