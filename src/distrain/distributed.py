@@ -89,6 +89,7 @@ from distrain.runtime.membership import (
     RunEnded,
     enter_run,
     mark_elastic,
+    mark_opening,
     wait_work,
     watch_waits,
 )
@@ -322,6 +323,8 @@ def _join(cfg: TrainConfig) -> bool:
     rank, world = _world_from_env()
     check_device(cfg, processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # distrain launch: it may start a rank lost before again
+            mark_opening(store_client(cfg.cluster.timeout), rank)
         init_group(cfg, rank, world, "env://")
     elif world == 1:
         init_group(cfg, 0, 1)

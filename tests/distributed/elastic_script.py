@@ -21,6 +21,9 @@ prints every thread's stack (what a hung run waits on). With ``ELASTIC_STEPS_OF=
 that leaves every worker in the run (an earlier join may have been undone by a loss), and 4 steps
 after it.
 
+With ``wrap``, ``VICTIM`` kills itself before it calls ``wrap()`` (as a script dies loading
+its data), once: its next life, started as the first one was, finds ``OUT/killed-before-wrap``.
+
 With ``ELASTIC_SAVE_AT=K`` each worker saves its model and ``opt.state_dict()`` once it has
 taken K steps (``OUT/state<id>.pt``); with ``ELASTIC_RESUME=DIR`` each starts from DIR's.
 
@@ -84,6 +87,9 @@ def main() -> None:
     if device != "cpu":
         settings.setdefault("backend", "gloo")
     momentum = settings.pop("momentum", 0.9)
+    if where == "wrap" and int(os.environ["RANK"]) == victim and not (out / "killed-before-wrap").exists():
+        (out / "killed-before-wrap").write_text("1")
+        os.kill(os.getpid(), signal.SIGKILL)
     opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), **settings)
     me, first_life = opt.id, "DISTRAIN_JOIN" not in os.environ
     save_at = int(os.environ.get("ELASTIC_SAVE_AT", "-1"))

@@ -238,6 +238,24 @@ def test_a_restarted_worker_joins_with_the_others_state(tmp_path: Path):
     assert not torch.allclose(reference(0, at + 1, back, steps), expected)  # the survivors redid step 3 without it
 
 
+def test_a_worker_killed_before_wrap_is_started_again_in_its_place(tmp_path: Path):
+    """--max-restarts 1: worker 2 dies before its ``wrap()`` (as a script dies loading its data).
+    Nobody waits for it in a run yet: once the others begin to open the group, the launcher
+    starts it again in its place, as it was started first, and the run is the four workers' from
+    step 0, with no change of members: every worker on the reference with all four gradients."""
+    done = launch_tagged(tmp_path, 2, 0, "wrap", "--max-restarts", "1")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "killed-before-wrap").exists()
+    assert ("rank 2 failed: killed by SIGKILL before it opened the group with the others; started again in its "
+            "place") in done.stderr
+    expected = absent_reference({}, STEPS)
+    for r in range(WORKERS):
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["workers"] == WORKERS and result["steps"] == STEPS and result["changes"] == [], r
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(reference(2, 0), expected)  # its gradients count from the first step
+
+
 @pytest.mark.slow  # CI: the join test above
 @pytest.mark.parametrize("phase", ["admission", "handover"])
 def test_a_member_lost_while_a_worker_joins_leaves_the_others_and_the_joiner_going(tmp_path: Path, phase: str):

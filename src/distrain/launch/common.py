@@ -295,6 +295,9 @@ class Restarts:
     start: Callable[[int], Any]
     workers: int | None = None
     store: Any = None
+    #: ``fresh(rank)`` starts a process in the place of one lost before it began to open the
+    #: default group (nobody waits for it in a run yet: it starts as the first one did)
+    fresh: Callable[[int], Any] | None = None
 
     def __call__(self, rank: int) -> Any:
         """The process started again for ``rank``, or None when no restart is left (or it is a
@@ -303,6 +306,14 @@ class Restarts:
             return None
         self.left -= 1
         return self.start(rank)
+
+    def in_place(self, rank: int) -> Any:
+        """A process started as the first one of ``rank`` was (see ``fresh``), or None when no
+        restart is left."""
+        if self.left <= 0 or self.fresh is None:
+            return None
+        self.left -= 1
+        return self.fresh(rank)
 
     def _servers_return(self) -> bool:
         try:

@@ -47,7 +47,7 @@ from distrain.launch.common import (
     wait_for_master,
 )
 from distrain.runtime.health import declare_dead, declared_dead
-from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run
+from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run, opening
 from distrain.runtime.process import EXIT_LEFT_OUT
 
 #: Seconds the other processes get to stop after a failure or Ctrl-C before they are killed.
@@ -277,7 +277,8 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
 
         for rank in mine:
             procs.append(start(rank, joining=nodes.join))
-        restart = Restarts(max_restarts, lambda rank: start(rank, joining=True), world - servers, store)
+        restart = Restarts(max_restarts, lambda rank: start(rank, joining=True), world - servers, store,
+                           fresh=lambda rank: start(rank, joining=nodes.join))
         code = _supervise(procs, interrupted, exit_window=timeout, store=store, restart=restart,
                           nodes=nodes if nodes.nnodes > 1 else None)
         if nodes.nnodes > 1:
@@ -364,6 +365,7 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
     stops this node's processes."""
     first_done: tuple[float, int] | None = None
     lost: list[_Process] = []
+    held: dict[_Process, float] = {}  # killed before opening the group: since when, until another opens it
     polled = time.monotonic()
     while True:
         if interrupted:
@@ -372,7 +374,8 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                   file=sys.stderr)
             return 130 if interrupted[0] == signal.SIGINT else 143
         codes = [p.proc.poll() for p in procs]
-        failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0) and p not in lost), None)
+        failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0) and p not in lost
+                       and p not in held), None)
         code = 0 if failed is None else int(codes[procs.index(failed)])  # type: ignore[arg-type]
         # died (a signal), or left out by the others (distrain.wrap() exits with EXIT_LEFT_OUT): the others go on
         if failed is not None and (code < 0 or code == EXIT_LEFT_OUT) and elastic_run(store):
@@ -387,6 +390,15 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                       f"others with their state", file=sys.stderr)
                 procs.append(again)
             continue
+        if failed is not None and code < 0 and restart is not None and restart.left > 0 and restart.fresh is not None \
+                and nodes is None and first_done is None and not opening(store, failed.rank):
+            held[failed] = time.monotonic()  # killed before it opened the group: nobody waits for it yet
+            continue
+        if failed is None and held:
+            started = len(procs)
+            failed, code = _start_in_place(held, procs, lost, store, restart, exit_window)
+            if len(procs) != started:
+                continue  # (started again: its place is in procs now)
         if failed is not None:
             failed, code, elsewhere = _root_cause(procs, failed, code, store, nodes)
             if elsewhere is not None:  # this node's failure followed another node's
@@ -419,6 +431,29 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                   file=sys.stderr)
             return 1
         time.sleep(0.05)
+
+
+def _start_in_place(held: dict[_Process, float], procs: list[_Process], lost: list[_Process], store: Any,
+                    restart: Restarts | None, exit_window: float) -> tuple[_Process | None, int]:
+    """Ranks ``held``, killed before they began to open the default group (nobody waits for them
+    in a run yet): once another rank opens it (``wrap()`` marks it in ``store``), each is started
+    again in its place, as it was started first; one held for ``exit_window`` seconds with nobody
+    opening it (the script opens the group itself, and its peers wait for it there), or with no
+    restart left, is the run's failure: it and its exit status are returned (None: none)."""
+    others = [q for q in procs if q not in held and q not in lost]
+    for p, since in list(held.items()):
+        if any(opening(store, q.rank) for q in others):
+            again = restart.in_place(p.rank) if restart is not None else None
+            if again is None:
+                return p, int(p.proc.returncode)
+            del held[p]
+            lost.append(p)
+            procs.append(again)
+            print(f"distrain: rank {p.rank} failed: {p.cause(p.proc.returncode)} before it opened the group with "
+                  "the others; started again in its place", file=sys.stderr)
+        elif time.monotonic() - since > exit_window:
+            return p, int(p.proc.returncode)
+    return None, 0
 
 
 def _root_cause(procs: list[_Process], failed: _Process, code: int, store: Any,

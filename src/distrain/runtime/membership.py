@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 PREFIX = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/members"
 #: Set in the store by the workers of an elastic run: a launcher then keeps the survivors going.
 ELASTIC_KEY = PREFIX + "/elastic"
+#: A process's mark, as ``wrap()`` begins to open the default group (see :func:`mark_opening`).
+OPENING_KEY = PREFIX + "/opening/{}"
 #: Set by a launcher that restarts lost workers: the members then look for joiners at every step.
 RESTARTS_KEY = PREFIX + "/restarts"
 #: Set by the parameter servers of a run where a lost server's range is taken over and the
@@ -658,6 +660,23 @@ def mark_elastic(store: dist.Store | None) -> None:
     """Tell the launcher hosting ``store`` that the others go on when a process dies."""
     if store is not None:
         store.set(ELASTIC_KEY, "1")
+
+
+def mark_opening(store: dist.Store | None, rank: int) -> None:
+    """Tell the launcher hosting ``store`` that process ``rank`` begins to open the default
+    group (``wrap()``): one that dies before has held nobody in a rendezvous, and may be started
+    again in its place (:func:`opening`)."""
+    if store is not None:
+        store.set(OPENING_KEY.format(rank), "1")
+
+
+def opening(store: dist.Store | None, rank: int) -> bool:
+    """Whether process ``rank`` began to open the default group (best effort: True when the
+    store cannot say, so that nothing is started in a place that may be taken)."""
+    try:
+        return store is None or store.check([OPENING_KEY.format(rank)])
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def elastic_run(store: dist.Store | None) -> bool:
