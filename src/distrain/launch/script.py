@@ -216,7 +216,9 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
     ``nodes`` on several machines, these are ``workers`` of ``nodes.nnodes * workers``.
 
     In an elastic run, a worker that dies is started again, up to ``max_restarts`` times in all:
-    it joins the others at a step's end with their state (``wrap()`` sees :data:`JOIN_ENV`).
+    it joins the others at a step's end with their state (``wrap()`` sees :data:`JOIN_ENV`). A
+    rank killed before its ``wrap()`` began to open the default group (any run) is started again
+    in its place, as it was started first, once another rank begins to open it.
 
     Bad settings raise ConfigError before anything starts.
     """
