@@ -1034,8 +1034,17 @@ class DistributedOptimizer:
             self.algorithm.load_server_state(state["servers"])  # type: ignore[attr-defined]
         self.optimizer.load_state_dict(state["optimizer"])
         self.algorithm.load_state_dict(state["algorithm"])
-        self.steps = int(state["steps"])
-        self.algorithm.resume_at(self.steps)
+        self.resume_at(int(state["steps"]))
+
+    def resume_at(self, steps: int) -> None:
+        """Go on as after ``steps`` steps (a resumed run, before its first step). Workers lost as
+        it started (before any step) were lost at that step: their changes say so."""
+        if not self._started:
+            for change in self.changes:
+                if not change.joined:
+                    change.step, change.steps = steps, dict.fromkeys(change.steps, steps)
+        self.steps = steps
+        self.algorithm.resume_at(steps)
 
     def shard(self, dataset: Dataset, labels: Any = None) -> Subset:
         """This worker's shard of ``dataset``: the split ``distrain train`` makes (``partition``

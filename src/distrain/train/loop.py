@@ -316,7 +316,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        start_step = opt.steps = int(state["step"])  # asynchronous: this worker's own steps (its set's differ)
+        start_step = int(state["step"])  # asynchronous: this worker's own steps (its set's differ)
         if source == rank and not resized:
             algorithm.load_state_dict(state["algorithm"])
             if "rng" in state:
@@ -335,10 +335,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             else:
                 log.warning("worker %d was lost before the checkpoint of step %d; it resumes from worker %d's state",
                             rank, start_step, source)
-        algorithm.resume_at(start_step)
-        if joined is None:  # workers lost as the run resumed: the survivors go on from the checkpoint's step
-            for change in opt.changes:
-                change.step, change.steps = start_step, dict.fromkeys(change.steps, start_step)
+        opt.resume_at(start_step)  # (workers lost as it resumed were lost at the checkpoint's step)
         before = store.members(resume_step)
         back = [w for w in range(world) if w not in before]
         if resized:
