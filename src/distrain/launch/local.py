@@ -173,7 +173,6 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
     """
     ranks = {p: r for r, p in enumerate(procs)}  # the process of each worker id, restarts included
     restarted: list[mp.Process] = []
-    joiners: list[mp.Process] = []  # the processes started again
     pending = list(procs)
     failed_at: float | None = None
     failures: list[tuple[int, int, mp.Process]] = []
@@ -197,9 +196,9 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
                 if not survivable or p.exitcode == EXIT_BAD_INPUT or (restart is not None and p.exitcode > 0
                                                                       and p.exitcode != EXIT_LEFT_OUT):
                     # (an elastic run goes on without a process that died, not one that failed: its error is the news)
-                    if failed_at is None:  # the run stops: a worker started again has nothing to say (it
-                        _stop([q for q in pending if q in joiners], wait=1.0)  # may wait to be admitted): not its grace
-                        pending = [q for q in pending if q not in joiners]
+                    if failed_at is None:  # the run stops: a worker started again (not of procs) has nothing
+                        _stop([q for q in pending if q not in procs], wait=1.0)  # to say (it may wait to be
+                        pending = [q for q in pending if q in procs]  # admitted): not the others' grace
                     failed_at = failed_at or time.monotonic()
                 elif restart is not None and signals is not None and signals.at is None \
                         and not any(q.exitcode == 0 for q in ranks):  # nobody has finished: it can still join
@@ -209,7 +208,6 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
                                     _describe_exit(run_dir, ranks[p], p.exitcode, nworkers))
                         ranks[again] = ranks[p]
                         pending.append(again)
-                        joiners.append(again)
                         restarted.append(p)
     if signals is not None and signals.at is not None:
         raise Interrupted(-1)
