@@ -33,7 +33,8 @@ def test_scenario_grids_are_valid(path: Path):
     assert any(c.reason is None for c in built)
 
 
-@pytest.mark.parametrize("stem, bits_per_s, latency_s", [("lm-lan", 10e9, 1e-4), ("lm-edge", 20e6, 0.01)])
+@pytest.mark.parametrize("stem, bits_per_s, latency_s", [("lm-lan", 10e9, 1e-4), ("lm-edge", 20e6, 0.01),
+                                                    ("lm-edge-slow", 10e6, 0.02)])
 def test_language_model_scenarios(stem: str, bits_per_s: float, latency_s: float):
     grid, train, _ = load_scenario(next(p for p in SCENARIOS if p.stem == stem))
     cfg = TrainConfig.from_dict(train).validate()
