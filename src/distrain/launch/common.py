@@ -307,10 +307,15 @@ class Restarts:
         self.left -= 1
         return self.start(rank)
 
+    @property
+    def in_place_left(self) -> bool:
+        """Whether a lost process may still be started in its place (see ``fresh``)."""
+        return self.left > 0 and self.fresh is not None
+
     def in_place(self, rank: int) -> Any:
         """A process started as the first one of ``rank`` was (see ``fresh``), or None when no
         restart is left."""
-        if self.left <= 0 or self.fresh is None:
+        if not self.in_place_left:
             return None
         self.left -= 1
         return self.fresh(rank)

@@ -392,11 +392,12 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                       f"others with their state", file=sys.stderr)
                 procs.append(again)
             continue
-        if failed is not None and code < 0 and restart is not None and restart.left > 0 and restart.fresh is not None \
+        if failed is not None and code < 0 and restart is not None and restart.in_place_left \
                 and nodes is None and first_done is None and not opening(store, failed.rank):
             held[failed] = time.monotonic()  # killed before it opened the group: nobody waits for it yet
             continue
         if failed is None and held:
+            assert restart is not None  # (only a run that may start a rank in its place holds one)
             started = len(procs)
             failed, code = _start_in_place(held, procs, lost, store, restart, exit_window)
             if len(procs) != started:
@@ -436,7 +437,7 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
 
 
 def _start_in_place(held: dict[_Process, float], procs: list[_Process], lost: list[_Process], store: Any,
-                    restart: Restarts | None, exit_window: float) -> tuple[_Process | None, int]:
+                    restart: Restarts, exit_window: float) -> tuple[_Process | None, int]:
     """Ranks ``held``, killed before they began to open the default group (nobody waits for them
     in a run yet): once another rank opens it (``wrap()`` marks it in ``store``), each is started
     again in its place, as it was started first; one held for ``exit_window`` seconds with nobody
@@ -445,7 +446,7 @@ def _start_in_place(held: dict[_Process, float], procs: list[_Process], lost: li
     others = [q for q in procs if q not in held and q not in lost]
     for p, since in list(held.items()):
         if any(opening(store, q.rank) for q in others):
-            again = restart.in_place(p.rank) if restart is not None else None
+            again = restart.in_place(p.rank)
             if again is None:
                 return p, int(p.proc.returncode)
             del held[p]
