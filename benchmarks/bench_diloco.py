@@ -97,7 +97,7 @@ SCENARIOS = {"lm-lan": ROOT / "benchmarks" / "scenarios" / "lm-lan.toml",
 #: lm-edge-slow is lm-edge at 10 Mbit/s and 20 ms, the slow end of the edge links the targets are
 #: set for: at lm-edge's 20 Mbit/s DDP's step is about 9.6 times the compute, below the target of
 #: 10 for DDP over the best DiLoCo, which no method can then reach.
-EDGES = ("lm-edge", "lm-edge-slow")
+EDGE_SCENARIOS = ("lm-edge", "lm-edge-slow")
 #: lm-edge-drop: lm-edge whose links fall 10 times, from 20 to 2 Mbit/s, DROP_AT_S seconds into the
 #: run (the trace file), with DiLoCo at H = 16, 64 and auto only: where auto should beat every
 #: fixed H, since a period fit for the link before the drop is 10 times too short after it.
@@ -149,7 +149,7 @@ def scenario_configs(name: str) -> list[dict[str, Any]]:
     lm-edge-drop: :data:`DROP_CONFIGS`)."""
     if name == "lm-edge-drop":
         return [c for c in CONFIGS if c["label"] in DROP_CONFIGS]
-    if name not in EDGES:
+    if name not in EDGE_SCENARIOS:
         return list(CONFIGS)
     return [{**c, **(EDGE.get(c["label"]) or {})} for c in CONFIGS if c["label"] not in EDGE or EDGE[c["label"]] is not None]
 

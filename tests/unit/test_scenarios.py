@@ -45,3 +45,12 @@ def test_language_model_scenarios(stem: str, bits_per_s: float, latency_s: float
         settings = NetworkSettings.from_config(cfg.network)
         assert settings.bandwidth == pytest.approx(bits_per_s)
         assert settings.latency == pytest.approx(latency_s)
+
+
+def test_lm_edge_slow_is_lm_edge_on_slower_links():
+    """lm-edge-slow keeps lm-edge's job: only its links (and its name) differ."""
+    _, edge, _ = load_scenario(next(p for p in SCENARIOS if p.stem == "lm-edge"))
+    _, slow, _ = load_scenario(next(p for p in SCENARIOS if p.stem == "lm-edge-slow"))
+    links = {"bandwidth", "latency"}
+    assert {k: v for k, v in slow.items() if k not in links} == edge
+    assert links <= set(slow)
