@@ -2,7 +2,7 @@
 
 Every script in ``benchmarks/`` writes its results file through :func:`write_result`, which adds
 a ``provenance`` record (the commit, whether the checkout had changes, the torch and Python
-versions, the host's core count, the UTC time and the command line) and rewrites any path inside
+versions, the host's core count and processor, the UTC time and the command line) and rewrites any path inside
 the repository as a path relative to it, so a results file says which code produced it and
 carries nothing of the machine it ran on but what matters for its figures.
 
@@ -34,6 +34,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 MIN_REPEATS = 3
 #: Keys every results file's ``provenance`` holds.
 FIELDS = ("commit", "dirty", "torch", "cpus", "python", "utc", "command")
+#: Keys recorded since 2026-12-02 (files written before lack them): the processor's model and the
+#: vector instructions torch's kernels use on it, on which a run's figures depend to the last digits.
+MACHINE_FIELDS = ("cpu", "cpu_capability")
 # An absolute path: a slash at the start of a word followed by a name and another slash.
 _ABSOLUTE = re.compile(r"(?<![\w.~-])/(?:[\w.~-]+/)+[\w.~-]*")
 
@@ -47,12 +50,14 @@ def _git(*args: str) -> str | None:
 
 
 def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """The record of this run: commit, dirty flag, versions, cores, UTC time and command line.
+    """The record of this run: commit, dirty flag, versions, cores, processor, UTC time and command line.
 
     ``dirty`` is True when tracked files other than the results differ from the commit (results
     written by an earlier benchmark do not make the code dirty), None outside a git checkout.
     """
     import torch
+
+    from distrain.compare import cpu_model
 
     argv = sys.argv if argv is None else argv
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
@@ -61,6 +66,8 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "dirty": None if status is None else status != "",
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": relative_text(shlex.join(["python", *argv])),

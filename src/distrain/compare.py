@@ -363,11 +363,27 @@ def comparison_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return make_plots(group_by_label(runs), out) if runs else []
 
 
+def cpu_model() -> str:
+    """The processor's model name (on Linux from ``/proc/cpuinfo``), else what ``platform`` says.
+
+    Results name it because a run's numbers follow it: the same commit, seed and settings gave
+    final losses 1% apart on two machines (the matmul kernels torch picks round differently, and
+    256 steps of training carry the difference on)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
     import torch
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.cuda.is_available()}
 

@@ -24,7 +24,7 @@ def test_compare_two_configurations(tmp_path: Path) -> None:
 
     comparison = json.loads((out / "comparison.json").read_text())
     assert [c["label"] for c in comparison["configs"]] == ["allreduce", "ddp"]
-    assert comparison["machine"]["torch"] and comparison["grid"]["baselines"] == ["ddp"]
+    assert comparison["machine"]["torch"] and comparison["machine"]["cpu"] and comparison["grid"]["baselines"] == ["ddp"]
     runs = {}
     for config in comparison["configs"]:
         assert config["status"] == "ok" and config["repeats_ok"] == 1

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -45,12 +46,20 @@ def test_every_unrecorded_file_exists():
 def test_results_record_their_provenance(path: Path):
     record = json.loads(path.read_text()).get("provenance")
     assert isinstance(record, dict), "no provenance"
-    assert sorted(record) == sorted(provenance.FIELDS)
+    assert set(provenance.FIELDS) <= set(record) <= {*provenance.FIELDS, *provenance.MACHINE_FIELDS}
     assert re.fullmatch(r"[0-9a-f]{40}", record["commit"] or ""), record["commit"]
     assert record["dirty"] in (True, False, None)  # None: not recorded at the time (BENCHMARKS.md)
     missing = [k for k in ("torch", "cpus", "python", "utc", "command") if record[k] in (None, "")]
     assert missing == [], f"unknown {missing}: regenerate {path.relative_to(ROOT)}"
     assert isinstance(record["cpus"], int) and record["cpus"] >= 1
+    assert all(record[k] not in (None, "") for k in provenance.MACHINE_FIELDS if k in record)
+
+
+def test_a_run_records_its_processor():
+    record = provenance.provenance(["benchmarks/x.py"])
+    assert sorted(record) == sorted({*provenance.FIELDS, *provenance.MACHINE_FIELDS})
+    assert isinstance(record["cpu"], str) and record["cpu"]
+    assert record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # e.g. AVX512, AVX2, DEFAULT
 
 
 @pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(RESULTS)) for p in FILES])
