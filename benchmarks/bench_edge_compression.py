@@ -108,7 +108,7 @@ def main() -> None:
     # DDP first: the baseline the speed-ups are measured against (compare runs the grid in order:
     # algorithms, then baselines; --baseline names it).
     command = ["compare", "--algorithms", "allreduce", "--compress", args.compress, "--baselines", args.baselines,
-               "--baseline", "ddp", "--out", str(args.out), *flags]
+               "--baseline", "ddp", "--out", str(args.out), "--overwrite", *flags]  # a new run replaces the last
     load_before = os.getloadavg()
     start = time.perf_counter()
     code = distrain_main(command)

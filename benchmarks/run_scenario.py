@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         out = args.results / name
         print(f"=== scenario {name}: {path} -> {out}", flush=True)
         start = time.perf_counter()
-        code = distrain_main(["compare", "--scenario", str(path), "--out", str(out), *extra])
+        code = distrain_main(["compare", "--scenario", str(path), "--out", str(out), "--overwrite", *extra])  # replaces the last run
         print(f"=== scenario {name}: exit {code} after {time.perf_counter() - start:.0f} s", flush=True)
         if (out / "comparison.json").exists() and code == 0:
             comparison = json.loads((out / "comparison.json").read_text())

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from distrain.config import (
@@ -150,6 +151,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     grid.baseline = args.baseline or grid.baseline
     grid.keep_checkpoints = args.keep_checkpoints
     grid.out = args.out or default_out(name)
+    claim_compare_out(Path(grid.out), cfg)
     comparison = run_comparison(grid, cfg, echo=lambda line: print(line, flush=True), command=command_line())
     print()
     print(comparison["table"])
@@ -157,6 +159,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for path in comparison["files"]:
         print(f"wrote {path}")
     return 0 if any(row["repeats_ok"] for row in comparison["configs"]) else 1  # 1: nothing ran
+
+
+def claim_compare_out(out: Path, cfg: TrainConfig) -> None:
+    """Refuse, before any run, an ``--out`` that holds an earlier comparison unless ``--overwrite``
+    (each of its runs would be deleted as the new grid reached it), and ``--resume``: every run
+    of a comparison starts afresh, so a resumed one would be deleted and trained again."""
+    if cfg.run.resume.strip().lower() not in ("", "none"):
+        raise ConfigError("--resume", f"distrain compare starts every run afresh; drop --resume {cfg.run.resume} (a "
+                          "comparison cannot be continued: run the configurations still missing into another --out)")
+    if (out / "comparison.json").exists() and not cfg.run.overwrite:
+        raise ConfigError("--out", f"{str(out)!r} holds an earlier comparison (comparison.json), whose runs would be "
+                          "deleted; pick another --out, or replace it with --overwrite")
 
 
 def flat_settings(values: dict[str, Any]) -> dict[str, Any]:

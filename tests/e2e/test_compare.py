@@ -70,3 +70,24 @@ def test_bad_grids_exit_2_with_one_line_naming_the_flag(tmp_path: Path, args: li
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], lines
     assert not (tmp_path / "c" / "comparison.json").exists()
+
+
+@pytest.mark.parametrize("args,flag", [([], "--out"), (["--resume", "auto"], "--resume")])
+def test_an_earlier_comparison_is_not_run_over(tmp_path: Path, args: list[str], flag: str) -> None:
+    """An --out holding a comparison is refused before any run (each of its runs would be deleted
+    as the new grid reached it), and so is --resume (every run of a comparison starts afresh);
+    --overwrite lets a new comparison replace the old one."""
+    from distrain.cli import claim_compare_out
+    from distrain.config import TrainConfig
+
+    out = tmp_path / "c"
+    (out / "allreduce" / "r0").mkdir(parents=True)
+    (out / "comparison.json").write_text('{"configs": []}\n')
+    (out / "allreduce" / "r0" / "notes.txt").write_text("mine\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    res = distrain("compare", "--out", str(out), *GRID, *args, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"distrain: {flag}:"), res.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    claim_compare_out(out, TrainConfig.from_dict({"overwrite": True}))  # replaced on request: no error
+    claim_compare_out(tmp_path / "new", TrainConfig())  # a new --out: no error

@@ -180,6 +180,85 @@ def test_a_run_dir_holding_an_earlier_run(tmp_path):
     assert len(left) == 1 and left != [steps[-1].name]  # only the new run's final checkpoint
 
 
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_resume_auto_does_not_start_afresh_over_a_run_that_ended(tmp_path, damage):
+    """A finished run whose checkpoints are gone (or every one damaged): ``--resume auto`` finds
+    nothing to go on from and is refused in one line, where it used to train again from step 0
+    over the run's summary, metrics and model; nothing in the directory changes."""
+    run = tmp_path / "run"
+    first = typed(tmp_path, "train", *QUICK, "--workers", "1", "--epochs", "0.1", "--run-dir", str(run),
+                  "--checkpoint-every", "2")
+    assert first.returncode == 0, first.stderr
+    if damage == "removed":
+        for path in sorted((run / "checkpoints").rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        (run / "checkpoints").rmdir()
+    else:
+        for path in (run / "checkpoints").rglob("rank-*.pt"):
+            path.write_bytes(path.read_bytes()[:200])
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    again = typed(tmp_path, "train", *QUICK, "--workers", "1", "--epochs", "0.2", "--run-dir", str(run),
+                  "--resume", "auto")
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 2, again.stderr
+    assert lines[-1].startswith("distrain: --resume:") and "holds a run that ended" in lines[-1], again.stderr
+    assert "--overwrite" in lines[-1] and "Traceback" not in again.stderr
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_resume_auto_starts_a_run_that_left_no_summary(tmp_path):
+    """A run directory with no summary.json (a run that died before its first checkpoint) has
+    no result to lose: ``--resume auto`` starts it afresh, as a restarted job expects."""
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    (run / "metrics" / "rank0.jsonl").write_text('{"step": 0, "loss": 2.3}\n')
+    out = typed(tmp_path, "train", *QUICK, "--workers", "1", "--epochs", "0.05", "--run-dir", str(run),
+                "--resume", "auto")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"] >= 1
+
+
+def test_a_resumed_run_judged_by_another_target(tmp_path):
+    """Resumed with another target, a run's time to target is when its earlier
+    evaluations first met the new target (computed here from its metrics), not when they met
+    the old one; one the earlier segment never met is not reported as met."""
+    run = tmp_path / "run"
+    base = [*QUICK, "--workers", "1", "--eval-every", "0.05", "--checkpoint-every", "5", "--run-dir", str(run)]
+    first = typed(tmp_path, "train", *base, "--epochs", "0.2", "--target-accuracy", "0.01")
+    assert first.returncode == 0, first.stderr
+    met = json.loads((run / "summary.json").read_text())["time_to_target_s"]
+    evaluations = [r for r in map(json.loads, (run / "metrics" / "rank0.jsonl").read_text().splitlines())
+                   if "test_accuracy" in r]
+    assert met == evaluations[0]["time"]  # any evaluation meets 1%
+    again = typed(tmp_path, "train", *base, "--epochs", "0.3", "--target-loss", "1e-9", "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    assert json.loads((run / "summary.json").read_text())["time_to_target_s"] is None  # a loss of 1e-9: never met
+    third = typed(tmp_path, "train", *base, "--epochs", "0.4", "--target-accuracy", "0.01", "--resume", "auto")
+    assert third.returncode == 0, third.stderr
+    assert json.loads((run / "summary.json").read_text())["time_to_target_s"] == met
+
+
+def test_a_run_that_stopped_at_its_target_is_finished(tmp_path):
+    """Ended by --stop-at-target, a run resumed with --stop-at-target and the same target has
+    nothing to do and changes nothing (it used to train on past where it stopped); without
+    --stop-at-target it trains further."""
+    run = tmp_path / "run"
+    base = [*QUICK, "--workers", "1", "--epochs", "2", "--eval-every", "0.05", "--checkpoint-every", "5",
+            "--target-accuracy", "0.3", "--run-dir", str(run)]
+    first = typed(tmp_path, "train", *base, "--stop-at-target")
+    assert first.returncode == 0, first.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_at_target"] is True
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    again = typed(tmp_path, "train", *base, "--stop-at-target", "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    assert "stopped at its target" in again.stdout + again.stderr and "nothing to do" in again.stdout + again.stderr
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()} == before
+    further = typed(tmp_path, "train", *base, "--resume", "auto")
+    assert further.returncode == 0, further.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"] > summary["steps"]
+
+
 def test_overwrite_and_resume_do_not_combine(capsys):
     assert refused(capsys, "--overwrite", "--resume", "auto").startswith("distrain: --overwrite:")
 

@@ -57,6 +57,7 @@ def test_stop_request_ends_every_worker_with_a_checkpoint(tmp_path, algorithm, w
     nprocs = workers + (1 if algorithm == "ps" else 0)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True
+    assert summary["steps"] == max(summary["steps_per_worker"][:workers])  # the steps taken, not those planned
     if algorithm == "adpsgd":  # asynchronous: each worker stops at its own step; they save one set,
         # named by the furthest one's step, that --resume auto takes (the budget not used up)
         last = CheckpointStore(run_dir, 0, nprocs).latest_complete()

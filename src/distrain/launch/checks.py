@@ -39,13 +39,19 @@ def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any]
     """The checkpoint --resume points at exists, is intact, and was written by this model and
     algorithm, and by this number of workers unless the algorithm can change it (rank 0's file,
     or its first member's, stands for the set); returns its state, or None when the run starts
-    afresh."""
+    afresh (refused where that would replace a run that ended: ``refuse_fresh_over_ended_run``)."""
     from distrain.runtime.checkpoint import CheckpointStore, check_compatible
-    from distrain.train.resume import check_worker_count, resize_setting, resume_point
+    from distrain.train.resume import (
+        check_worker_count,
+        refuse_fresh_over_ended_run,
+        resize_setting,
+        resume_point,
+    )
 
     store = CheckpointStore(run_dir, 0, nprocs)
     step = resume_point(store, cfg.run.resume, cfg.cluster.workers, cfg.algo.algorithm)
     if step is None:
+        refuse_fresh_over_ended_run(run_dir, cfg.run.resume)
         return None
     state = store.load(step, store.source(step))
     check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm)
@@ -59,7 +65,13 @@ def finished_before_start(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[
     see :func:`distrain.train.resume.already_finished`), else None."""
     from distrain.errors import CheckpointError
     from distrain.runtime.checkpoint import CheckpointStore, finished_for, planned_steps
-    from distrain.train.resume import BUDGET_DONE_KEY, already_finished, nothing_left, time_budget
+    from distrain.train.resume import (
+        BUDGET_DONE_KEY,
+        already_finished,
+        nothing_left,
+        stopped_at_this_target,
+        time_budget,
+    )
 
     state = check_resume(cfg, run_dir, nprocs)
     if state is None:
@@ -69,7 +81,7 @@ def finished_before_start(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[
         done = nothing_left(state, total, time_budget(cfg))
     else:
         done = finished_for(state, cfg.run.epochs)
-    if done:
+    if done or stopped_at_this_target(state, cfg):
         return already_finished(run_dir, state)
     if cfg.algo.algorithm == "ps" and cfg.ps.ps_mode == "async":
         store = CheckpointStore(run_dir, 0, nprocs)

@@ -44,6 +44,10 @@ class RunTotals:
     #: parameter servers the earlier segments lost, and those that returned (index -> Unix time)
     lost_servers: dict[int, float] = field(default_factory=dict)
     returned_servers: dict[int, float] = field(default_factory=dict)
+    #: the target ``time_to_target_s`` was judged by: ``[target_accuracy, target_loss]`` (None:
+    #: not recorded, checkpoints written before 2026-12-02); a run resumed with another target
+    #: finds when its earlier segments first met the new one (``distrain.train.loop.retarget``)
+    target: list[float | None] | None = None
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> RunTotals:
@@ -55,7 +59,8 @@ class RunTotals:
                    segment_wall_s=[float(v) for v in state.get("segment_wall_s", [])],
                    changes=[dict(c) for c in state.get("changes", [])],
                    lost_workers=_times(state.get("lost_workers")), lost_servers=_times(state.get("lost_servers")),
-                   returned_servers=_times(state.get("returned_servers")))
+                   returned_servers=_times(state.get("returned_servers")),
+                   target=None if state.get("target") is None else [None if v is None else float(v) for v in state["target"]])
 
     def for_another_worker(self) -> RunTotals:
         """The totals a worker takes from another's checkpoint (it was lost before that one was
@@ -113,14 +118,15 @@ class RunTotals:
         return RunTotals(self.total_row(row), self.eval_s + eval_s, target, [*self.segment_wall_s, row[2]],
                          [*self.changes, *(changes or [])], {**self.lost_workers, **(lost_workers or {})},
                          {**self.lost_servers, **(lost_servers or {})},
-                         {**self.returned_servers, **(returned_servers or {})})
+                         {**self.returned_servers, **(returned_servers or {})}, self.target)
 
     def state_dict(self) -> dict[str, Any]:
         return {"row": list(self.row), "eval_s": self.eval_s, "time_to_target_s": self.time_to_target_s,
                 "segment_wall_s": list(self.segment_wall_s), "changes": [dict(c) for c in self.changes],
                 "lost_workers": {str(w): t for w, t in self.lost_workers.items()},
                 "lost_servers": {str(s): t for s, t in self.lost_servers.items()},
-                "returned_servers": {str(s): t for s, t in self.returned_servers.items()}}
+                "returned_servers": {str(s): t for s, t in self.returned_servers.items()},
+                **({} if self.target is None else {"target": list(self.target)})}
 
 
 def _times(saved: dict[str, float] | None) -> dict[int, float]:

@@ -22,6 +22,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -79,17 +80,20 @@ from distrain.train.metrics import (
 from distrain.train.resume import (
     BUDGET_DONE_KEY,
     EPOCH_WORKERS_KEY,
+    STOPPED_AT_TARGET_KEY,
     already_finished,
     check_epoch_length,
     check_worker_count,
     describe_extension,
     epoch_workers,
     nothing_left,
+    refuse_fresh_over_ended_run,
     resize_setting,
     resume_point,
     rng_state,
     saved_workers,
     set_rng_state,
+    stopped_at_this_target,
     time_budget,
 )
 
@@ -253,6 +257,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # a joiner takes live state
     resume_step = (None if joining else
                    resume_point(store, cfg.run.resume, world, cfg.algo.algorithm, warn=rank == 0))
+    if resume_step is None and not joining:  # (the launchers check it first; torchrun's workers here)
+        refuse_fresh_over_ended_run(run_dir, cfg.run.resume)
     # A worker lost before that checkpoint has no file in it: it starts from a member's, as one
     # that joins a running job takes a member's state.
     source = store.source(resume_step) if resume_step is not None else None
@@ -276,7 +282,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             steps_per_epoch = epoch_steps(sum(s["size"] for s in shards), first_world, cfg.data.batch_size)
             total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
         check_epoch_length(state, steps_per_epoch)
-        if nothing_left(state, total_steps, time_budget(cfg)):  # nothing left to train: touch nothing
+        if nothing_left(state, total_steps, time_budget(cfg)) or stopped_at_this_target(state, cfg):  # touch nothing
             return already_finished(run_dir, state) if rank == 0 else None
 
     # --- model: identical initial parameters on every worker ------------------------------------
@@ -409,6 +415,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             **({MEMBERS_KEY: [*members, *range(world, store.world_size)]} if members != list(range(world)) else {}),
             # asynchronous: whether the budget is used up (the set's step does not say)
             **({} if algorithm.synchronous else {BUDGET_DONE_KEY: algorithm_state is not None and stop_at is None}),
+            **({STOPPED_AT_TARGET_KEY: [cfg.run.target_accuracy, cfg.run.target_loss]} if stopped_at_target else {}),
         })
 
     def records() -> list[dict[str, Any]]:
@@ -424,6 +431,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     metrics = MetricsWriter(run_dir, rank, resume_step=resume_step if joined is None else start_step)
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
     evals = Evaluations(task, test_set, cfg.run.eval_samples, cfg.run.target_accuracy, cfg.run.target_loss, device)
+    totals = retarget(totals, cfg, run_dir, evals, resume_step)
     progress = _progress_bar(cfg, rank, total_steps, start_step)
     eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
     params = [p for p in model.parameters() if p.requires_grad]
@@ -614,6 +622,30 @@ def recorded_epochs(run_dir: Path, world: int) -> tuple[int, int | None]:
         return world, None
 
 
+def retarget(totals: RunTotals, cfg: TrainConfig, run_dir: Path, evals: Evaluations,
+             resume_step: int | None) -> RunTotals:
+    """``totals`` judged by this run's target: a run resumed with another ``--target-accuracy``
+    or ``--target-loss`` than its earlier segments had takes, as their time to target, the first of
+    their evaluations (every worker's metrics up to the checkpoint's step) that meets the new one
+    (None: none did), not the time they met the old one. A checkpoint that names no target
+    (written before 2026-12-02) keeps its time."""
+    target = [cfg.run.target_accuracy, cfg.run.target_loss]
+    if resume_step is None or totals.target is None or totals.target == target:
+        return replace(totals, target=target)
+    crossed = []
+    for path in sorted((run_dir / "metrics").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short when its writer died
+                continue
+            if (isinstance(record, dict) and "test_loss" in record and record.get("step", 0) <= resume_step
+                    and evals.reached(record)):
+                crossed.append(float(record["time"]))
+    log.info("the run's target changed on resume: its time to target is that of its first evaluation meeting the new one")
+    return replace(totals, target=target, time_to_target_s=min(crossed, default=None))
+
+
 def reached_anywhere(opt: DistributedOptimizer, reached: bool) -> bool:
     """Whether any worker's evaluation reached the target (the one that evaluates knows;
     collective: every worker calls it at the same step)."""
@@ -763,7 +795,9 @@ def summarize(cfg: TrainConfig, run_dir: Path, rows: list[list[float]], world: i
     samples = sum(r[1] for r in workers)
     summary = {
         "algorithm": cfg.algo.algorithm, "workers": world, "epochs": cfg.run.epochs,
-        "steps": int(max(r[0] for r in workers)) if stopped_at_target else total_steps,
+        # the steps taken: fewer than --epochs plans when the run stopped early (at its target, or
+        # on request; asynchronous workers: the furthest one's)
+        "steps": int(max(r[0] for r in workers)) if stopped_at_target or interrupted else total_steps,
         "dataset": cfg.data.dataset, "model": cfg.model.model, "global_batch": global_batch,
         "steps_per_worker": [int(r[0]) for r in workers],
         "final_test_accuracy": accuracy, "final_test_loss": test_loss,

@@ -27,7 +27,7 @@ import torch
 
 from distrain.algorithms.gossip import GOSSIP_CLOCK, GOSSIP_COUNTS
 from distrain.config import TrainConfig
-from distrain.errors import CheckpointError
+from distrain.errors import CheckpointError, ConfigError
 from distrain.optim.schedule import LRSchedule
 from distrain.runtime.checkpoint import WORLD_SIZE_KEY, CheckpointStore
 
@@ -60,6 +60,18 @@ def time_budget(cfg: TrainConfig) -> float | None:
     """The seconds an asynchronous run trains for with ``--budget time`` (None: its budget is in
     steps)."""
     return cfg.gossip.time_budget if cfg.gossip.budget == "time" else None
+
+
+#: Checkpoint entry of a run that ``--stop-at-target`` ended at its target: that target,
+#: ``[target_accuracy, target_loss]``. Resumed with ``--stop-at-target`` and the same target, it
+#: has nothing left to do.
+STOPPED_AT_TARGET_KEY = "stopped_at_target"
+
+
+def stopped_at_this_target(state: dict[str, Any], cfg: TrainConfig) -> bool:
+    """Whether the run that saved ``state`` ended at the target this run stops at (resumed with
+    ``--stop-at-target`` and the same target, it would only train past where it stopped)."""
+    return cfg.run.stop_at_target and state.get(STOPPED_AT_TARGET_KEY) == [cfg.run.target_accuracy, cfg.run.target_loss]
 
 
 def nothing_left(state: dict[str, Any], total_steps: int, time_budget: float | None = None) -> bool:
@@ -221,6 +233,18 @@ def check_epoch_length(state: dict[str, Any], steps_per_epoch: int) -> None:
         )
 
 
+def refuse_fresh_over_ended_run(run_dir: str | Path, resume: str) -> None:
+    """``--resume auto`` found no checkpoint set to go on from (none saved, or every one
+    damaged): where ``run_dir`` holds a run that ended (its ``summary.json``), starting afresh
+    would replace that run's results, so refuse in one line. A run that died before it wrote a
+    summary (and before its first checkpoint) starts again, as a restarted job expects."""
+    if resume.strip().lower() != "auto" or not (Path(run_dir) / "summary.json").exists():
+        return
+    raise ConfigError("--resume", f"{str(run_dir)!r} holds a run that ended (summary.json) but no complete, intact "
+                      "checkpoint to go on from, and starting afresh would replace it; keep it and pick another "
+                      "--run-dir, or replace it with --overwrite (without --resume)")
+
+
 def already_finished(run_dir: str | Path, state: dict[str, Any]) -> dict[str, Any]:
     """The result of a run with nothing left to train: its ``summary.json`` as recorded (read,
     never written), with ``"already_finished": True`` and the step and epochs it has done.
@@ -249,6 +273,9 @@ def finished_message(result: dict[str, Any], epochs: float, time_budget: float |
     ``time_budget``: the run's ``--time-budget`` when it trains for a time (``--budget time``)."""
     done = result.get("finished_epochs")
     trained = f"{result['finished_step']} steps" + (f" ({done:g} epoch{'s' if done != 1 else ''})" if done is not None else "")
+    if result.get(STOPPED_AT_TARGET_KEY):  # the summary's field of the same name
+        return (f"run {result['run_dir']} stopped at its target after {trained} (--stop-at-target); nothing to do "
+                "(without --stop-at-target, or with another target, it trains further)")
     if time_budget is not None and FINISHED_CLOCK_KEY in result:
         return (f"run {result['run_dir']} has already trained {trained} in {result[FINISHED_CLOCK_KEY]:.1f} s, all that "
                 f"--time-budget {time_budget:g} asks for; nothing to do (a larger --time-budget trains further)")
