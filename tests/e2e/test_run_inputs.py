@@ -259,6 +259,22 @@ def test_a_run_that_stopped_at_its_target_is_finished(tmp_path):
     assert json.loads((run / "summary.json").read_text())["steps"] > summary["steps"]
 
 
+@pytest.mark.parametrize("workers,bad", [("2", ["--batch-size", "100000"]), ("2", ["--slow-worker", "5:4x"]),
+                                         ("1", ["--batch-size", "100000"])])
+def test_overwrite_keeps_the_earlier_run_when_another_setting_is_refused(tmp_path, workers, bad):
+    """--overwrite with a typo elsewhere: the start is refused in one line and the earlier run is
+    still there, whole (it used to be removed before the other checks ran)."""
+    run = tmp_path / "run"
+    first = typed(tmp_path, "train", *QUICK, "--workers", "1", "--epochs", "0.05", "--run-dir", str(run))
+    assert first.returncode == 0, first.stderr
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = typed(tmp_path, "train", *QUICK, "--workers", workers, "--epochs", "0.05", "--run-dir", str(run),
+                  "--overwrite", *bad)
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 2 and lines[-1].startswith(f"distrain: {bad[0]}:"), again.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_overwrite_and_resume_do_not_combine(capsys):
     assert refused(capsys, "--overwrite", "--resume", "auto").startswith("distrain: --overwrite:")
 

@@ -54,9 +54,10 @@ def claim_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
     """Refuse a run directory that holds an earlier run unless the user resumes or overwrites it.
 
     Starting afresh beside an earlier run's checkpoints would let a later ``--resume auto`` pick
-    up a step of the other run; with ``--overwrite`` the earlier run's files are removed first.
-    Called once, before any worker starts (by the launcher, or torchrun's rank 0); it first checks
-    that the directory is, or can be made, a writable directory.
+    up a step of the other run; with ``--overwrite`` the earlier run's files are removed, but only
+    by :func:`replace_earlier_run`, once every other check has passed (a typo in another flag
+    must not cost the earlier run). Called once, before any worker starts (by the launcher, or
+    torchrun's rank 0); it first checks that the directory is, or can be made, a writable directory.
     """
     check_run_dir(run_dir)
     if cfg.run.resume != "none" or not holds_a_run(run_dir):
@@ -64,6 +65,14 @@ def claim_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
     if not cfg.run.overwrite:
         raise ConfigError("--run-dir", f"{str(run_dir)!r} holds an earlier run; continue it with --resume auto, "
                           "or replace it with --overwrite")
+
+
+def replace_earlier_run(cfg: TrainConfig, run_dir: Path) -> None:
+    """With ``--overwrite`` (a run starting afresh), remove the earlier run's files from
+    ``run_dir`` (the user's own files stay); :func:`claim_run_dir` has allowed it. Called once the
+    run's settings have passed every check the launcher makes, just before the workers start."""
+    if cfg.run.resume != "none" or not cfg.run.overwrite or not holds_a_run(run_dir):
+        return
     for name in RUN_FILES:
         target = run_dir / name
         if target.is_dir() and not target.is_symlink():

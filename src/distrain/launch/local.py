@@ -22,6 +22,7 @@ import torch.distributed as dist
 from distrain.assemble import survives as algorithm_survives
 from distrain.comm.group import check_device, close_group, init_group, store_of
 from distrain.config import TrainConfig
+from distrain.emulation import NetworkSettings
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
 from distrain.launch.checks import finished_before_start, preflight
 from distrain.launch.common import (
@@ -33,6 +34,7 @@ from distrain.launch.common import (
     enter_worker,
     exit_now,
     free_port,
+    replace_earlier_run,
     run_role,
     server_count,
     worker_context,
@@ -261,18 +263,24 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     claim_run_dir(cfg, run_dir)
     user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set, "loss_fn": loss_fn}
     nprocs = cfg.cluster.workers + server_count(cfg)
+    # every worker's emulated device and links (a --slow-worker or --slow-link naming no worker)
+    NetworkSettings.from_config(cfg.network).resolve(nprocs, cfg.cluster.workers, cfg.algo.workers_per_node)
     if nprocs == 1:
+        if cfg.run.overwrite:  # the data checks first: the earlier run goes only for one that can start
+            preflight(cfg, train_set)
+        replace_earlier_run(cfg, run_dir)
         return run_in_process(cfg, run_dir, **user)
     ctx = worker_context()  # (its fork server imports torch while the checks below run)
     preflight(cfg, train_set)
     finished = finished_before_start(cfg, run_dir, nprocs)
     if finished is not None:
         return finished
-    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a start refused above leaves no directory behind
-    shutil.rmtree(run_dir / FAILURES, ignore_errors=True)  # notes of an earlier attempt in this directory
     addr = cfg.cluster.master_addr
     if cfg.cluster.master_port:
         check_port_free(addr, cfg.cluster.master_port)
+    replace_earlier_run(cfg, run_dir)  # every check passed: --overwrite removes the earlier run now
+    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a start refused above leaves no directory behind
+    shutil.rmtree(run_dir / FAILURES, ignore_errors=True)  # notes of an earlier attempt in this directory
     port = cfg.cluster.master_port or free_port(addr)
     # The store lives here, not in a worker: heartbeats, stop requests and failure notes outlive
     # any worker that dies.

@@ -410,7 +410,12 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     """Train with ``cfg.cluster.workers`` workers, each in its own shaped network namespace."""
     from distrain.comm.group import check_device
     from distrain.launch.checks import finished_before_start, preflight
-    from distrain.launch.common import claim_run_dir, default_run_dir, server_count
+    from distrain.launch.common import (
+        claim_run_dir,
+        default_run_dir,
+        replace_earlier_run,
+        server_count,
+    )
 
     if model_fn is not None or train_set is not None or test_set is not None or loss_fn is not None:
         raise ConfigError("--emulation", "netns starts each worker as its own program, so it takes built-in or "
@@ -425,6 +430,7 @@ def launch_netns(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     finished = finished_before_start(cfg, run_dir, world)
     if finished is not None:
         return finished
+    replace_earlier_run(cfg, run_dir)  # every check passed: --overwrite removes the earlier run now
     work = run_dir / "netns"
     work.mkdir(parents=True, exist_ok=True)
     worker_cfg = replace(cfg, run=replace(cfg.run, run_dir=str(run_dir), overwrite=False))

@@ -19,6 +19,7 @@ from distrain.launch.common import (
     configure_worker_logging,
     default_run_dir,
     die_with_parent,
+    replace_earlier_run,
     run_role,
     server_count,
     wait_for_master,
@@ -60,6 +61,7 @@ def run_torchrun_worker(cfg: TrainConfig, *, summary_everywhere: bool = False,
         # Before anyone joins: torchrun stops the other ranks when this one exits on bad input. A
         # restarted attempt finds its own first attempt's files, which are not an earlier run.
         claim_run_dir(cfg, default_run_dir(cfg, 0.0))
+        replace_earlier_run(cfg, default_run_dir(cfg, 0.0))
     hosted_elsewhere = rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if hosted_elsewhere:  # the torchrun agent (or rank 0) hosts the store
         wait_for_master(addr, port, cfg.cluster.timeout)
