@@ -79,10 +79,14 @@ def fit(model_fn: Any = None, train_set: Any = None, test_set: Any = None,
     """
     from distrain.launch import in_torchrun, launch_local, run_torchrun_worker
 
+    if config is not None and not isinstance(config, TrainConfig):
+        raise ConfigError("config", f"must be a distrain.TrainConfig, got {type(config).__name__} (settings by name "
+                          "go in as keyword arguments: fit(model_fn, train_set, test_set, workers=4))")
     cfg = TrainConfig.from_dict(config.to_dict()) if config is not None else TrainConfig()
     for name, value in settings.items():
         cfg.set(name, value)
     cfg.validate()
+    _check_callables(cfg, model_fn=model_fn, loss_fn=loss_fn)
     cfg = _as_given(cfg, model_fn, train_set, test_set)
     user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set, "loss_fn": loss_fn}
     if in_torchrun():
@@ -90,6 +94,28 @@ def fit(model_fn: Any = None, train_set: Any = None, test_set: Any = None,
         assert summary is not None
         return FitResult(summary)
     return FitResult(launch_local(cfg, **user))
+
+
+def _check_callables(cfg: TrainConfig, **functions: Any) -> None:
+    """fit()'s ``model_fn`` and ``loss_fn``: callables, and picklable where the workers are
+    processes of their own (more than one, outside torchrun), before any of them starts."""
+    import pickle
+
+    from distrain.launch import in_torchrun
+
+    processes = cfg.cluster.workers + (cfg.ps.servers if cfg.algo.algorithm == "ps" else 0)
+    for name, fn in functions.items():
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise ConfigError(name, f"must be a callable, got {type(fn).__name__}")
+        if processes > 1 and not in_torchrun():
+            try:
+                pickle.dumps(fn)
+            except Exception:  # noqa: BLE001 - PicklingError, AttributeError, TypeError alike
+                raise ConfigError(name, f"must be picklable to reach {processes} worker processes: a module-level "
+                                  f"function, not a lambda or a function defined inside another (got "
+                                  f"{getattr(fn, '__qualname__', type(fn).__name__)})") from None
 
 
 def _as_given(cfg: TrainConfig, model_fn: Any, train_set: Any, test_set: Any) -> TrainConfig:

@@ -407,7 +407,7 @@ def load_scenario(path: str | Path) -> tuple[Grid, dict[str, Any], str]:
         algorithm = "diloco"
         sync_every = 16
     """
-    data = read_config_file(path)
+    data = read_config_file(path, flag="--scenario")
     unknown = sorted(set(data) - set(SCENARIO_KEYS))
     if unknown:
         raise ConfigError("--scenario", f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(SCENARIO_KEYS)}")

@@ -173,6 +173,9 @@ class DataConfig:
 
     def validate(self) -> None:
         check_choices(self)
+        if self.dataset == "text" and self.task_name() != "lm":  # its windows of tokens have no labels
+            raise ConfigError("--task", f"--dataset text trains a language model (--task lm, or auto); {self.task} "
+                                        "needs a labelled data set")
         if self.task_name() != "classification" and self.partition != "iid":
             raise ConfigError("--partition", f"{self.partition} splits by class; {self.task_name()} targets have none: "
                                              "use iid")
@@ -742,12 +745,20 @@ def coerce(name: str, value: Any) -> Any:
     raise ConfigError(flag(name), f"expected {_KIND_NAMES[kind]}, got {value!r}")
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Parse ``--config FILE`` by extension: .json, .toml, .yaml/.yml."""
+def read_config_file(path: str | Path, flag: str = "--config") -> dict[str, Any]:
+    """Parse ``--config FILE`` (or the file of another ``flag``, e.g. ``--scenario``) by
+    extension: .json, .toml, .yaml/.yml. Every problem is a ConfigError naming ``flag``."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(flag, f"{str(path)!r} is a directory; name a .json, .toml or .yaml file")
     if not path.is_file():
-        raise ConfigError("--config", f"file {str(path)!r} does not exist")
-    text = path.read_text()
+        raise ConfigError(flag, f"file {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(flag, f"{str(path)!r} is not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(flag, f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
     try:
         if path.suffix == ".json":
             data = json.loads(text)
@@ -760,15 +771,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         elif path.suffix in (".yaml", ".yml"):
             from distrain.extras import require
 
-            data = require("yaml", feature=f"--config {path.name}", setting="--config").safe_load(text)
+            data = require("yaml", feature=f"{flag} {path.name}", setting=flag).safe_load(text)
         else:
-            raise ConfigError("--config", f"unsupported file type {path.suffix!r}; use .json, .toml or .yaml")
+            raise ConfigError(flag, f"unsupported file type {path.suffix!r}; use .json, .toml or .yaml")
     except ConfigError:
         raise
     except ModuleNotFoundError as exc:
-        raise ConfigError("--config", f"reading {path.suffix} files needs the '{exc.name}' package: pip install {exc.name}") from None
+        raise ConfigError(flag, f"reading {path.suffix} files needs the '{exc.name}' package: pip install {exc.name}") from None
     except Exception as exc:  # parse errors differ per format
-        raise ConfigError("--config", f"cannot parse {str(path)!r}: {exc}".splitlines()[0]) from None
+        raise ConfigError(flag, f"cannot parse {str(path)!r}: {exc}".splitlines()[0]) from None
     if not isinstance(data, dict):
-        raise ConfigError("--config", f"{str(path)!r} must hold a table of settings")
+        raise ConfigError(flag, f"{str(path)!r} must hold a table of settings")
     return data

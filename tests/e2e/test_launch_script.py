@@ -36,6 +36,9 @@ def launch(args: list[str], cwd: Path, timeout: float = 120) -> tuple[subprocess
     (["--servers", "-1", "x.py"], "--servers"),
     (["missing.py"], "SCRIPT"),
     ([], "SCRIPT"),
+    (["-m", "no_such_module_of_distrain_tests"], "-m"),  # was found missing only by every rank
+    (["--workers", "2", "--slow-worker", "5:4x", "x.py"], "--slow-worker"),  # names no worker: was each rank's traceback
+    (["--workers", "2", "--slow-link", "7:10mbit", "x.py"], "--slow-link"),
     (["--nnodes", "2", "x.py"], "--master-port"),
     (["--nnodes", "2", "--node-rank", "2", "--master-port", "29999", "x.py"], "--node-rank"),
     (["--nnodes", "0", "x.py"], "--nnodes"),

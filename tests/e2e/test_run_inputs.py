@@ -275,6 +275,20 @@ def test_overwrite_keeps_the_earlier_run_when_another_setting_is_refused(tmp_pat
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_resume_with_a_model_of_other_shapes_is_refused_in_one_line(tmp_path, workers):
+    """A checkpoint of a --model-width 32 run resumed with --model-width 64: one line naming the
+    setting on both sides, exit 2 (it was PyTorch's size-mismatch error from load_state_dict)."""
+    run = tmp_path / "run"
+    first = typed(tmp_path, "train", *QUICK, "--workers", workers, "--epochs", "0.05", "--run-dir", str(run))
+    assert first.returncode == 0, first.stderr
+    again = typed(tmp_path, "train", *QUICK, "--workers", workers, "--epochs", "0.1", "--run-dir", str(run),
+                  "--model-width", "64", "--resume", "auto")
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert "--model-width 32" in lines[-1] and "--model-width 64" in lines[-1], again.stderr
+
+
 def test_overwrite_and_resume_do_not_combine(capsys):
     assert refused(capsys, "--overwrite", "--resume", "auto").startswith("distrain: --overwrite:")
 

@@ -55,6 +55,23 @@ def test_config_file_errors_name_the_setting(tmp_path):
     odd.write_text("")
     with pytest.raises(ConfigError, match="--config"):
         TrainConfig.from_file(odd)
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ConfigError, match="--config: .*is not UTF-8 text"):  # was a UnicodeDecodeError
+        TrainConfig.from_file(binary)
+    with pytest.raises(ConfigError, match="--config: .*is a directory"):  # was "does not exist"
+        TrainConfig.from_file(tmp_path)
+
+
+def test_scenario_file_errors_name_scenario(tmp_path):
+    from distrain.compare import load_scenario
+
+    with pytest.raises(ConfigError, match="^--scenario: .*does not exist"):
+        load_scenario(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("name = \n")
+    with pytest.raises(ConfigError, match="^--scenario: cannot parse"):
+        load_scenario(broken)
 
 
 @pytest.mark.parametrize("name,value", [
@@ -95,3 +112,11 @@ def test_a_language_model_gets_its_own_defaults_for_the_settings_not_given(tmp_p
     # other tasks keep the generic defaults
     assert TrainConfig().validate() == generic
     assert TrainConfig.from_dict({"epochs": 3}).validate().optim.lr == generic.optim.lr
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_text_trains_a_language_model_only(task):
+    """--dataset text with another task was a ValueError inside the workers."""
+    with pytest.raises(ConfigError, match="^--task: --dataset text trains a language model"):
+        TrainConfig.from_dict({"dataset": "text", "task": task}).validate()
+    assert TrainConfig.from_dict({"dataset": "text", "task": "lm", "model": "gpt"}).validate().data.task_name() == "lm"

@@ -46,6 +46,7 @@ def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any]
         refuse_fresh_over_ended_run,
         resize_setting,
         resume_point,
+        shape_settings,
     )
 
     store = CheckpointStore(run_dir, 0, nprocs)
@@ -54,7 +55,7 @@ def check_resume(cfg: TrainConfig, run_dir: Path, nprocs: int) -> dict[str, Any]
         refuse_fresh_over_ended_run(run_dir, cfg.run.resume)
         return None
     state = store.load(step, store.source(step))
-    check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm)
+    check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, shape=shape_settings(cfg))
     check_worker_count(state, cfg.algo.algorithm, cfg.cluster.workers, workers_per_node=cfg.algo.workers_per_node,
                        dataset=cfg.data.dataset, setting=resize_setting(cfg))
     return state

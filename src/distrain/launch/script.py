@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import importlib.machinery
 import json
 import os
 import re
@@ -38,6 +39,7 @@ from typing import IO, Any
 from distrain.comm.group import store_of
 from distrain.config import TrainConfig
 from distrain.distributed import SETTINGS_ENV
+from distrain.emulation import NetworkSettings
 from distrain.errors import ConfigError
 from distrain.launch.common import (
     PR_SET_PDEATHSIG,
@@ -80,6 +82,11 @@ class Target:
 
     def check(self) -> None:
         if self.module:
+            # the top-level package only: finding a submodule would import its parents here
+            top = self.module.partition(".")[0]
+            if not top or importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None and \
+                    top not in sys.builtin_module_names:
+                raise ConfigError("-m", f"no module named {top!r} on this Python's path (from {os.getcwd()})")
             return
         if not self.script:
             raise ConfigError("SCRIPT", "name the training script to run (or -m MODULE)")
@@ -96,6 +103,8 @@ def check_settings(settings: dict[str, Any], workers: int, servers: int = 0) -> 
     cfg = TrainConfig(**settings)
     cfg.set("workers", workers)
     cfg.network.validate()
+    # every rank's emulated device and links: a --slow-worker or --slow-link naming no worker
+    NetworkSettings.from_config(cfg.network).resolve(workers + servers, workers, 0)
     cfg.cluster.validate()
     if servers:
         cfg.ps.validate()

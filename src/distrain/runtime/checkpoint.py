@@ -60,6 +60,10 @@ OLD_MAGIC = b"DSTRNCK1"
 MODEL_KEY = "model_name"
 ALGORITHM_KEY = "algorithm_name"
 WORLD_SIZE_KEY = "world_size"
+#: The settings that shape a run's model and data (``{flag: value}``, e.g. ``{"--dataset":
+#: "mnist1d"}``), which a resumed run must share: another data set or model width would fail
+#: deep in ``load_state_dict``, or train on in silence. Checkpoints before 2026-12-02 have none.
+SHAPE_KEY = "shape_settings"
 #: The entry naming the ranks whose files make up a step's set, where not every rank writes one
 #: (an elastic run after losing workers); absent: every rank of ``world_size``.
 MEMBERS_KEY = "members"
@@ -234,7 +238,8 @@ def finished_for(state: dict[str, Any], epochs: float) -> bool:
 
 
 def check_compatible(
-    state: dict[str, Any], *, model: str, algorithm: str, world_size: int | None = None
+    state: dict[str, Any], *, model: str, algorithm: str, world_size: int | None = None,
+    shape: dict[str, Any] | None = None,
 ) -> None:
     """Refuse a checkpoint written by a different model, algorithm or (optionally) world size.
 
@@ -247,6 +252,8 @@ def check_compatible(
         model: the model name of this run, e.g. ``"mlp"``.
         algorithm: the algorithm name of this run, e.g. ``"allreduce"``.
         world_size: the number of workers of this run; ``None`` skips that check.
+        shape: this run's :data:`SHAPE_KEY` settings, checked against the checkpoint's where it
+            has them.
 
     Raises:
         CheckpointError: a key is missing or a value differs; the message shows both sides.
@@ -269,6 +276,12 @@ def check_compatible(
         raise CheckpointError(
             f"checkpoint was written by {_describe(found)}; this run uses {_describe(expected)}"
         )
+    saved = state.get(SHAPE_KEY) or {}
+    differ = [flag for flag, value in (shape or {}).items() if flag in saved and saved[flag] != value]
+    if differ:
+        raise CheckpointError("checkpoint was written with " + ", ".join(f"{f} {saved[f]}" for f in differ)
+                              + "; this run has " + ", ".join(f"{f} {shape[f]}" for f in differ)  # type: ignore[index]
+                              + ": resume with the same settings, or start a new run in another --run-dir")
 
 
 class CheckpointStore:

@@ -53,6 +53,7 @@ from distrain.optim.schedule import LRSchedule, scaled_lr
 from distrain.runtime.checkpoint import (
     MEMBERS_KEY,
     SET_SIZE_KEY,
+    SHAPE_KEY,
     CheckpointStore,
     check_compatible,
     epoch_steps,
@@ -93,6 +94,7 @@ from distrain.train.resume import (
     rng_state,
     saved_workers,
     set_rng_state,
+    shape_settings,
     stopped_at_this_target,
     time_budget,
 )
@@ -275,7 +277,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             steps_per_epoch = recorded
             total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
     if state is not None:
-        check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm)
+        check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, shape=shape_settings(cfg))
         check_worker_count(state, cfg.algo.algorithm, world, workers_per_node=cfg.algo.workers_per_node,
                            dataset=cfg.data.dataset, setting=resize_setting(cfg))
         if first_world != world:
@@ -406,6 +408,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "algorithm": algorithm.state_dict() if algorithm_state is None else algorithm_state,
             "step": step, "model_name": cfg.model.model, "algorithm_name": cfg.algo.algorithm, "world_size": world,
+            SHAPE_KEY: shape_settings(cfg),
             "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
             SET_SIZE_KEY: store.world_size, **({EPOCH_WORKERS_KEY: first_world} if first_world != world else {}),
             "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(),

@@ -68,6 +68,14 @@ def time_budget(cfg: TrainConfig) -> float | None:
 STOPPED_AT_TARGET_KEY = "stopped_at_target"
 
 
+def shape_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings of ``cfg`` that shape its model and data, by flag (see
+    :data:`~distrain.runtime.checkpoint.SHAPE_KEY`)."""
+    d, m = cfg.data, cfg.model
+    return {"--dataset": d.dataset, "--model-width": m.model_width, "--model-depth": m.model_depth,
+            "--model-size": m.model_size, "--context": d.context, "--tokenizer": d.tokenizer}
+
+
 def stopped_at_this_target(state: dict[str, Any], cfg: TrainConfig) -> bool:
     """Whether the run that saved ``state`` ended at the target this run stops at (resumed with
     ``--stop-at-target`` and the same target, it would only train past where it stopped)."""
