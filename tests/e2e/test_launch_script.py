@@ -229,7 +229,8 @@ def test_a_worker_left_out_ends_its_script_with_status_3_and_other_errors_are_un
     script = textwrap.dedent("""
         import sys, torch, distrain
         from distrain.runtime.membership import LeftOut
-        opt = distrain.wrap(torch.nn.Linear(2, 1), torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1))
+        model = torch.nn.Linear(2, 1)
+        opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
         raise (LeftOut("worker 0 was left out of the run at step 7") if sys.argv[1] == "left" else ValueError("mine"))
     """)
     (tmp_path / "job.py").write_text(script)

@@ -180,7 +180,7 @@ def test_a_run_dir_holding_an_earlier_run(tmp_path):
     assert len(left) == 1 and left != [steps[-1].name]  # only the new run's final checkpoint
 
 
-@pytest.mark.parametrize("damage", ["removed", "truncated"])
+@pytest.mark.parametrize("damage", ["removed", pytest.param("truncated", marks=pytest.mark.slow)])  # the same check
 def test_resume_auto_does_not_start_afresh_over_a_run_that_ended(tmp_path, damage):
     """A finished run whose checkpoints are gone (or every one damaged): ``--resume auto`` finds
     nothing to go on from and is refused in one line, where it used to train again from step 0
@@ -259,8 +259,9 @@ def test_a_run_that_stopped_at_its_target_is_finished(tmp_path):
     assert json.loads((run / "summary.json").read_text())["steps"] > summary["steps"]
 
 
-@pytest.mark.parametrize("workers,bad", [("2", ["--batch-size", "100000"]), ("2", ["--slow-worker", "5:4x"]),
-                                         ("1", ["--batch-size", "100000"])])
+@pytest.mark.parametrize("workers,bad", [("2", ["--batch-size", "100000"]),
+                                         pytest.param("2", ["--slow-worker", "5:4x"], marks=pytest.mark.slow),
+                                         pytest.param("1", ["--batch-size", "100000"], marks=pytest.mark.slow)])
 def test_overwrite_keeps_the_earlier_run_when_another_setting_is_refused(tmp_path, workers, bad):
     """--overwrite with a typo elsewhere: the start is refused in one line and the earlier run is
     still there, whole (it used to be removed before the other checks ran)."""
@@ -275,7 +276,7 @@ def test_overwrite_keeps_the_earlier_run_when_another_setting_is_refused(tmp_pat
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("workers", [pytest.param("1", marks=pytest.mark.slow), "2"])  # 1: checked in the loop
 def test_resume_with_a_model_of_other_shapes_is_refused_in_one_line(tmp_path, workers):
     """A checkpoint of a --model-width 32 run resumed with --model-width 64: one line naming the
     setting on both sides, exit 2 (it was PyTorch's size-mismatch error from load_state_dict)."""
