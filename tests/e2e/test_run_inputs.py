@@ -276,18 +276,23 @@ def test_overwrite_keeps_the_earlier_run_when_another_setting_is_refused(tmp_pat
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.parametrize("workers", [pytest.param("1", marks=pytest.mark.slow), "2"])  # 1: checked in the loop
-def test_resume_with_a_model_of_other_shapes_is_refused_in_one_line(tmp_path, workers):
+@pytest.mark.parametrize("workers,change,before,after", [
+    ("2", ["--model-width", "64"], "--model-width 32", "--model-width 64"),
+    pytest.param("1", ["--model-width", "64"], "--model-width 32", "--model-width 64", marks=pytest.mark.slow),  # in the loop
+    pytest.param("2", ["--seed", "5"], "--seed 0", "--seed 5", marks=pytest.mark.slow),
+])
+def test_resume_with_a_model_or_split_of_other_shapes_is_refused_in_one_line(tmp_path, workers, change, before, after):
     """A checkpoint of a --model-width 32 run resumed with --model-width 64: one line naming the
-    setting on both sides, exit 2 (it was PyTorch's size-mismatch error from load_state_dict)."""
+    setting on both sides, exit 2 (it was PyTorch's size-mismatch error from load_state_dict);
+    another --seed (which deals the data out anew) likewise (it was accepted in silence)."""
     run = tmp_path / "run"
     first = typed(tmp_path, "train", *QUICK, "--workers", workers, "--epochs", "0.05", "--run-dir", str(run))
     assert first.returncode == 0, first.stderr
     again = typed(tmp_path, "train", *QUICK, "--workers", workers, "--epochs", "0.1", "--run-dir", str(run),
-                  "--model-width", "64", "--resume", "auto")
+                  *change, "--resume", "auto")
     lines = again.stderr.strip().splitlines()
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
-    assert "--model-width 32" in lines[-1] and "--model-width 64" in lines[-1], again.stderr
+    assert before in lines[-1] and after in lines[-1], again.stderr
 
 
 def test_overwrite_and_resume_do_not_combine(capsys):

@@ -62,7 +62,8 @@ ALGORITHM_KEY = "algorithm_name"
 WORLD_SIZE_KEY = "world_size"
 #: The settings that shape a run's model and data (``{flag: value}``, e.g. ``{"--dataset":
 #: "mnist1d"}``), which a resumed run must share: another data set or model width would fail
-#: deep in ``load_state_dict``, or train on in silence. Checkpoints before 2026-12-02 have none.
+#: deep in ``load_state_dict``, another seed deal the data out anew in silence. Checkpoints
+#: before 2026-12-02 have none.
 SHAPE_KEY = "shape_settings"
 #: The entry naming the ranks whose files make up a step's set, where not every rank writes one
 #: (an elastic run after losing workers); absent: every rank of ``world_size``.
@@ -277,7 +278,9 @@ def check_compatible(
             f"checkpoint was written by {_describe(found)}; this run uses {_describe(expected)}"
         )
     saved = state.get(SHAPE_KEY) or {}
-    differ = [flag for flag, value in (shape or {}).items() if flag in saved and saved[flag] != value]
+    # (None: the model's default on either side, which may be the other's value: load_state_dict tells)
+    differ = [flag for flag, value in (shape or {}).items()
+              if saved.get(flag) is not None and value is not None and saved[flag] != value]
     if differ:
         raise CheckpointError("checkpoint was written with " + ", ".join(f"{f} {saved[f]}" for f in differ)
                               + "; this run has " + ", ".join(f"{f} {shape[f]}" for f in differ)  # type: ignore[index]

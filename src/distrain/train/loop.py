@@ -46,7 +46,7 @@ from distrain.data import (
 from distrain.data.sampler import DataPlan, ShardSampler
 from distrain.distributed import DistributedOptimizer
 from distrain.emulation import NetworkSettings
-from distrain.errors import ConfigError, DataError
+from distrain.errors import CheckpointError, ConfigError, DataError
 from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
@@ -322,7 +322,12 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     totals = RunTotals.from_state(state.get("totals") if state is not None else None)
     resumed: list[dict[str, Any]] = []  # workers back in the run that had been lost before its checkpoint
     if state is not None:
-        model.load_state_dict(state["model"])
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as exc:  # PyTorch lists every mismatched tensor: one of them is enough
+            raise CheckpointError(f"checkpoint of step {state['step']} holds a model of other shapes than this "
+                                  f"run's (another --model-width, --model-depth, --model-size or data set?): "
+                                  f"{str(exc).strip().splitlines()[-1].strip()}") from None
         optimizer.load_state_dict(state["optimizer"])
         start_step = int(state["step"])  # asynchronous: this worker's own steps (its set's differ)
         if source == rank and not resized:

@@ -69,11 +69,13 @@ STOPPED_AT_TARGET_KEY = "stopped_at_target"
 
 
 def shape_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """The settings of ``cfg`` that shape its model and data, by flag (see
-    :data:`~distrain.runtime.checkpoint.SHAPE_KEY`)."""
+    """The settings of ``cfg`` that shape its model and its data's split over the workers, by
+    flag (see :data:`~distrain.runtime.checkpoint.SHAPE_KEY`): another ``--seed`` or
+    ``--partition`` would deal the samples out anew in the middle of an epoch."""
     d, m = cfg.data, cfg.model
     return {"--dataset": d.dataset, "--model-width": m.model_width, "--model-depth": m.model_depth,
-            "--model-size": m.model_size, "--context": d.context, "--tokenizer": d.tokenizer}
+            "--model-size": m.model_size, "--context": d.context, "--tokenizer": d.tokenizer,
+            "--seed": cfg.run.seed, "--partition": d.partition, "--dirichlet-alpha": d.dirichlet_alpha}
 
 
 def stopped_at_this_target(state: dict[str, Any], cfg: TrainConfig) -> bool:
