@@ -51,3 +51,42 @@ def test_a_worker_of_the_fork_server_gets_the_launchers_environment_of_its_start
     late, forked = out.read_text().split()
     assert late == "seen"
     assert forked == str(context.get_start_method() == "forkserver")  # not the launcher's child there
+
+
+class _Worker:
+    """Stands in for a worker process: records its start; the first start can bring a stop request."""
+
+    def __init__(self, rank: int, log: list, on_start=None) -> None:  # noqa: ANN001
+        self.rank, self.log, self.on_start, self.pid, self.alive = rank, log, on_start, None, False
+
+    def start(self) -> None:
+        if self.on_start is not None:
+            self.on_start()  # e.g. the request arrives while the fork server imports torch
+        self.pid, self.alive = 1_000_000 + self.rank, True
+        self.log.append(("start", self.rank))
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_no_worker_starts_after_a_stop_request_and_those_started_are_told(monkeypatch) -> None:
+    """A Ctrl-C or SIGTERM that came while the first worker started found no worker to tell:
+    the run then trained to its end and was reported stopped. Now no more start, and the started
+    ones get the request (SIGTERM)."""
+    import os
+    import signal
+
+    from distrain.launch.local import _Signals, _start_all
+
+    log: list = []
+    signals = _Signals([])
+    monkeypatch.setattr(os, "kill", lambda pid, sig: log.append(("kill", pid - 1_000_000, sig)))
+    workers = [_Worker(0, log, on_start=lambda: setattr(signals, "at", 1.0)), _Worker(1, log), _Worker(2, log)]
+    assert _start_all(workers, signals) == workers[:1]
+    assert log == [("start", 0), ("kill", 0, signal.SIGTERM)]
+
+    log.clear()
+    quiet = _Signals([])
+    workers = [_Worker(r, log) for r in range(3)]
+    assert _start_all(workers, quiet) == workers  # no request: every worker, none told anything
+    assert log == [("start", 0), ("start", 1), ("start", 2)]

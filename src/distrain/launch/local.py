@@ -160,6 +160,29 @@ class _Signals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def forward(self, procs: list[mp.Process]) -> None:
+        """Send the stop request to ``procs``, started after it came."""
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+
+
+def _start_all(procs: list[mp.Process], signals: _Signals) -> list[mp.Process]:
+    """Start the workers in rank order, none after a stop request (the first start waits about
+    2 s for the fork server to import torch: a Ctrl-C or SIGTERM then found no worker to tell, and
+    the run trained to its end before it was reported stopped); those started are told then.
+    Returns the started ones (the first ranks)."""
+    started: list[mp.Process] = []
+    for p in procs:
+        if signals.at is not None:
+            break
+        p.start()
+        started.append(p)
+    if signals.at is not None:
+        signals.forward(started)
+    return started
+
 
 def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: int,
                signals: _Signals | None = None, survivable: bool = False, store: dist.Store | None = None,
@@ -301,9 +324,8 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
         return p
 
     try:
-        for p in procs:
-            p.start()
-        _supervise(list(procs), grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
+        started = _start_all(procs, signals)
+        _supervise(started, grace=min(cfg.cluster.timeout, 30.0), run_dir=run_dir, nworkers=cfg.cluster.workers,
                    signals=signals, survivable=survives, store=store,
                    restart=Restarts(cfg.cluster.max_restarts, start_again, cfg.cluster.workers, store)
                    if survives else None)
