@@ -325,17 +325,21 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()  # the launcher's exit skips the last garbage collection (about 0.8 s with torch)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="distrain: %(levelname)s %(name)s: %(message)s")
-    if getattr(args, "command", None) == "train":
-        from distrain.launch import in_torchrun
+    try:
+        freeze_at_exit()  # the launcher's exit skips the last garbage collection (about 0.8 s with torch)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="distrain: %(levelname)s %(name)s: %(message)s")
+        if getattr(args, "command", None) == "train":
+            from distrain.launch import in_torchrun
 
-        if in_torchrun():  # a torchrun worker: same teardown concern as our own spawned workers
-            from distrain.launch.common import exit_now
+            if in_torchrun():  # a torchrun worker: same teardown concern as our own spawned workers
+                from distrain.launch.common import exit_now
 
-            exit_now(_run(args))
+                exit_now(_run(args))
+    except KeyboardInterrupt:  # Ctrl-C before the command runs (its own handling is in _run)
+        print("distrain: interrupted", file=sys.stderr)
+        return 130
     return _run(args)
 
 

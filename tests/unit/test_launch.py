@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
+
 from distrain.launch.local import _stop
 
 
@@ -90,3 +92,31 @@ def test_no_worker_starts_after_a_stop_request_and_those_started_are_told(monkey
     workers = [_Worker(r, log) for r in range(3)]
     assert _start_all(workers, quiet) == workers  # no request: every worker, none told anything
     assert log == [("start", 0), ("start", 1), ("start", 2)]
+
+    def fork_server_ended_by_ctrl_c(signals: _Signals):  # noqa: ANN202
+        def start() -> None:
+            if signals is not None:
+                signals.at = 1.0
+            raise EOFError  # the fork server died importing torch: the start reads nothing
+        return start
+
+    log.clear()
+    stopped = _Signals([])
+    workers = [_Worker(0, log, on_start=fork_server_ended_by_ctrl_c(stopped)), _Worker(1, log)]
+    assert _start_all(workers, stopped) == []  # the stop request is the news: no EOFError traceback
+    unasked = [_Worker(0, log, on_start=fork_server_ended_by_ctrl_c(None))]
+    with pytest.raises(EOFError):  # no stop request: the failed start is the error
+        _start_all(unasked, _Signals([]))
+
+
+def test_ctrl_c_before_the_command_runs_is_one_line(monkeypatch, capsys) -> None:
+    """A Ctrl-C while the command line is set up (before its command's own handling) was
+    Python's KeyboardInterrupt traceback; now one line and status 130."""
+    import distrain.cli as cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["train"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["distrain: interrupted"]

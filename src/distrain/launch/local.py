@@ -177,7 +177,12 @@ def _start_all(procs: list[mp.Process], signals: _Signals) -> list[mp.Process]:
     for p in procs:
         if signals.at is not None:
             break
-        p.start()
+        try:
+            p.start()
+        except (EOFError, OSError):
+            if signals.at is None:
+                raise
+            break  # a Ctrl-C ended the fork server too (it was importing torch): nothing more to start
         started.append(p)
     if signals.at is not None:
         signals.forward(started)
