@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from distrain.config import TrainConfig
+from distrain.config import TrainConfig, copy_of
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
 
 __version__ = "0.1.0"
@@ -79,10 +79,7 @@ def fit(model_fn: Any = None, train_set: Any = None, test_set: Any = None,
     """
     from distrain.launch import in_torchrun, launch_local, run_torchrun_worker
 
-    if config is not None and not isinstance(config, TrainConfig):
-        raise ConfigError("config", f"must be a distrain.TrainConfig, got {type(config).__name__} (settings by name "
-                          "go in as keyword arguments: fit(model_fn, train_set, test_set, workers=4))")
-    cfg = TrainConfig.from_dict(config.to_dict()) if config is not None else TrainConfig()
+    cfg = copy_of(config, "fit(model_fn, train_set, test_set, workers=4)")
     for name, value in settings.items():
         cfg.set(name, value)
     cfg.validate()
@@ -102,8 +99,9 @@ def _check_callables(cfg: TrainConfig, **functions: Any) -> None:
     import pickle
 
     from distrain.launch import in_torchrun
+    from distrain.launch.common import server_count
 
-    processes = cfg.cluster.workers + (cfg.ps.servers if cfg.algo.algorithm == "ps" else 0)
+    processes = cfg.cluster.workers + server_count(cfg)
     for name, fn in functions.items():
         if fn is None:
             continue

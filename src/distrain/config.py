@@ -745,6 +745,18 @@ def coerce(name: str, value: Any) -> Any:
     raise ConfigError(flag(name), f"expected {_KIND_NAMES[kind]}, got {value!r}")
 
 
+def copy_of(config: Any, call: str) -> TrainConfig:
+    """A copy of the :class:`TrainConfig` a caller gave ``wrap()`` or ``fit()`` (defaults for
+    None), never the caller's own; ConfigError naming ``config`` for anything else (``call``: how
+    the caller gives settings by name instead, for the message)."""
+    if config is None:
+        return TrainConfig()
+    if not isinstance(config, TrainConfig):
+        raise ConfigError("config", f"must be a distrain.TrainConfig, got {type(config).__name__} (settings by name "
+                          f"go in as keyword arguments: {call})")
+    return TrainConfig.from_dict(config.to_dict())
+
+
 def read_config_file(path: str | Path, flag: str = "--config") -> dict[str, Any]:
     """Parse ``--config FILE`` (or the file of another ``flag``, e.g. ``--scenario``) by
     extension: .json, .toml, .yaml/.yml. Every problem is a ConfigError naming ``flag``."""

@@ -68,7 +68,7 @@ from distrain.algorithms.parameter_server import (
 )
 from distrain.assemble import build_algorithm, serve, serve_again, survives
 from distrain.comm.transport import Transport, blocked_seconds
-from distrain.config import TrainConfig
+from distrain.config import TrainConfig, copy_of
 from distrain.data.partition import labels_of, partition_indices
 from distrain.emulation import Emulation
 from distrain.errors import ConfigError, WorkerFailure
@@ -225,17 +225,14 @@ def _exit_left_out_on_uncaught() -> None:
     sys.excepthook = hook
 
 
-def _check_arguments(model: Any, optimizer: Any, config: Any) -> None:
-    """wrap()'s own arguments, in one line each: a module, an optimizer over its parameters, a
-    TrainConfig (a dict of settings goes in as keyword arguments)."""
+def _check_arguments(model: Any, optimizer: Any) -> None:
+    """wrap()'s model and optimizer, in one line each: a module, and an optimizer over its
+    parameters (its ``config`` is checked by :func:`~distrain.config.copy_of`)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", f"must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError("optimizer", f"must be a torch.optim.Optimizer over the model's parameters, got "
                           f"{type(optimizer).__name__}")
-    if config is not None and not isinstance(config, TrainConfig):
-        raise ConfigError("config", f"must be a distrain.TrainConfig, got {type(config).__name__} (settings by name "
-                          "go in as keyword arguments: wrap(model, optimizer, algorithm='dpsgd'))")
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     trained = [p for p in model.parameters() if p.requires_grad]
     if trained and not stepped & {id(p) for p in trained}:
@@ -246,8 +243,8 @@ def _configure(config: TrainConfig | None, settings: dict[str, Any], model: torc
                process_group: Any, optimizer: torch.optim.Optimizer) -> TrainConfig:
     """The run's settings: ``config`` (copied), then ``distrain launch``'s, then the caller's;
     checked for this world before any process group exists."""
-    _check_arguments(model, optimizer, config)
-    cfg = TrainConfig.from_dict(config.to_dict()) if config is not None else TrainConfig()
+    _check_arguments(model, optimizer)
+    cfg = copy_of(config, "wrap(model, optimizer, algorithm='dpsgd')")
     given = {**settings_from_env(), **settings}
     if config is None and "momentum_correction" not in given:
         # Momentum correction moves an SGD optimizer's momentum into the compressor, i.e. edits

@@ -151,17 +151,14 @@ class _Signals:
         if self.at is not None:
             return
         self.at = time.monotonic()
-        for p in self.procs:  # Ctrl-C reached them already; SIGTERM from elsewhere did not
-            if p.is_alive() and p.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGTERM)
+        self.forward(self.procs)  # Ctrl-C reached them already; SIGTERM from elsewhere did not
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def forward(self, procs: list[mp.Process]) -> None:
-        """Send the stop request to ``procs``, started after it came."""
+        """Send the stop request (SIGTERM) to those of ``procs`` that are running."""
         for p in procs:
             if p.is_alive() and p.pid is not None:
                 with contextlib.suppress(ProcessLookupError):

@@ -60,8 +60,9 @@ def run_torchrun_worker(cfg: TrainConfig, *, summary_everywhere: bool = False,
     if rank == 0 and attempt == "0" and (cfg.run.run_dir or cfg.run.name):
         # Before anyone joins: torchrun stops the other ranks when this one exits on bad input. A
         # restarted attempt finds its own first attempt's files, which are not an earlier run.
-        claim_run_dir(cfg, default_run_dir(cfg, 0.0))
-        replace_earlier_run(cfg, default_run_dir(cfg, 0.0))
+        claimed = default_run_dir(cfg, 0.0)
+        claim_run_dir(cfg, claimed)
+        replace_earlier_run(cfg, claimed)
     hosted_elsewhere = rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if hosted_elsewhere:  # the torchrun agent (or rank 0) hosts the store
         wait_for_master(addr, port, cfg.cluster.timeout)

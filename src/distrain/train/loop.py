@@ -75,6 +75,7 @@ from distrain.tasks import LossFn, Task, bits_per_byte, build_task, check_task_d
 from distrain.train.evaluation import Evaluations
 from distrain.train.metrics import (
     MetricsWriter,
+    parse_record,
     write_json_atomic,
     write_summary,
 )
@@ -92,6 +93,7 @@ from distrain.train.resume import (
     resize_setting,
     resume_point,
     rng_state,
+    run_target,
     saved_workers,
     set_rng_state,
     shape_settings,
@@ -423,7 +425,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             **({MEMBERS_KEY: [*members, *range(world, store.world_size)]} if members != list(range(world)) else {}),
             # asynchronous: whether the budget is used up (the set's step does not say)
             **({} if algorithm.synchronous else {BUDGET_DONE_KEY: algorithm_state is not None and stop_at is None}),
-            **({STOPPED_AT_TARGET_KEY: [cfg.run.target_accuracy, cfg.run.target_loss]} if stopped_at_target else {}),
+            **({STOPPED_AT_TARGET_KEY: run_target(cfg)} if stopped_at_target else {}),
         })
 
     def records() -> list[dict[str, Any]]:
@@ -637,17 +639,13 @@ def retarget(totals: RunTotals, cfg: TrainConfig, run_dir: Path, evals: Evaluati
     their evaluations (every worker's metrics up to the checkpoint's step) that meets the new one
     (None: none did), not the time they met the old one. A checkpoint that names no target
     (written before 2026-12-02) keeps its time."""
-    target = [cfg.run.target_accuracy, cfg.run.target_loss]
+    target = run_target(cfg)
     if resume_step is None or totals.target is None or totals.target == target:
         return replace(totals, target=target)
     crossed = []
     for path in sorted((run_dir / "metrics").glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:  # a line cut short when its writer died
-                continue
-            if (isinstance(record, dict) and "test_loss" in record and record.get("step", 0) <= resume_step
+        for record in map(parse_record, path.read_text().splitlines()):
+            if (record is not None and "test_loss" in record and record.get("step", 0) <= resume_step
                     and evals.reached(record)):
                 crossed.append(float(record["time"]))
     log.info("the run's target changed on resume: its time to target is that of its first evaluation meeting the new one")

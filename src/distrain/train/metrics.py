@@ -97,16 +97,22 @@ class MetricsWriter:
         self._file.close()
 
 
+def parse_record(line: str) -> dict[str, Any] | None:
+    """One metrics line's record, or None for a line cut short when its writer died."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _keep_until(path: Path, step: int) -> None:
     """Rewrite a metrics file (atomically) without its lines past ``step``, if it has any."""
     lines = path.read_text().splitlines(keepends=True)
     kept = []
     for line in lines:
-        try:
-            record_step = json.loads(line).get("step", 0)
-        except (ValueError, AttributeError):  # a line cut short when its writer died
-            continue
-        if record_step <= step:
+        record = parse_record(line)
+        if record is not None and record.get("step", 0) <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
     if kept != lines:
         atomic_write(path, "".join(kept).encode())

@@ -78,10 +78,15 @@ def shape_settings(cfg: TrainConfig) -> dict[str, Any]:
             "--seed": cfg.run.seed, "--partition": d.partition, "--dirichlet-alpha": d.dirichlet_alpha}
 
 
+def run_target(cfg: TrainConfig) -> list[float | None]:
+    """The run's target as checkpoints record it: ``[target_accuracy, target_loss]``."""
+    return [cfg.run.target_accuracy, cfg.run.target_loss]
+
+
 def stopped_at_this_target(state: dict[str, Any], cfg: TrainConfig) -> bool:
     """Whether the run that saved ``state`` ended at the target this run stops at (resumed with
     ``--stop-at-target`` and the same target, it would only train past where it stopped)."""
-    return cfg.run.stop_at_target and state.get(STOPPED_AT_TARGET_KEY) == [cfg.run.target_accuracy, cfg.run.target_loss]
+    return cfg.run.stop_at_target and state.get(STOPPED_AT_TARGET_KEY) == run_target(cfg)
 
 
 def nothing_left(state: dict[str, Any], total_steps: int, time_budget: float | None = None) -> bool:
