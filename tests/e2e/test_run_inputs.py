@@ -25,6 +25,11 @@ def typed(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=90)
 
 
+def _files(directory: Path) -> dict[Path, tuple[int, bytes]]:
+    """Every file under ``directory``: when it was last written, and what it holds."""
+    return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in directory.rglob("*") if p.is_file()}
+
+
 def refused(capsys, *args: str) -> str:  # noqa: ANN001
     """``distrain train ARGS`` in this process: exit 2 and one stderr line, which is returned."""
     try:
@@ -196,14 +201,14 @@ def test_resume_auto_does_not_start_afresh_over_a_run_that_ended(tmp_path, damag
     else:
         for path in (run / "checkpoints").rglob("rank-*.pt"):
             path.write_bytes(path.read_bytes()[:200])
-    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    before = _files(run)
     again = typed(tmp_path, "train", *QUICK, "--workers", "1", "--epochs", "0.2", "--run-dir", str(run),
                   "--resume", "auto")
     lines = again.stderr.strip().splitlines()
     assert again.returncode == 2, again.stderr
     assert lines[-1].startswith("distrain: --resume:") and "holds a run that ended" in lines[-1], again.stderr
     assert "--overwrite" in lines[-1] and "Traceback" not in again.stderr
-    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()} == before
+    assert _files(run) == before
 
 
 def test_resume_auto_starts_a_run_that_left_no_summary(tmp_path):
@@ -249,11 +254,11 @@ def test_a_run_that_stopped_at_its_target_is_finished(tmp_path):
     assert first.returncode == 0, first.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_at_target"] is True
-    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    before = _files(run)
     again = typed(tmp_path, "train", *base, "--stop-at-target", "--resume", "auto")
     assert again.returncode == 0, again.stderr
     assert "stopped at its target" in again.stdout + again.stderr and "nothing to do" in again.stdout + again.stderr
-    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()} == before
+    assert _files(run) == before
     further = typed(tmp_path, "train", *base, "--resume", "auto")
     assert further.returncode == 0, further.stderr
     assert json.loads((run / "summary.json").read_text())["steps"] > summary["steps"]
@@ -268,12 +273,12 @@ def test_overwrite_keeps_the_earlier_run_when_another_setting_is_refused(tmp_pat
     run = tmp_path / "run"
     first = typed(tmp_path, "train", *QUICK, "--workers", "1", "--epochs", "0.05", "--run-dir", str(run))
     assert first.returncode == 0, first.stderr
-    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    before = _files(run)
     again = typed(tmp_path, "train", *QUICK, "--workers", workers, "--epochs", "0.05", "--run-dir", str(run),
                   "--overwrite", *bad)
     lines = again.stderr.strip().splitlines()
     assert again.returncode == 2 and lines[-1].startswith(f"distrain: {bad[0]}:"), again.stderr
-    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert _files(run) == before
 
 
 @pytest.mark.parametrize("workers,change,before,after", [
