@@ -69,8 +69,8 @@ TARGETS: dict[str, list[tuple[str, str, str]]] = {
 def job(algorithm: str, network: str, args: argparse.Namespace, run_dir: Path) -> TrainConfig:
     return TrainConfig.from_dict({
         "algorithm": algorithm, "network": network, "workers": args.workers, "epochs": args.epochs,
-        "eval_every": args.eval_every, "snapshot_every": args.snapshot_every, "target_accuracy": args.target,
-        "seed": args.seed, "progress": False, "run_dir": str(run_dir), **device_slowdown(network, args),
+        "eval_every": args.eval_every, "target_accuracy": args.target,
+        **({"snapshot_every": args.snapshot_every} if algorithm in ("adpsgd", "prague") else {}), "seed": args.seed, "progress": False, "run_dir": str(run_dir), **device_slowdown(network, args),
     }).validate()
 
 

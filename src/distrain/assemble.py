@@ -23,7 +23,8 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -192,17 +193,93 @@ def _server_parts(config: TrainConfig, like: torch.optim.Optimizer | None,
 # -- what each algorithm refuses before any worker starts ------------------------------------
 
 
-def check_algorithm(config: TrainConfig) -> None:
+def check_algorithm(config: TrainConfig, *, in_effect: bool = True) -> None:
     """Refuse settings the chosen algorithm cannot honour (ConfigError), before any worker starts.
 
-    First ``--compress`` for algorithms that would ignore it, then the algorithm's own checks.
+    First ``--compress`` for algorithms that would ignore it, then settings that would take no
+    effect (unless ``in_effect`` is False), then the algorithm's own checks.
     """
     klass = algorithm_class(config.algo.algorithm)
     spec = config.compress.compress.strip()
     if not klass.compresses and spec != "none":
         raise ConfigError("--compress", f"{klass.name} does not compress its traffic; use --compress none, "
                                         f"or --algorithm allreduce or ps to train with {spec}")
+    if in_effect:
+        check_in_effect(config)
     CHECKS.get(klass.name, _no_check)(config, klass.name)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where a setting takes effect: the algorithms that use it, and what more it needs, if
+    anything (a test of the config, and the words that name it)."""
+
+    algorithms: tuple[str, ...]
+    needs: Callable[[TrainConfig], bool] | None = None
+    needs_text: str = ""
+
+
+_GOSSIP, _DECENTRALIZED = (ADPSGD.name, Prague.name), (DPSGD.name, D2.name, ADPSGD.name)
+_DILOCO, _AUTO_H = (DiLoCo.name,), Scope((DiLoCo.name,), lambda c: c.outer.sync_every == AUTO, "--sync-every auto")
+
+#: The settings that take effect only with some algorithms, or with another setting (by field
+#: name). Given with a value other than its default where it would change nothing, one is
+#: refused: ``--servers 2`` with allreduce, or ``--max-staleness 4`` with synchronous servers,
+#: would otherwise be ignored without a word. ``distrain compare`` gives its shared settings only
+#: to the configurations that use them. Not here: ceilings on waits (``--timeout``,
+#: ``--peer-timeout``) and ``--compress``'s companions (``--error-feedback``, the density
+#: warm-up), which scripts give to every run of a sweep and which change nothing where unused.
+SCOPES: dict[str, Scope] = {
+    **dict.fromkeys(("bucket_mb", "first_bucket_mb", "ring"), Scope((AllReduce.name,))),
+    **dict.fromkeys(("servers", "ps_mode"), Scope((ParameterServer.name,))),
+    "max_staleness": Scope((ParameterServer.name,), lambda c: c.ps.ps_mode == "async", "--ps-mode async"),
+    "topology": Scope(_DECENTRALIZED), "mixing": Scope((DPSGD.name, D2.name)), "gossip_order": Scope((DPSGD.name,)),
+    **dict.fromkeys(("budget", "max_lag", "snapshot_every"), Scope(_GOSSIP)),
+    "time_budget": Scope(_GOSSIP, lambda c: c.gossip.budget == "time", "--budget time"),
+    "group_size": Scope((Prague.name,)),
+    **dict.fromkeys(("sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "fragments", "overlap_steps"),
+                    Scope(_DILOCO)),
+    **dict.fromkeys(("comm_overhead", "sync_every_min", "sync_every_max"), _AUTO_H),
+    "merge_weight": Scope(_DILOCO, lambda c: c.outer.overlap_steps > 0, "--overlap-steps above 0"),
+}
+
+
+def _out_of_effect(config: TrainConfig) -> Iterator[tuple[str, str]]:
+    """The settings of :data:`SCOPES` that ``config`` sets to a value other than the default where
+    they take no effect, each with the reason."""
+    from distrain.config import section_of
+
+    name = config.algo.algorithm
+    for setting, scope in SCOPES.items():
+        section = getattr(config, section_of(setting))
+        if getattr(section, setting) == getattr(type(section)(), setting):
+            continue
+        if name not in scope.algorithms:
+            users = " or ".join(scope.algorithms)
+            yield setting, f"is used only by --algorithm {users} (this run's is {name}): leave it out, or choose {users}"
+        elif scope.needs is not None and not scope.needs(config):
+            yield setting, f"takes effect only with {scope.needs_text}: leave it out, or add that"
+
+
+def check_in_effect(config: TrainConfig) -> None:
+    """Refuse the first setting that ``config`` sets where it takes no effect (see
+    :data:`SCOPES`), naming its flag and where it would."""
+    from distrain.config import flag
+
+    for setting, reason in _out_of_effect(config):
+        raise ConfigError(flag(setting), reason)
+
+
+def drop_out_of_effect(config: TrainConfig, keep: Collection[str] = ()) -> None:
+    """Set back to its default every setting of ``config`` that takes no effect there, but those in
+    ``keep`` (which :func:`check_in_effect` then refuses): ``distrain compare`` gives its shared
+    settings to the configurations that use them only."""
+    from distrain.config import section_of
+
+    for setting, _ in list(_out_of_effect(config)):
+        if setting not in keep:
+            section = getattr(config, section_of(setting))
+            setattr(section, setting, getattr(type(section)(), setting))
 
 
 def _no_check(config: TrainConfig, name: str) -> None:

@@ -34,7 +34,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,21 +181,26 @@ def check_named(config: Any, algorithms: dict[str, Any], build_peer: Callable[[s
                                      f"choose one of: {', '.join(sorted(algorithms))}")
 
 
-def make_cell(label: str, kind: str, name: str, comp: str, net: str, cfg: TrainConfig) -> Cell:
+def make_cell(label: str, kind: str, name: str, comp: str, net: str, cfg: TrainConfig,
+              own: Collection[str] = ()) -> Cell:
     """A configuration of the grid: ``cfg`` set to run algorithm (or baseline) ``name`` with
-    compressor ``comp`` on network ``net``, and why it cannot run, if it cannot."""
+    compressor ``comp`` on network ``net``, and why it cannot run, if it cannot. An algorithm
+    takes the shared settings it uses only; those of a named configuration (``own``) must all
+    take effect."""
     from distrain.algorithms import ALGORITHMS
+    from distrain.assemble import drop_out_of_effect
     from distrain.baselines import check_baseline
 
     cfg.algo.algorithm, cfg.compress.compress, cfg.network.network = name if kind == "algorithm" else "allreduce", comp, net
     cell = Cell(label, kind, name, comp, net, cfg)
-    if kind == "baseline":
-        cell.reason = _invalid(cfg.validate) or _invalid(lambda: check_baseline(name, cfg))
+    if kind == "baseline":  # (its algorithm is nominal: the settings it uses are the baseline's to check)
+        cell.reason = _invalid(lambda: cfg.validate(in_effect=False)) or _invalid(lambda: check_baseline(name, cfg))
     elif name not in ALGORITHMS:
         cell.reason = f"algorithm {name!r} is not in this build (available: {', '.join(sorted(ALGORITHMS))})"
     elif comp != "none" and not getattr(ALGORITHMS[name], "compresses", False):
         cell.reason = f"{name} does not compress its traffic (--compress {comp} would be ignored)"
     else:
+        drop_out_of_effect(cfg, keep=own)
         cell.reason = _invalid(cfg.validate)
     return cell
 
@@ -212,7 +217,7 @@ def named_cell(config: dict[str, Any], base: TrainConfig, net: str, where: str) 
         raise ConfigError("configs", f"configuration {label!r}: {exc}") from None
     kind = "baseline" if "baseline" in config else "algorithm"
     return make_cell(label + where, kind, config.get("baseline") or config["algorithm"],
-                     config.get("compress", "none"), net, cfg)
+                     config.get("compress", "none"), net, cfg, own=[key for key in config if key not in CONFIG_KEYS])
 
 
 def build_cells(grid: Grid, base: TrainConfig) -> list[Cell]:
@@ -220,7 +225,7 @@ def build_cells(grid: Grid, base: TrainConfig) -> list[Cell]:
     check_grid(grid)
     shared = copy.deepcopy(base)  # the shared settings must be valid on their own (exit 2 naming the flag)
     shared.algo.algorithm, shared.compress.compress, shared.network.network = "allreduce", "none", "none"
-    shared.validate()
+    shared.validate(in_effect=False)  # (each configuration takes those it uses)
     many_networks = len(grid.networks) > 1
     cells: list[Cell] = []
     for net in grid.networks:

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -293,6 +294,8 @@ class RunConfig:
             raise ConfigError("--seed", f"must be an integer >= 0, got {self.seed!r}")
         if self.name is not None:
             check_run_name(self.name)
+        if self.run_dir is not None and not str(self.run_dir).strip():  # (it meant the default, runs/<name>)
+            raise ConfigError("--run-dir", f"must name a directory (leave it out for runs/<name>), got {self.run_dir!r}")
         if self.overwrite and self.resume != "none":
             raise ConfigError("--overwrite", f"replaces an earlier run, so it cannot be combined with --resume {self.resume}")
 
@@ -616,9 +619,10 @@ class TrainConfig:
                 setattr(section, name, value)
         return self
 
-    def validate(self) -> TrainConfig:
+    def validate(self, *, in_effect: bool = True) -> TrainConfig:
         """Apply the task's defaults to the settings not given, then check every section; raise
-        ConfigError naming the first bad flag."""
+        ConfigError naming the first bad flag. ``in_effect`` False lets through settings the
+        algorithm does not use (a DDP or torchft baseline's, whose algorithm is nominal)."""
         from distrain.algorithms import ALGORITHMS
         from distrain.assemble import check_algorithm
 
@@ -631,7 +635,7 @@ class TrainConfig:
             raise ConfigError("--model", f"gpt is a language model: train it with --dataset text (the task here is {task})")
         if task == "lm" and self.model.model in ("mlp", "cnn1d", "cnn2d"):
             raise ConfigError("--model", f"{self.model.model} is not a language model: use --model gpt with --dataset text")
-        check_algorithm(self)
+        check_algorithm(self, in_effect=in_effect)
         if self.run.stop_at_target and (not ALGORITHMS[self.algo.algorithm].synchronous or self.algo.algorithm == "ps"):
             stoppable = sorted(n for n, a in ALGORITHMS.items() if a.synchronous and n != "ps")
             raise ConfigError("--stop-at-target", f"needs an algorithm whose workers all evaluate at the same steps "
@@ -679,7 +683,7 @@ class TrainConfig:
 RUN_RECORD_KEYS = frozenset({
     "world_size", "steps_per_epoch", "total_steps", "global_batch", "peak_lr", "shards", "resumed_from_step",
     "algorithm_info", "network_bits_per_s", "model_parameters", "commit", "distrain_version", "user_model",
-    "user_data", "segments", "epoch_workers",
+    "user_data", "segments", "epoch_workers", "changed_on_resume",
 })
 
 
@@ -702,7 +706,10 @@ def section_of(name: str, *, missing_ok: bool = False) -> str:
     if name not in _SECTION_OF:
         if missing_ok:
             return ""
-        raise ConfigError(name, f"unknown setting; known settings: {', '.join(sorted(_SECTION_OF))}")
+        close = difflib.get_close_matches(name, _SECTION_OF, n=3)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ConfigError(name, f"unknown setting; {hint}the settings are the flags of 'distrain train --help' "
+                                f"with '_' for '-'")
     return _SECTION_OF[name]
 
 
@@ -757,6 +764,17 @@ def copy_of(config: Any, call: str) -> TrainConfig:
     return TrainConfig.from_dict(config.to_dict())
 
 
+def _parse_error(exc: Exception) -> str:
+    """A parser's error in one line, with where in the file (YAML's own message spreads what and
+    where over several lines; JSON's and TOML's first line has both)."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is not None and problem:
+        context, begun = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        since = f"; {context} from line {begun.line + 1}" if context and begun is not None else ""
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1}{since})"
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def read_config_file(path: str | Path, flag: str = "--config") -> dict[str, Any]:
     """Parse ``--config FILE`` (or the file of another ``flag``, e.g. ``--scenario``) by
     extension: .json, .toml, .yaml/.yml. Every problem is a ConfigError naming ``flag``."""
@@ -791,7 +809,7 @@ def read_config_file(path: str | Path, flag: str = "--config") -> dict[str, Any]
     except ModuleNotFoundError as exc:
         raise ConfigError(flag, f"reading {path.suffix} files needs the '{exc.name}' package: pip install {exc.name}") from None
     except Exception as exc:  # parse errors differ per format
-        raise ConfigError(flag, f"cannot parse {str(path)!r}: {exc}".splitlines()[0]) from None
+        raise ConfigError(flag, f"cannot parse {str(path)!r}: {_parse_error(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(flag, f"{str(path)!r} must hold a table of settings")
     return data

@@ -22,7 +22,7 @@ from distrain.launch import launch_local
 from distrain.launch.checks import check_resume
 from distrain.models import build_model
 from distrain.optim.optimizers import build_optimizer
-from distrain.runtime.checkpoint import CheckpointStore
+from distrain.runtime.checkpoint import CheckpointStore, epoch_steps
 from distrain.train.loop import PLAN_KEY, plan_of, split
 from distrain.train.resume import at_round_end, check_worker_count, epoch_workers, resize_setting
 from tests.conftest import small_config
@@ -126,6 +126,22 @@ def test_resume_with_fewer_workers_is_the_checkpoint_stepped_with_the_new_worker
     assert [line["step"] for line in steps] == list(range(1, 41))
     assert [line["lr"] for line in steps] == pytest.approx([o.lr * 48 / o.reference_batch] * 14 + [lr] * 26)
     assert [(line["event"], line["step"]) for line in lines if "event" in line] == [("resized", 14)]
+
+
+def test_resume_with_more_workers_keeps_the_length_its_first_workers_planned(tmp_path):
+    """800 training samples make 25 steps an epoch for 2 workers of batch 16; split in 3 shards they
+    are 798. Resumed with 3, the run keeps the 2 workers' 25 steps (it was refused as if another
+    --batch-size had been given)."""
+    run_dir = tmp_path / "run"
+    first = small_config(str(run_dir), workers=2, num_samples=1000, checkpoint_every=10)
+    launch_local(first)
+    _keep_only(run_dir, 10)
+    train_set, _ = load_dataset("synthetic", num_samples=1000, seed=first.run.seed)
+    planned = epoch_steps(sum(len(p) for p in split(first, train_set, 2)), 2, 16)
+    assert sum(len(p) for p in split(first, train_set, 3)) < len(train_set) and planned == 25  # the case
+    summary = launch_local(small_config(str(run_dir), workers=3, num_samples=1000, resume="auto"))
+    assert summary["steps"] == planned and summary["resumed_from_step"] == 10
+    assert summary["workers"] == 3 and summary["steps_per_worker"] == [planned, planned, planned - 10]  # (2 joined at 10)
 
 
 def test_diloco_resumed_with_fewer_workers_from_a_round_end_is_the_checkpoint_stepped_in_rounds_of_the_new_workers(tmp_path):

@@ -226,7 +226,8 @@ def test_resume_auto_starts_a_run_that_left_no_summary(tmp_path):
 def test_a_resumed_run_judged_by_another_target(tmp_path):
     """Resumed with another target, a run's time to target is when its earlier
     evaluations first met the new target (computed here from its metrics), not when they met
-    the old one; one the earlier segment never met is not reported as met."""
+    the old one; one the earlier segment never met is not reported as met. config.json records
+    what each resume changed."""
     run = tmp_path / "run"
     base = [*QUICK, "--workers", "1", "--eval-every", "0.05", "--checkpoint-every", "5", "--run-dir", str(run)]
     first = typed(tmp_path, "train", *base, "--epochs", "0.2", "--target-accuracy", "0.01")
@@ -235,12 +236,22 @@ def test_a_resumed_run_judged_by_another_target(tmp_path):
     evaluations = [r for r in map(json.loads, (run / "metrics" / "rank0.jsonl").read_text().splitlines())
                    if "test_accuracy" in r]
     assert met == evaluations[0]["time"]  # any evaluation meets 1%
+    ends = [json.loads((run / "summary.json").read_text())["steps"]]
     again = typed(tmp_path, "train", *base, "--epochs", "0.3", "--target-loss", "1e-9", "--resume", "auto")
     assert again.returncode == 0, again.stderr
     assert json.loads((run / "summary.json").read_text())["time_to_target_s"] is None  # a loss of 1e-9: never met
+    ends.append(json.loads((run / "summary.json").read_text())["steps"])
     third = typed(tmp_path, "train", *base, "--epochs", "0.4", "--target-accuracy", "0.01", "--resume", "auto")
     assert third.returncode == 0, third.stderr
     assert json.loads((run / "summary.json").read_text())["time_to_target_s"] == met
+    # config.json holds the last segment's settings, and what each resume changed, from the step it resumed at
+    config = json.loads((run / "config.json").read_text())
+    assert (config["run"]["target_accuracy"], config["run"]["target_loss"]) == (0.01, None)
+    assert config["changed_on_resume"] == [
+        {"from_step": ends[0], "settings": {"target_accuracy": [0.01, 0.95], "target_loss": [None, 1e-9]}},
+        {"from_step": ends[1], "settings": {"target_accuracy": [0.95, 0.01], "target_loss": [1e-9, None]}},
+    ]
+    assert f"resumed at step {ends[1]} with other settings" in third.stderr and "--target-loss 1e-09 -> None" in third.stderr
 
 
 def test_a_run_that_stopped_at_its_target_is_finished(tmp_path):

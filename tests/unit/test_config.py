@@ -61,6 +61,19 @@ def test_config_file_errors_name_the_setting(tmp_path):
         TrainConfig.from_file(binary)
     with pytest.raises(ConfigError, match="--config: .*is a directory"):  # was "does not exist"
         TrainConfig.from_file(tmp_path)
+    bad.write_text(json.dumps({"batchsize": 8}))  # a near miss is named, and the message stays short
+    with pytest.raises(ConfigError, match=r"^batchsize: unknown setting; did you mean batch_size\?") as exc:
+        TrainConfig.from_file(bad)
+    assert len(str(exc.value)) < 200
+
+
+def test_a_yaml_error_says_where_in_one_line(tmp_path):
+    pytest.importorskip("yaml", reason="YAML config files need PyYAML")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lr: 0.1\nepochs 3\nworkers: 2\n")  # the second line has no ':'
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig.from_file(bad)
+    assert "\n" not in str(exc.value) and "line 3, column 1" in str(exc.value) and "from line 2" in str(exc.value)
 
 
 def test_scenario_file_errors_name_scenario(tmp_path):
@@ -79,7 +92,7 @@ def test_scenario_file_errors_name_scenario(tmp_path):
     ("workers", 0), ("momentum", 1.0), ("target_accuracy", 1.5), ("timeout", 0), ("eval_every", -1),
     ("dirichlet_alpha", 0), ("master_port", 70000), ("threads", 0), ("bucket_mb", 0), ("first_bucket_mb", -1),
     ("algorithm", "sgd9"), ("model", "resnet"), ("dataset", "cifar"), ("partition", "half"),
-    ("lr_decay", "linear"), ("optimizer", "rmsprop"), ("ring", "star"), ("model_width", 0),
+    ("lr_decay", "linear"), ("optimizer", "rmsprop"), ("ring", "star"), ("model_width", 0), ("run_dir", ""), ("run_dir", "  "),
 ])
 def test_validation_names_the_flag(name, value):
     cfg = TrainConfig()

@@ -155,6 +155,16 @@ def test_ranks_beyond_the_world_are_refused_when_it_is_known():
         settings(slow_link="2:1mbit").resolve(2)
 
 
+def test_a_worker_named_twice_is_refused():
+    # "last" is rank 3 of 4 workers: two factors for one worker, one of them silently dropped before
+    with pytest.raises(ConfigError, match=r"^--slow-worker: names worker 3 twice \(as 3 and last\);"):
+        settings(slow_worker="3:2x,last:4x").resolve(4)
+    with pytest.raises(ConfigError, match=r"^--slow-link: names worker 1 twice;"):
+        settings(slow_link="1:1mbit,1:2mbit").resolve(2)
+    spec = settings(slow_worker="2:2x,last:4x", slow_link="last:1mbit").resolve(4)  # one setting each: fine
+    assert spec.compute_factors == [1.0, 1.0, 2.0, 4.0]
+
+
 def test_cli_reports_a_bad_bandwidth_in_one_line(capsys):
     from distrain.cli import main
 

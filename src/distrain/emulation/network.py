@@ -134,10 +134,16 @@ class NetworkSettings:
         workers = world if workers is None else min(workers, world)
         last = workers - 1
 
+        named: dict[tuple[str, int], RankSpec] = {}  # (setting, rank): how the setting named it first
+
         def rank_of(spec: RankSpec, setting: str) -> int:
             rank = last if spec == "last" else int(spec)
             if rank >= world:
                 raise ConfigError(setting, f"names worker {rank}, but there are only {world} workers (ranks 0..{world - 1})")
+            if (setting, rank) in named:
+                how = f" (as {named[setting, rank]} and {spec})" if named[setting, rank] != spec else ""
+                raise ConfigError(setting, f"names worker {rank} twice{how}; give each worker one value")
+            named[setting, rank] = spec
             return rank
 
         bandwidth: list[float | None] = [self.bandwidth] * world

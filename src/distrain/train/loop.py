@@ -81,9 +81,11 @@ from distrain.train.metrics import (
 )
 from distrain.train.resume import (
     BUDGET_DONE_KEY,
+    CHANGED_KEY,
     EPOCH_WORKERS_KEY,
     STOPPED_AT_TARGET_KEY,
     already_finished,
+    changes_on_resume,
     check_epoch_length,
     check_worker_count,
     describe_extension,
@@ -282,8 +284,10 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         check_compatible(state, model=cfg.model.model, algorithm=cfg.algo.algorithm, shape=shape_settings(cfg))
         check_worker_count(state, cfg.algo.algorithm, world, workers_per_node=cfg.algo.workers_per_node,
                            dataset=cfg.data.dataset, setting=resize_setting(cfg))
-        if first_world != world:
-            steps_per_epoch = epoch_steps(sum(s["size"] for s in shards), first_world, cfg.data.batch_size)
+        if first_world != world:  # the length its first workers planned: from their split (which may drop
+            # other remainders than this world's: 12,800 samples in 3 shards are 12,798)
+            planned = sum(len(s) for s in split(cfg, train_set, first_world))
+            steps_per_epoch = epoch_steps(planned, first_world, cfg.data.batch_size)
             total_steps = planned_steps(cfg.run.epochs, steps_per_epoch)
         check_epoch_length(state, steps_per_epoch)
         if nothing_left(state, total_steps, time_budget(cfg)) or stopped_at_this_target(state, cfg):  # touch nothing
@@ -386,12 +390,13 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             plan = replan(cfg, opt, train_set, plan, opt.changes[at + 1 :], start_step, world)
         sampler, schedule, global_batch = regroup(cfg, opt, train_set, schedule, plan, sampler)
     if leads(algorithm, transport) and joined is None:  # (rank 0, or the first survivor of a loss as it started)
+        changed = changes_on_resume(run_dir, cfg, start_step) if state is not None else []
         write_json_atomic(run_dir / "config.json", {
             **cfg.to_dict(), "world_size": world, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
             EPOCH_WORKERS_KEY: first_world,
             "global_batch": global_batch, "peak_lr": peak, "shards": shards, "resumed_from_step": resume_step,
             "algorithm_info": algorithm.info(), "network_bits_per_s": NetworkSettings.from_config(cfg.network).bits_per_s(),
-            "model_parameters": count_parameters(model),
+            "model_parameters": count_parameters(model), **({CHANGED_KEY: changed} if changed else {}),
         })
 
     def counters(step: int, wall: float | None = None, cpu: float | None = None) -> list[float]:

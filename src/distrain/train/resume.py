@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from distrain.algorithms.gossip import GOSSIP_CLOCK, GOSSIP_COUNTS
-from distrain.config import TrainConfig
+from distrain.config import SECTIONS, TrainConfig, flag
 from distrain.errors import CheckpointError, ConfigError
 from distrain.optim.schedule import LRSchedule
+from distrain.report.runs import NOT_CONFIGURATION
 from distrain.runtime.checkpoint import WORLD_SIZE_KEY, CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,37 @@ def time_budget(cfg: TrainConfig) -> float | None:
     """The seconds an asynchronous run trains for with ``--budget time`` (None: its budget is in
     steps)."""
     return cfg.gossip.time_budget if cfg.gossip.budget == "time" else None
+
+
+#: config.json's record of the settings that resumes changed, oldest first:
+#: ``[{"from_step": k, "settings": {name: [before, after]}}, ...]``; config.json's settings are
+#: the last segment's.
+CHANGED_KEY = "changed_on_resume"
+
+#: Settings a resume changes without a record: those that do not change what a run computes, its
+#: length (``describe_extension`` says what a longer run does) and its workers (membership events).
+UNRECORDED = NOT_CONFIGURATION | {"epochs", "workers"}
+
+
+def changes_on_resume(run_dir: str | Path, cfg: TrainConfig, step: int) -> list[dict[str, Any]]:
+    """The run's :data:`CHANGED_KEY` record with this resume's changes, from ``step``, against the
+    settings its config.json holds (each change is also logged); the record as it was if none."""
+    path = Path(run_dir) / "config.json"
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):  # no record of the earlier segment (or an unreadable one): nothing to compare
+        return []
+    history = list(earlier.get(CHANGED_KEY, []))
+    before = {name: value for key, section in earlier.items() if key in SECTIONS and isinstance(section, dict)
+              for name, value in section.items()}
+    after = {name: value for section in cfg.to_dict().values() for name, value in section.items()}
+    changed = {name: [before[name], value] for name, value in after.items()
+               if name in before and name not in UNRECORDED and before[name] != value}
+    if changed:
+        history.append({"from_step": step, "settings": changed})
+        log.warning("resumed at step %d with other settings than before: %s (config.json records both)", step,
+                    ", ".join(f"{flag(name)} {old!r} -> {new!r}" for name, (old, new) in changed.items()))
+    return history
 
 
 #: Checkpoint entry of a run that ``--stop-at-target`` ended at its target: that target,
