@@ -77,12 +77,14 @@ def fit(model_fn: Any = None, train_set: Any = None, test_set: Any = None,
             model = make_model()
             model.load_state_dict(result.state_dict)
     """
+    from distrain.assemble import check_in_effect
     from distrain.launch import in_torchrun, launch_local, run_torchrun_worker
 
     cfg = copy_of(config, "fit(model_fn, train_set, test_set, workers=4)")
     for name, value in settings.items():
         cfg.set(name, value)
     cfg.validate()
+    check_in_effect(cfg)
     _check_callables(cfg, model_fn=model_fn, loss_fn=loss_fn)
     cfg = _as_given(cfg, model_fn, train_set, test_set)
     user = {"model_fn": model_fn, "train_set": train_set, "test_set": test_set, "loss_fn": loss_fn}

@@ -43,7 +43,7 @@ from distrain.algorithms.parameter_server.settings import NO_JOINS_IN_NODES
 from distrain.algorithms.prague import Prague, PragueSettings
 from distrain.compress.settings import CompressionSettings
 from distrain.emulation import Emulation
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, flag
 from distrain.optim.optimizers import build_optimizer
 from distrain.topology import build_topology, mixing_matrix
 
@@ -193,19 +193,16 @@ def _server_parts(config: TrainConfig, like: torch.optim.Optimizer | None,
 # -- what each algorithm refuses before any worker starts ------------------------------------
 
 
-def check_algorithm(config: TrainConfig, *, in_effect: bool = True) -> None:
+def check_algorithm(config: TrainConfig) -> None:
     """Refuse settings the chosen algorithm cannot honour (ConfigError), before any worker starts.
 
-    First ``--compress`` for algorithms that would ignore it, then settings that would take no
-    effect (unless ``in_effect`` is False), then the algorithm's own checks.
+    First ``--compress`` for algorithms that would ignore it, then the algorithm's own checks.
     """
     klass = algorithm_class(config.algo.algorithm)
     spec = config.compress.compress.strip()
     if not klass.compresses and spec != "none":
         raise ConfigError("--compress", f"{klass.name} does not compress its traffic; use --compress none, "
                                         f"or --algorithm allreduce or ps to train with {spec}")
-    if in_effect:
-        check_in_effect(config)
     CHECKS.get(klass.name, _no_check)(config, klass.name)
 
 
@@ -247,12 +244,9 @@ SCOPES: dict[str, Scope] = {
 def _out_of_effect(config: TrainConfig) -> Iterator[tuple[str, str]]:
     """The settings of :data:`SCOPES` that ``config`` sets to a value other than the default where
     they take no effect, each with the reason."""
-    from distrain.config import section_of
-
-    name = config.algo.algorithm
+    name, defaults = config.algo.algorithm, type(config)()
     for setting, scope in SCOPES.items():
-        section = getattr(config, section_of(setting))
-        if getattr(section, setting) == getattr(type(section)(), setting):
+        if config.get(setting) == defaults.get(setting):
             continue
         if name not in scope.algorithms:
             users = " or ".join(scope.algorithms)
@@ -263,9 +257,10 @@ def _out_of_effect(config: TrainConfig) -> Iterator[tuple[str, str]]:
 
 def check_in_effect(config: TrainConfig) -> None:
     """Refuse the first setting that ``config`` sets where it takes no effect (see
-    :data:`SCOPES`), naming its flag and where it would."""
-    from distrain.config import flag
-
+    :data:`SCOPES`), naming its flag and where it would: what ``distrain train``, ``fit()`` and
+    ``wrap()`` check beside ``TrainConfig.validate()``, which leaves them to the runs that use
+    its settings (a DDP or torchft baseline's config names no algorithm of distrain's and takes
+    ``--sync-every``)."""
     for setting, reason in _out_of_effect(config):
         raise ConfigError(flag(setting), reason)
 
@@ -274,12 +269,10 @@ def drop_out_of_effect(config: TrainConfig, keep: Collection[str] = ()) -> None:
     """Set back to its default every setting of ``config`` that takes no effect there, but those in
     ``keep`` (which :func:`check_in_effect` then refuses): ``distrain compare`` gives its shared
     settings to the configurations that use them only."""
-    from distrain.config import section_of
-
+    defaults = type(config)()
     for setting, _ in list(_out_of_effect(config)):
         if setting not in keep:
-            section = getattr(config, section_of(setting))
-            setattr(section, setting, getattr(type(section)(), setting))
+            config.set(setting, defaults.get(setting))
 
 
 def _no_check(config: TrainConfig, name: str) -> None:

@@ -78,7 +78,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     for _, field, _ in leaf_fields():
         if hasattr(args, field.name):
             cfg.set(field.name, getattr(args, field.name))
-    return cfg.validate()
+    from distrain.assemble import check_in_effect
+
+    cfg.validate()
+    check_in_effect(cfg)
+    return cfg
 
 
 def cmd_train(args: argparse.Namespace) -> int:

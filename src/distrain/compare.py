@@ -188,20 +188,20 @@ def make_cell(label: str, kind: str, name: str, comp: str, net: str, cfg: TrainC
     takes the shared settings it uses only; those of a named configuration (``own``) must all
     take effect."""
     from distrain.algorithms import ALGORITHMS
-    from distrain.assemble import drop_out_of_effect
+    from distrain.assemble import check_in_effect, drop_out_of_effect
     from distrain.baselines import check_baseline
 
     cfg.algo.algorithm, cfg.compress.compress, cfg.network.network = name if kind == "algorithm" else "allreduce", comp, net
     cell = Cell(label, kind, name, comp, net, cfg)
-    if kind == "baseline":  # (its algorithm is nominal: the settings it uses are the baseline's to check)
-        cell.reason = _invalid(lambda: cfg.validate(in_effect=False)) or _invalid(lambda: check_baseline(name, cfg))
+    if kind == "baseline":
+        cell.reason = _invalid(cfg.validate) or _invalid(lambda: check_baseline(name, cfg))
     elif name not in ALGORITHMS:
         cell.reason = f"algorithm {name!r} is not in this build (available: {', '.join(sorted(ALGORITHMS))})"
     elif comp != "none" and not getattr(ALGORITHMS[name], "compresses", False):
         cell.reason = f"{name} does not compress its traffic (--compress {comp} would be ignored)"
     else:
         drop_out_of_effect(cfg, keep=own)
-        cell.reason = _invalid(cfg.validate)
+        cell.reason = _invalid(cfg.validate) or _invalid(lambda: check_in_effect(cfg))
     return cell
 
 
@@ -225,7 +225,7 @@ def build_cells(grid: Grid, base: TrainConfig) -> list[Cell]:
     check_grid(grid)
     shared = copy.deepcopy(base)  # the shared settings must be valid on their own (exit 2 naming the flag)
     shared.algo.algorithm, shared.compress.compress, shared.network.network = "allreduce", "none", "none"
-    shared.validate(in_effect=False)  # (each configuration takes those it uses)
+    shared.validate()
     many_networks = len(grid.networks) > 1
     cells: list[Cell] = []
     for net in grid.networks:

@@ -25,13 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distrain.errors import ConfigError
-
-
-def flag(name: str) -> str:
-    """The command-line flag of a config field: ``batch_size`` -> ``--batch-size``."""
-    return "--" + name.replace("_", "-")
-
+from distrain.errors import ConfigError, flag
 
 #: The value a setting marked ``auto`` accepts besides its type: distrain chooses it during the run.
 AUTO = "auto"
@@ -619,10 +613,9 @@ class TrainConfig:
                 setattr(section, name, value)
         return self
 
-    def validate(self, *, in_effect: bool = True) -> TrainConfig:
+    def validate(self) -> TrainConfig:
         """Apply the task's defaults to the settings not given, then check every section; raise
-        ConfigError naming the first bad flag. ``in_effect`` False lets through settings the
-        algorithm does not use (a DDP or torchft baseline's, whose algorithm is nominal)."""
+        ConfigError naming the first bad flag."""
         from distrain.algorithms import ALGORITHMS
         from distrain.assemble import check_algorithm
 
@@ -635,7 +628,7 @@ class TrainConfig:
             raise ConfigError("--model", f"gpt is a language model: train it with --dataset text (the task here is {task})")
         if task == "lm" and self.model.model in ("mlp", "cnn1d", "cnn2d"):
             raise ConfigError("--model", f"{self.model.model} is not a language model: use --model gpt with --dataset text")
-        check_algorithm(self, in_effect=in_effect)
+        check_algorithm(self)
         if self.run.stop_at_target and (not ALGORITHMS[self.algo.algorithm].synchronous or self.algo.algorithm == "ps"):
             stoppable = sorted(n for n, a in ALGORITHMS.items() if a.synchronous and n != "ps")
             raise ConfigError("--stop-at-target", f"needs an algorithm whose workers all evaluate at the same steps "

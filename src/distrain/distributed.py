@@ -66,7 +66,7 @@ from distrain.algorithms.parameter_server import (
     admissions,
     server_optimizer,
 )
-from distrain.assemble import build_algorithm, serve, serve_again, survives
+from distrain.assemble import build_algorithm, check_in_effect, serve, serve_again, survives
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig, copy_of
 from distrain.data.partition import labels_of, partition_indices
@@ -282,6 +282,7 @@ def _configure(config: TrainConfig | None, settings: dict[str, Any], model: torc
     device = "cuda" if param is not None and param.device.type == "cuda" else "cpu"
     cfg = replace(cfg, cluster=replace(cfg.cluster, workers=world - servers, device=device))
     cfg.validate()
+    check_in_effect(cfg)
     if servers:  # the servers step this optimizer's kind on their shards: refuse what they cannot, now
         server_optimizer(optimizer, torch.nn.Parameter(torch.zeros(1)), asynchronous=cfg.ps.ps_mode == "async",
                          pushers=cfg.cluster.workers, max_staleness=cfg.ps.max_staleness, corrected=False)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def flag(name: str) -> str:
+    """The command-line flag of a config field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
 class DistrainError(Exception):
     """Base class for errors that the command line reports in one line."""
 

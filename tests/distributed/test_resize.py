@@ -265,13 +265,13 @@ def test_which_runs_can_change_the_number_of_workers() -> None:
               "interrupted": torch.zeros(0, dtype=torch.int64)}
     round_end = {"world_size": 4, "step": 8, "algorithm": synced}
     check_worker_count(round_end, "diloco", 3)
-    check_worker_count(round_end, "diloco", 6, setting=resize_setting(small_config("", algorithm="diloco")))
+    check_worker_count(round_end, "diloco", 6, setting=resize_setting(small_config("unused", algorithm="diloco")))
     with pytest.raises(CheckpointError, match="step 10 was written by 4 workers in the middle of a DiLoCo round"):
         check_worker_count({**round_end, "step": 10, "algorithm": {**synced, "inner_steps": 10}}, "diloco", 3)
     for settings, flag in [({"sync_every": "auto"}, "--sync-every auto"), ({"fragments": 2}, "--fragments 2"),
                            ({"fragments": 2, "overlap_steps": 1}, "--fragments 2"),
                            ({"overlap_steps": 1}, "--overlap-steps 1"), ({"compress": "int8"}, "--compress int8")]:
-        setting = resize_setting(small_config("", algorithm="diloco", **settings))
+        setting = resize_setting(small_config("unused", algorithm="diloco", **settings))
         assert setting == flag
         check_worker_count(round_end, "diloco", 4, setting=setting)
         with pytest.raises(CheckpointError, match=f"--algorithm diloco with {flag} cannot change the number of "

@@ -54,6 +54,9 @@ def bad(capsys, *args: str) -> str:  # noqa: ANN001
     (["--task", "regression"], "--task", "your own data set"),
     (["--task", "ranking"], "--task", "classification, regression"),
     (["--target-loss", "-0.5"], "--target-loss", "> 0"),
+    (["--servers", "2"], "--servers", "used only by --algorithm ps"),  # it would change nothing
+    (["--algorithm", "dpsgd", "--workers", "2", "--sync-every", "16"], "--sync-every", "--algorithm diloco"),
+    (["--slow-worker", "3:2x,last:4x"], "--slow-worker", "names worker 3 twice"),
 ])
 def test_settings_refused_before_any_worker(capsys, args, setting, allowed):
     line = bad(capsys, *args)

@@ -16,6 +16,7 @@ from distrain.assemble import (
     SETTINGS,
     allreduce_settings,
     build_algorithm,
+    check_in_effect,
     drop_out_of_effect,
     server_settings,
 )
@@ -119,17 +120,18 @@ def test_the_scopes_name_the_algorithms_whose_settings_carry_the_setting():
     ({"algorithm": "diloco", "merge_weight": 0.5}, "--merge-weight", "with --overlap-steps above 0"),
 ])
 def test_a_setting_that_would_take_no_effect_is_refused(settings, flag, where):
+    config = TrainConfig(workers=4, **settings).validate()  # (a baseline's config may hold them: see below)
     with pytest.raises(ConfigError) as exc:
-        TrainConfig(workers=4, **settings).validate()
+        check_in_effect(config)
     assert exc.value.setting == flag and where in exc.value.message
 
 
 def test_settings_where_they_take_effect_or_at_their_default_pass():
-    TrainConfig(workers=4, algorithm="ps", servers=2, ps_mode="async", max_staleness=3).validate()
-    TrainConfig(workers=4, algorithm="prague", budget="time", time_budget=5, group_size=2).validate()
-    TrainConfig(workers=4, algorithm="diloco", sync_every=AUTO, comm_overhead=0.2).validate()
-    TrainConfig(workers=4, error_feedback="off", density_warmup_epochs=0.0).validate()  # (not scoped: no effect)
-    TrainConfig(workers=4, algorithm="dpsgd", servers=1, sync_every=64).validate()  # the defaults: nothing to refuse
+    check_in_effect(TrainConfig(workers=4, algorithm="ps", servers=2, ps_mode="async", max_staleness=3).validate())
+    check_in_effect(TrainConfig(workers=4, algorithm="prague", budget="time", time_budget=5, group_size=2).validate())
+    check_in_effect(TrainConfig(workers=4, algorithm="diloco", sync_every=AUTO, comm_overhead=0.2).validate())
+    check_in_effect(TrainConfig(workers=4, error_feedback="off", density_warmup_epochs=0.0))  # (not scoped)
+    check_in_effect(TrainConfig(workers=4, algorithm="dpsgd", servers=1, sync_every=64))  # defaults: nothing to refuse
 
 
 def test_a_comparison_gives_its_shared_settings_to_those_that_use_them():
@@ -140,4 +142,4 @@ def test_a_comparison_gives_its_shared_settings_to_those_that_use_them():
     drop_out_of_effect(config, keep=["servers"])  # a named configuration's own setting stays, to be refused
     assert (config.outer.sync_every, config.ps.servers) == (16, 2)
     with pytest.raises(ConfigError, match="--servers"):
-        config.validate()
+        check_in_effect(config)
