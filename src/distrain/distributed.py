@@ -554,7 +554,8 @@ class DistributedOptimizer:
             return
         self._started = True
         if self.membership is None:
-            dist.barrier(group=self.workers_group)
+            if not self.algorithm.meet_to_start():
+                dist.barrier(group=self.workers_group)
         else:
             self.control_barrier()
         self._begin()

@@ -719,6 +719,27 @@ def test_gossip_survivors_average_their_models_and_go_on(tmp_path: Path, algorit
     assert not torch.allclose(gossip_reference(victim, STEPS, None, STEPS), expected)
 
 
+@pytest.mark.slow  # CI: the same through distrain train (tests/reliability/test_lost_peer.py)
+@pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])
+def test_asynchronous_gossip_goes_on_without_a_worker_lost_as_its_gossip_groups_are_made(tmp_path: Path, algorithm: str):
+    """Through wrap(): worker 0 (Prague's first group generator) killed as the run starts, about
+    to make the gossip groups; the others agree in the launcher's store on who came, open their
+    links without it, take every step and end on the mean of their own models (the consensus
+    over the survivors); nothing is left running."""
+    done = launch_tagged(tmp_path, -1, 0, "start", settings={"algorithm": algorithm},
+                         env=kill_in(tmp_path, "gossip-groups", 0))
+    assert done.returncode == 0, done.stderr
+    assert "worker(s) [0] lost as the run started" in done.stderr
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in (1, 2, 3)}
+    mean = sum(result["own"] for result in results.values()) / 3
+    for r, result in results.items():
+        [change] = result["changes"]
+        assert (change["workers"], change["members"]) == ([0], [1, 2, 3]) and change["lost_at_step"] <= 1, r
+        assert result["steps"] == STEPS and result["workers"] == WORKERS - 1, r
+        torch.testing.assert_close(result["weight"], mean, rtol=0, atol=1e-12)
+    assert not torch.allclose(results[1]["own"], results[2]["own"])  # the mean can fail: the models differ
+
+
 def test_gossip_restarted_worker_joins_with_a_members_model(tmp_path: Path):
     """Worker 0 killed as step 3 begins: the survivors average their models over themselves; it
     starts again and joins with a member's model and momentum."""

@@ -72,6 +72,7 @@ from distrain.algorithms.gossip import (
     Waiter,
     gossip_group,
     meet_before_gossip_groups,
+    survivors_link,
 )
 from distrain.algorithms.rejoin import POLL_S, Admissions, await_entry, open_pair
 from distrain.comm.transport import Handle, Transport
@@ -505,6 +506,16 @@ class PairwiseGossip(GossipEngine):
                 self._start_listening(peer)
             self.state.lock.notify_all()
 
+    def lost_at_start(self, lost: set[int]) -> None:
+        """Workers lost as the run started, before the gossip groups were made: nobody calls
+        them or waits for their calls (the others opened their link without them)."""
+        for peer in sorted(lost):
+            self.state.mark_lost(peer)
+            if peer in self.peers:
+                self.peers.remove(peer)
+            self._calling.discard(peer)
+            self._heard.pop(peer, None)
+
     def enter(self, epoch: int) -> None:
         """This worker joined again, admitted in ``epoch``: open a link with every live neighbour
         (each opens its side once it admitted it) and take the first model handed over
@@ -562,7 +573,14 @@ class ADPSGD(AsyncGossip):
         if self.entered is not None:  # no group to enter: links with each neighbour (see rejoin.py)
             return PairwiseGossip(self.state, transport, self.graph, seed=g.run.seed, liveness=liveness,
                                   peer_timeout=g.peer_timeout, admissions=admissions, entering=True)
-        meet_before_gossip_groups(liveness, transport, g.run.timeout)
+        came = meet_before_gossip_groups(liveness, transport, g.run.timeout)
+        if liveness is not None and len(came) < transport.world_size:  # some were lost as the run started
+            engine = PairwiseGossip(self.state, survivors_link(liveness, came, transport, g.run.timeout), self.graph,
+                                    seed=g.run.seed, liveness=liveness, peer_timeout=g.peer_timeout,
+                                    admissions=admissions)
+            self.started_without = set(range(transport.world_size)) - set(came)
+            engine.lost_at_start(self.started_without)
+            return engine
         group = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)  # see Waiter
         return PairwiseGossip(self.state, Transport(group, link_model=transport.link_model), self.graph,
                               seed=g.run.seed, liveness=liveness, peer_timeout=g.peer_timeout, admissions=admissions)

@@ -341,6 +341,12 @@ class Algorithm:
         most once a second unless ``force``."""
         return {}
 
+    def meet_to_start(self) -> bool:
+        """Where some workers were lost as the run started and the others went on without them
+        (no collective over every worker can be made): meet the others to start training
+        together, and say True; False (the default): the caller's barrier over every worker."""
+        return False
+
     def leads(self, transport: Transport) -> bool:
         """Whether this worker evaluates and writes the summary (``transport``: the loop's):
         rank 0, or the first of the survivors once some were lost."""

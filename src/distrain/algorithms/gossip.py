@@ -40,6 +40,7 @@ from the flags.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,17 +54,20 @@ import torch.distributed as dist
 
 from distrain.algorithms.base import Algorithm, FlatParams, RunFacts, StepContext, copy_module
 from distrain.algorithms.rejoin import Admissions
+from distrain.comm.link import LinkTransport, open_link
 from distrain.comm.store_group import StoreGroup
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import WorkerFailure
 from distrain.runtime.faults import inject_kill_in
-from distrain.runtime.health import LOST_CHECK_S, Liveness
+from distrain.runtime.health import LOST_CHECK_S, Liveness, declared_dead
 from distrain.runtime.membership import (
+    PREFIX,
     Change,
     LeftOut,
     LinkMissed,
     Membership,
-    meet_before_groups,
+    agree_before_groups,
+    await_ready,
     restarted_workers,
 )
 
@@ -462,15 +466,44 @@ class PeerTimeout(RuntimeError):
 GOSSIP_BACKSTOP_S = 7 * 24 * 3600.0
 
 
-def meet_before_gossip_groups(liveness: Liveness | None, transport: Transport, timeout: float) -> None:
-    """Before the gossip groups are made over every worker (collective: their rendezvous would
-    wait for a worker lost as the run starts until their timeout, a week for groups whose waits
-    the survivors bound themselves): with ``liveness`` (a run that survives losses), the workers
-    meet in the launcher's store first, and one lost before its mark stops the run in one line
-    (see :func:`~distrain.runtime.membership.meet_before_groups`)."""
+def meet_before_gossip_groups(liveness: Liveness | None, transport: Transport, timeout: float) -> list[int]:
+    """The workers that make the gossip groups, in rank order. Their groups' rendezvous would
+    wait for a worker lost as the run starts until their timeout (a week for groups whose waits
+    the survivors bound themselves), so with ``liveness`` (a run that survives losses) the workers
+    meet in the launcher's store first and agree on who came (see
+    :func:`~distrain.runtime.membership.agree_before_groups`); where some did not, the others
+    open their links over :func:`survivors_link` instead and go on without them."""
     inject_kill_in("gossip-groups", transport.rank)  # fault injection for tests
-    if liveness is not None:
-        meet_before_groups(liveness.store, transport.rank, transport.world_size, timeout, "its gossip groups", "gossip")
+    if liveness is None:
+        return list(range(transport.world_size))
+    return agree_before_groups(liveness.store, transport.rank, transport.world_size, timeout, "its gossip groups",
+                               "gossip")
+
+
+def survivors_link(liveness: Liveness, came: list[int], transport: Transport, timeout: float,
+                   name: str = "gossip") -> LinkTransport:
+    """The link ``name`` of the workers that ``came`` (some were lost as the run started: no
+    group over every worker can be made), opened over a prefix of the launcher's store within
+    ``timeout``, its peers named by their ranks in the run; its waits are then bounded by the
+    gossip's own deadlines (:data:`GOSSIP_BACKSTOP_S` for gloo's). Local runs listen on the
+    store's address (loopback by default)."""
+    store = dist.PrefixStore(f"{PREFIX}/groups/{name}-survivors", liveness.store)
+    link = open_link(store, came, transport.rank, transport.world_size, timeout, transport.link_model,
+                     host=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    return bounded_by_us(link, f"the {name} link", timeout)
+
+
+def bounded_by_us(link: LinkTransport, what: str, timeout: float) -> LinkTransport:
+    """``link``, once open, with gloo's timeout raised to :data:`GOSSIP_BACKSTOP_S`: its waits are
+    bounded by the gossip's own deadlines (see Waiter), since a gloo timeout would close it while
+    a slow worker trains. (Opening it is bounded by ``timeout``, which it keeps where this torch
+    cannot change it: logged.)"""
+    set_timeout = getattr(link.group, "_set_default_timeout", None)
+    if set_timeout is not None:
+        set_timeout(timedelta(seconds=GOSSIP_BACKSTOP_S))
+    else:
+        log.warning("worker %d: %s keeps gloo's %g s timeout", link.rank, what, timeout)
+    return link
 
 
 def gossip_group(timeout: float) -> Any:
@@ -639,7 +672,12 @@ class AsyncGossip(Algorithm):
         self.new_copy = torch.empty_like(flat, pin_memory=pin)
         self.consensus = copy_module(model)
         self.snapshots = Snapshots(g.snapshot_every, snapshot_limit(flat.numel() * flat.element_size()))
+        #: workers lost as the run started, before the gossip groups were made (build_engine says)
+        self.started_without: set[int] = set()
         self.engine: GossipEngine | None = self.build_engine(transport) if transport.world_size > 1 else None
+        if self.started_without and self.leads(transport):  # one line for the run
+            log.warning("worker %d: worker(s) %s lost as the run started, before the gossip groups were made; the "
+                        "others go on without them", self.state.rank, sorted(self.started_without))
         self._drained = False
         self._stop_requested = False
         self.control: Transport | None = None  # after training: the survivors' group, if workers were lost
@@ -857,12 +895,29 @@ class AsyncGossip(Algorithm):
     def control_transport(self) -> Transport | None:
         return self.control
 
+    def meet_to_start(self) -> bool:
+        """Workers lost as the run started (:attr:`started_without`): the others meet in the
+        launcher's store (one lost meanwhile is left to the gossip to find)."""
+        if not self.started_without or self.engine is None or self.engine.liveness is None:
+            return False
+        store, rank = self.engine.liveness.store, self.state.rank
+        came = [r for r in range(self.state.world) if r not in self.started_without]
+        try:
+            await_ready(dist.PrefixStore(f"{PREFIX}/groups/gossip-start", store), came, rank, self.settings.run.timeout,
+                        lambda r: declared_dead(store, r), f"worker {rank}: the workers did not start training")
+        except LinkMissed:
+            pass
+        return True
+
     def leads(self, transport: Transport) -> bool:
         """After a worker joined again the consensus meets in the store over every live worker;
         the first of them that trained from the run's start writes the summary (its records hold
         the loss and the join, its counters the whole run), as every worker reads from the store
-        which workers were started again."""
+        which workers were started again. Before training, where workers were lost as the run
+        started: the first of the others."""
         control = self.control
+        if control is None and self.started_without:
+            return self.state.rank == min(set(range(self.state.world)) - self.started_without)
         if not isinstance(control, StoreGroup):
             return super().leads(transport)
         restarted = restarted_workers(control.store)

@@ -93,7 +93,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -107,8 +106,10 @@ from distrain.algorithms.gossip import (
     PeerTimeout,
     SharedModel,
     Waiter,
+    bounded_by_us,
     gossip_group,
     meet_before_gossip_groups,
+    survivors_link,
 )
 from distrain.algorithms.rejoin import POLL_S, Admissions, await_entry, open_pair
 from distrain.comm.ring import ring_all_reduce
@@ -880,16 +881,8 @@ class GroupGossip(GossipEngine):
                          joiner=joiner)
         control = open_pair(m, epoch, pair, self.rank, n, self.timeout, self.data.link_model, name="prague-control",
                             joiner=joiner)
-        # A wait on the control link is bounded by us (see Waiter, GOSSIP_BACKSTOP_S): a generator's
-        # receive must not time out while a slow worker trains. (Set once open: opening it is
-        # bounded by the timeout.)
-        set_timeout = getattr(control.group, "_set_default_timeout", None)
-        if set_timeout is not None:
-            set_timeout(timedelta(seconds=GOSSIP_BACKSTOP_S))
-        else:
-            log.warning("worker %d: the control link with worker %d keeps gloo's %g s timeout", self.rank, peer,
-                        self.timeout)
-        return data, control
+        # A generator's receive on the control link must not time out while a slow worker trains.
+        return data, bounded_by_us(control, f"the control link with worker {peer}", self.timeout)
 
     def _hand_over(self, joiner: int, epoch: int) -> None:
         """Open the links with ``joiner``, send it this worker's model and what it knows of every
@@ -916,6 +909,25 @@ class GroupGossip(GossipEngine):
         with self._elect_lock:
             if self.generator is not None:
                 self.generator.listen(peer)
+
+    def lost_at_start(self, lost: set[int]) -> None:
+        """Workers lost as the run started, before the gossip groups were made (the others opened
+        their links without them): never grouped or waited for; the first generator among them,
+        the lowest of the others forms the groups instead (elected in the store, for workers that
+        join again)."""
+        assert self.liveness is not None
+        for r in sorted(lost):
+            self.state.mark_lost(r)
+        first = min(set(range(self.state.world)) - lost)
+        if FIRST_GENERATOR in lost:
+            self.generator_rank = first
+            if self.rank == first:
+                self.generator = self._generator(successor=False)
+                GroupBoard(self.liveness.store).elect(first)
+        if self.generator is not None:
+            with self.generator.lock:
+                for r in sorted(lost):
+                    self.generator._drop(r)
 
     def enter(self, epoch: int) -> None:
         """This worker joined again, admitted in ``epoch``: open links with every live peer (each
@@ -985,7 +997,15 @@ class Prague(AsyncGossip):
             return GroupGossip(self.state, transport, transport, size, seed=g.run.seed, timeout=g.peer_timeout,
                                liveness=liveness, admissions=admissions, entry=self.entered.epoch)
         # With liveness the control group's waits are bounded by us (see Waiter), gloo's is a backstop.
-        meet_before_gossip_groups(liveness, transport, g.run.timeout)
+        came = meet_before_gossip_groups(liveness, transport, g.run.timeout)
+        if liveness is not None and len(came) < transport.world_size:  # some were lost as the run started
+            data = survivors_link(liveness, came, transport, g.run.timeout, name="prague-data")
+            control = survivors_link(liveness, came, transport, g.run.timeout, name="prague-control")
+            engine = GroupGossip(self.state, data, control, size, seed=g.run.seed, timeout=g.peer_timeout,
+                                 liveness=liveness, admissions=admissions)
+            self.started_without = set(range(transport.world_size)) - set(came)
+            engine.lost_at_start(self.started_without)
+            return engine
         data = gossip_group(g.peer_timeout)
         control = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)
         link = transport.link_model

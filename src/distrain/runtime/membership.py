@@ -580,21 +580,39 @@ def await_ready(store: dist.Store, ranks: list[int], me: int, timeout: float,
         time.sleep(POLL_S / 2)
 
 
-def meet_before_groups(store: dist.Store | None, rank: int, world: int, timeout: float, what: str, key: str) -> None:
-    """Every process of a run that survives losses (``rank`` of ``world``) marks itself ready
-    in the launcher's ``store`` (under ``key``) before ``what`` (e.g. "its node groups") are
-    made over every process, and waits for the others' marks: one declared dead before its
-    mark (lost as the run starts) stops the run here at once, in one line, where making the
-    groups would wait for it until their timeout. No store (no launcher declares deaths):
-    nothing to wait for."""
+def agree_before_groups(store: dist.Store | None, rank: int, world: int, timeout: float, what: str,
+                        key: str) -> list[int]:
+    """The processes of a run that survives losses that came to make ``what`` (e.g. "its gossip
+    groups"), in rank order: every one (``rank`` of ``world``) marks itself ready in the
+    launcher's ``store`` (under ``key``) and waits until each of the others has marked itself
+    or been declared dead (lost as the run starts, where making the groups over every process
+    would wait for it until their timeout). Every process that waits gets the same list, the
+    marked ones: a mark stays, and a process declared dead makes none (one started again does
+    not come here: it joins). No store (no launcher declares deaths): every process."""
     if store is None:
-        return
-    try:
-        await_ready(dist.PrefixStore(f"{PREFIX}/groups/{key}", store), list(range(world)), rank, timeout,
-                    lambda r: declared_dead(store, r), f"process {rank}: {what} were not made")
-    except LinkMissed as exc:
-        raise WorkerFailure(f"process {rank}: rank(s) {exc.ranks} lost as the run started, before {what} "
-                            "were made; the run stops") from None
+        return list(range(world))
+    marks = dist.PrefixStore(f"{PREFIX}/groups/{key}", store)
+    marks.set(f"ready/{rank}", "1")
+    deadline = time.monotonic() + timeout
+    while True:
+        came = [r for r in range(world) if r == rank or marks.check([f"ready/{r}"])]
+        waiting = [r for r in range(world) if r not in came and not declared_dead(store, r)]
+        if not waiting:
+            return came
+        if time.monotonic() > deadline:
+            raise WorkerFailure(f"process {rank}: {what} were not made within {timeout:g} s (ranks {waiting} "
+                                "never came)")
+        time.sleep(POLL_S / 2)
+
+
+def meet_before_groups(store: dist.Store | None, rank: int, world: int, timeout: float, what: str, key: str) -> None:
+    """:func:`agree_before_groups`, for ``what`` made over every process: one lost before its
+    mark stops the run here in one line."""
+    came = agree_before_groups(store, rank, world, timeout, what, key)
+    if len(came) < world:
+        lost = sorted(set(range(world)) - set(came))
+        raise WorkerFailure(f"process {rank}: rank(s) {lost} lost as the run started, before {what} "
+                            "were made; the run stops")
 
 
 def asked(store: dist.Store, start: int = 0, stop: int | None = None) -> list[int]:
