@@ -93,6 +93,20 @@ def test_a_failing_rank_stops_all_and_is_named(tmp_path: Path):
     assert orphans == []
 
 
+def test_a_setting_refused_by_wrap_in_a_script_is_bad_input(tmp_path: Path):
+    # the script's own traceback stays (it is the user's script); the job's status is distrain's for bad input
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import torch, distrain
+        model = torch.nn.Linear(2, 2)
+        distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm="allreduce", sync_every=16)
+    """))
+    done, orphans = launch(["--workers", "2", "--timeout", "60", "job.py"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("distrain: rank ") and "ConfigError: --sync-every: is used only by --algorithm diloco" in last
+    assert orphans == []
+
+
 def test_the_failure_that_caused_the_others_is_named_though_it_ended_last(tmp_path: Path):
     # rank 2 drops its connections, so ranks 0 and 1 fail first ("Connection closed by peer"),
     # and only then fails itself: its error, not theirs, is the job's cause

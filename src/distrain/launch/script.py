@@ -50,7 +50,7 @@ from distrain.launch.common import (
 )
 from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run, opening
-from distrain.runtime.process import EXIT_LEFT_OUT
+from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
 
 #: Seconds the other processes get to stop after a failure or Ctrl-C before they are killed.
 STOP_GRACE_S = 5.0
@@ -150,6 +150,12 @@ class _Process:
                 sink.write(prefix + line + "\n")
                 sink.flush()
         source.close()
+
+    def bad_input(self) -> bool:
+        """Whether this process ended on distrain's refusal of a setting (a ConfigError its script
+        did not catch, e.g. from ``wrap()``'s keyword arguments): the job's exit status is then
+        distrain's for bad input."""
+        return bool(self.tail) and _TORCH_RANK_PREFIX.sub("", self.tail[-1]).startswith(f"{ConfigError.__module__}.ConfigError: ")
 
     def cause(self, code: int) -> str:
         """Why this process ended: the last line it wrote to stderr, or how it exited."""
@@ -421,7 +427,7 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
             announce_failure(store, nodes, f"rank {failed.rank} failed")  # the other nodes stop at once
             _stop_all(procs)
             print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}", file=sys.stderr)
-            return 1
+            return EXIT_BAD_INPUT if failed.bad_input() else 1
         if all(c == 0 or p in lost for p, c in zip(procs, codes, strict=True)):
             return 0 if len(lost) < len(procs) else 1
         if nodes is not None and time.monotonic() - polled > NODE_POLL_S:
