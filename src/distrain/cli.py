@@ -19,8 +19,7 @@ from distrain.config import (
     flag,
     leaf_fields,
 )
-from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError
-from distrain.runtime.faults import Interrupted
+from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, Interrupted
 from distrain.runtime.process import EXIT_BAD_INPUT, freeze_at_exit
 
 
@@ -329,6 +328,11 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--version"]:  # at once: the parser's choices import torch
+        from distrain import __version__
+
+        print(f"distrain {__version__}")
+        return 0
     try:
         freeze_at_exit()  # the launcher's exit skips the last garbage collection (about 0.8 s with torch)
         parser = build_parser()

@@ -40,11 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from distrain.config import TrainConfig, read_config_file
-from distrain.errors import ConfigError, DistrainError
+from distrain.errors import ConfigError, DistrainError, Interrupted
 from distrain.report import add_speedups, config_row, format_table, run_record, write_csv
 from distrain.report.plots import make_plots
 from distrain.report.runs import group_by_label, load_run
-from distrain.runtime.faults import Interrupted
 from distrain.train.metrics import write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -36,3 +36,15 @@ class CheckpointError(DistrainError, RuntimeError):
 
 class WorkerFailure(DistrainError, RuntimeError):
     """A peer stopped answering or a worker process failed."""
+
+
+class Interrupted(Exception):
+    """The run was asked to stop (SIGTERM / Ctrl-C); a checkpoint was written at ``step``
+    (-1: unknown) in ``run_dir``."""
+
+    def __init__(self, step: int, run_dir: object = None) -> None:
+        self.step, self.run_dir = step, run_dir
+        message = "stopped on request" + (f" after step {step}" if step >= 0 else "")
+        if run_dir is not None:
+            message += f"; continue with --resume auto --run-dir {run_dir}"
+        super().__init__(message)

@@ -103,3 +103,14 @@ def test_import_distrain_loads_no_optional_extra_and_no_algorithm():
     assert done.stdout.strip() == ""
     timed = [line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
     assert "distrain" in timed and not {"matplotlib", "sklearn", "mnist1d"} & set(timed)
+
+
+def test_distrain_version_answers_without_torch():
+    """``distrain --version`` (the console script runs distrain.cli:main) imports no torch: it
+    took 5 to 7 s here when it did."""
+    code = ("import sys\nfrom distrain.cli import main\n"
+            "assert main(['--version']) == 0\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    from distrain import __version__
+
+    assert done.stdout.split() == ["distrain", __version__, "False"]

@@ -170,7 +170,7 @@ def test_named_configurations_run_with_their_own_settings(tmp_path: Path, fake_l
 
 
 def test_a_stop_request_ends_the_grid_and_keeps_what_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from distrain.runtime.faults import Interrupted
+    from distrain.errors import Interrupted
 
     def launch(cfg: TrainConfig) -> dict:
         if cfg.algo.algorithm == "dpsgd":  # SIGTERM reached the workers of the second configuration

@@ -23,7 +23,14 @@ from distrain.assemble import survives as algorithm_survives
 from distrain.comm.group import check_device, close_group, init_group, store_of
 from distrain.config import TrainConfig
 from distrain.emulation import NetworkSettings
-from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, WorkerFailure
+from distrain.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DistrainError,
+    Interrupted,
+    WorkerFailure,
+)
 from distrain.launch.checks import finished_before_start, preflight
 from distrain.launch.common import (
     Restarts,
@@ -39,7 +46,6 @@ from distrain.launch.common import (
     server_count,
     worker_context,
 )
-from distrain.runtime.faults import Interrupted
 from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, LeftOut
 from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT

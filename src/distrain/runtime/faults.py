@@ -79,18 +79,6 @@ REPEAT_WINDOW_S = 3.0
 COMM_ERROR_WORDS = ("connection", "closed", "reset", "timed out", "timeout", "broken pipe", "gloo", "peer", "socket")
 
 
-class Interrupted(Exception):
-    """The run was asked to stop (SIGTERM / Ctrl-C); a checkpoint was written at ``step``
-    (-1: unknown) in ``run_dir``."""
-
-    def __init__(self, step: int, run_dir: Any = None) -> None:
-        self.step, self.run_dir = step, run_dir
-        message = "stopped on request" + (f" after step {step}" if step >= 0 else "")
-        if run_dir is not None:
-            message += f"; continue with --resume auto --run-dir {run_dir}"
-        super().__init__(message)
-
-
 class NonFinite(Exception):
     """Raised where a non-finite value is found before it is sent (``what``: loss, gradient)."""
 

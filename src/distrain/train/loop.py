@@ -46,7 +46,7 @@ from distrain.data import (
 from distrain.data.sampler import DataPlan, ShardSampler
 from distrain.distributed import DistributedOptimizer
 from distrain.emulation import NetworkSettings
-from distrain.errors import CheckpointError, ConfigError, DataError
+from distrain.errors import CheckpointError, ConfigError, DataError, Interrupted
 from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
 from distrain.optim.schedule import LRSchedule, scaled_lr
@@ -61,7 +61,6 @@ from distrain.runtime.checkpoint import (
 )
 from distrain.runtime.faults import (
     FaultWatch,
-    Interrupted,
     NonFinite,
     injected_nan,
     maybe_injected_kill,
@@ -232,7 +231,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, model_fn: ModelFactory | Non
     ``workers_group`` is the group of training workers when the world also holds other
     processes (parameter servers); None when every process is a worker.
 
-    Raises :class:`~distrain.runtime.faults.Interrupted` after a SIGTERM / Ctrl-C (every worker
+    Raises :class:`~distrain.errors.Interrupted` after a SIGTERM / Ctrl-C (every worker
     stopped at the same step and saved a checkpoint), and ``WorkerFailure`` in one line naming
     the step and the cause when a peer is lost or a value is not finite.
     """
