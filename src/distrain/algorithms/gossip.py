@@ -674,13 +674,13 @@ class AsyncGossip(Algorithm):
         self.snapshots = Snapshots(g.snapshot_every, snapshot_limit(flat.numel() * flat.element_size()))
         #: workers lost as the run started, before the gossip groups were made (build_engine says)
         self.started_without: set[int] = set()
+        self.control: Transport | None = None  # after training: the survivors' group, if workers were lost
         self.engine: GossipEngine | None = self.build_engine(transport) if transport.world_size > 1 else None
         if self.started_without and self.leads(transport):  # one line for the run
             log.warning("worker %d: worker(s) %s lost as the run started, before the gossip groups were made; the "
                         "others go on without them", self.state.rank, sorted(self.started_without))
         self._drained = False
         self._stop_requested = False
-        self.control: Transport | None = None  # after training: the survivors' group, if workers were lost
         self.lost_workers: dict[int, float] = {}
         self._reported: dict[int, float] = {}  # deaths newly_lost() reported (id -> when declared)
         self._lost_checked = -LOST_CHECK_S
