@@ -342,9 +342,9 @@ class Algorithm:
         return {}
 
     def meet_to_start(self) -> bool:
-        """Where some workers were lost as the run started and the others went on without them
-        (no collective over every worker can be made): meet the others to start training
-        together, and say True; False (the default): the caller's barrier over every worker."""
+        """Meet the others to start training together without a collective over every worker
+        (which fails on one lost as the run starts, where the others go on without it), and say
+        True; False (the default): the caller's barrier over every worker."""
         return False
 
     def leads(self, transport: Transport) -> bool:

@@ -896,9 +896,11 @@ class AsyncGossip(Algorithm):
         return self.control
 
     def meet_to_start(self) -> bool:
-        """Workers lost as the run started (:attr:`started_without`): the others meet in the
-        launcher's store (one lost meanwhile is left to the gossip to find)."""
-        if not self.started_without or self.engine is None or self.engine.liveness is None:
+        """A run that survives losses: the workers meet in the launcher's store, not in a barrier
+        over every worker, which would fail on one lost as the run starts (before the gossip
+        groups were made, :attr:`started_without`, or since); one lost meanwhile is left to the
+        gossip to find."""
+        if self.engine is None or getattr(self.engine, "liveness", None) is None:
             return False
         store, rank = self.engine.liveness.store, self.state.rank
         came = [r for r in range(self.state.world) if r not in self.started_without]

@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
 import queue
@@ -583,26 +584,37 @@ def await_ready(store: dist.Store, ranks: list[int], me: int, timeout: float,
 def agree_before_groups(store: dist.Store | None, rank: int, world: int, timeout: float, what: str,
                         key: str) -> list[int]:
     """The processes of a run that survives losses that came to make ``what`` (e.g. "its gossip
-    groups"), in rank order: every one (``rank`` of ``world``) marks itself ready in the
-    launcher's ``store`` (under ``key``) and waits until each of the others has marked itself
-    or been declared dead (lost as the run starts, where making the groups over every process
-    would wait for it until their timeout). Every process that waits gets the same list, the
-    marked ones: a mark stays, and a process declared dead makes none (one started again does
-    not come here: it joins). No store (no launcher declares deaths): every process."""
+    groups"), in rank order, where making them over every process would wait for one lost as
+    the run starts until their timeout.
+
+    In rounds: in each, every process (``rank`` of ``world``) marks itself in the launcher's
+    ``store`` (under ``key``) and waits until each of the round's members has marked itself or
+    been declared dead; those marked are the next round's members. Every process that waits
+    gets the same members (a mark stays, and a process declared dead makes none; one started
+    again does not come here: it joins). It ends after a round in which nobody was missing and
+    everybody was there from its start, at least the second: a process that marked itself in
+    the first round and then died while waiting for a slower one would be counted otherwise,
+    and the groups' rendezvous would wait for it; now only one that dies in the few
+    milliseconds between a last round all were waiting for and the groups is. No store (no
+    launcher declares deaths): every process."""
     if store is None:
         return list(range(world))
     marks = dist.PrefixStore(f"{PREFIX}/groups/{key}", store)
-    marks.set(f"ready/{rank}", "1")
     deadline = time.monotonic() + timeout
-    while True:
-        came = [r for r in range(world) if r == rank or marks.check([f"ready/{r}"])]
-        waiting = [r for r in range(world) if r not in came and not declared_dead(store, r)]
-        if not waiting:
+    members = list(range(world))
+    for round_ in itertools.count():
+        marks.set(f"{round_}/{rank}", "1")
+        while waiting := [r for r in members if r != rank and not marks.check([f"{round_}/{r}"])
+                          and not declared_dead(store, r)]:
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"process {rank}: {what} were not made within {timeout:g} s (ranks {waiting} "
+                                    "never came)")
+            time.sleep(POLL_S / 2)
+        came = [r for r in members if r == rank or marks.check([f"{round_}/{r}"])]
+        if came == members and round_ > 0:
             return came
-        if time.monotonic() > deadline:
-            raise WorkerFailure(f"process {rank}: {what} were not made within {timeout:g} s (ranks {waiting} "
-                                "never came)")
-        time.sleep(POLL_S / 2)
+        members = came
+    raise AssertionError("unreachable")  # (itertools.count never ends)
 
 
 def meet_before_groups(store: dist.Store | None, rank: int, world: int, timeout: float, what: str, key: str) -> None:
