@@ -71,7 +71,6 @@ from distrain.algorithms.gossip import (
     SharedModel,
     Waiter,
     gossip_group,
-    meet_before_gossip_groups,
     survivors_link,
 )
 from distrain.algorithms.rejoin import POLL_S, Admissions, await_entry, open_pair
@@ -573,12 +572,11 @@ class ADPSGD(AsyncGossip):
         if self.entered is not None:  # no group to enter: links with each neighbour (see rejoin.py)
             return PairwiseGossip(self.state, transport, self.graph, seed=g.run.seed, liveness=liveness,
                                   peer_timeout=g.peer_timeout, admissions=admissions, entering=True)
-        came = meet_before_gossip_groups(liveness, transport, g.run.timeout)
-        if liveness is not None and len(came) < transport.world_size:  # some were lost as the run started
+        came = self.meet_before_groups(liveness, transport)
+        if liveness is not None and self.started_without:  # some were lost as the run started
             engine = PairwiseGossip(self.state, survivors_link(liveness, came, transport, g.run.timeout), self.graph,
                                     seed=g.run.seed, liveness=liveness, peer_timeout=g.peer_timeout,
                                     admissions=admissions)
-            self.started_without = set(range(transport.world_size)) - set(came)
             engine.lost_at_start(self.started_without)
             return engine
         group = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)  # see Waiter

@@ -466,20 +466,6 @@ class PeerTimeout(RuntimeError):
 GOSSIP_BACKSTOP_S = 7 * 24 * 3600.0
 
 
-def meet_before_gossip_groups(liveness: Liveness | None, transport: Transport, timeout: float) -> list[int]:
-    """The workers that make the gossip groups, in rank order. Their groups' rendezvous would
-    wait for a worker lost as the run starts until their timeout (a week for groups whose waits
-    the survivors bound themselves), so with ``liveness`` (a run that survives losses) the workers
-    meet in the launcher's store first and agree on who came (see
-    :func:`~distrain.runtime.membership.agree_before_groups`); where some did not, the others
-    open their links over :func:`survivors_link` instead and go on without them."""
-    inject_kill_in("gossip-groups", transport.rank)  # fault injection for tests
-    if liveness is None:
-        return list(range(transport.world_size))
-    return agree_before_groups(liveness.store, transport.rank, transport.world_size, timeout, "its gossip groups",
-                               "gossip")
-
-
 def survivors_link(liveness: Liveness, came: list[int], transport: Transport, timeout: float,
                    name: str = "gossip") -> LinkTransport:
     """The link ``name`` of the workers that ``came`` (some were lost as the run started: no
@@ -672,7 +658,7 @@ class AsyncGossip(Algorithm):
         self.new_copy = torch.empty_like(flat, pin_memory=pin)
         self.consensus = copy_module(model)
         self.snapshots = Snapshots(g.snapshot_every, snapshot_limit(flat.numel() * flat.element_size()))
-        #: workers lost as the run started, before the gossip groups were made (build_engine says)
+        #: workers lost as the run started, before the gossip groups were made (meet_before_groups)
         self.started_without: set[int] = set()
         self.control: Transport | None = None  # after training: the survivors' group, if workers were lost
         self.engine: GossipEngine | None = self.build_engine(transport) if transport.world_size > 1 else None
@@ -692,6 +678,20 @@ class AsyncGossip(Algorithm):
     def build_engine(self, transport: Transport) -> GossipEngine:
         """The communication engine (collective: create process groups here)."""
         raise NotImplementedError
+
+    def meet_before_groups(self, liveness: Liveness | None, transport: Transport) -> list[int]:
+        """The workers that make the gossip groups, in rank order; the others are
+        :attr:`started_without`. The groups' rendezvous would wait for a worker lost as the run
+        starts until their timeout (a week for groups whose waits the survivors bound
+        themselves), so with ``liveness`` (a run that survives losses) the workers meet in the
+        launcher's store first and agree on who came (see
+        :func:`~distrain.runtime.membership.agree_before_groups`); where some did not, the others
+        open their links over :func:`survivors_link` instead and go on without them."""
+        inject_kill_in("gossip-groups", transport.rank)  # fault injection for tests
+        came = list(range(transport.world_size)) if liveness is None else agree_before_groups(
+            liveness.store, transport.rank, transport.world_size, self.settings.run.timeout, "its gossip groups", "gossip")
+        self.started_without = set(range(transport.world_size)) - set(came)
+        return came
 
     # -- the loop's hooks --
 

@@ -108,7 +108,6 @@ from distrain.algorithms.gossip import (
     Waiter,
     bounded_by_us,
     gossip_group,
-    meet_before_gossip_groups,
     survivors_link,
 )
 from distrain.algorithms.rejoin import POLL_S, Admissions, await_entry, open_pair
@@ -925,9 +924,7 @@ class GroupGossip(GossipEngine):
                 self.generator = self._generator(successor=False)
                 GroupBoard(self.liveness.store).elect(first)
         if self.generator is not None:
-            with self.generator.lock:
-                for r in sorted(lost):
-                    self.generator._drop(r)
+            self.generator.inherit(self.state.counts, self.state.done, lost)
 
     def enter(self, epoch: int) -> None:
         """This worker joined again, admitted in ``epoch``: open links with every live peer (each
@@ -997,13 +994,12 @@ class Prague(AsyncGossip):
             return GroupGossip(self.state, transport, transport, size, seed=g.run.seed, timeout=g.peer_timeout,
                                liveness=liveness, admissions=admissions, entry=self.entered.epoch)
         # With liveness the control group's waits are bounded by us (see Waiter), gloo's is a backstop.
-        came = meet_before_gossip_groups(liveness, transport, g.run.timeout)
-        if liveness is not None and len(came) < transport.world_size:  # some were lost as the run started
+        came = self.meet_before_groups(liveness, transport)
+        if liveness is not None and self.started_without:  # some were lost as the run started
             data = survivors_link(liveness, came, transport, g.run.timeout, name="prague-data")
             control = survivors_link(liveness, came, transport, g.run.timeout, name="prague-control")
             engine = GroupGossip(self.state, data, control, size, seed=g.run.seed, timeout=g.peer_timeout,
                                  liveness=liveness, admissions=admissions)
-            self.started_without = set(range(transport.world_size)) - set(came)
             engine.lost_at_start(self.started_without)
             return engine
         data = gossip_group(g.peer_timeout)

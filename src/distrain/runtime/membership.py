@@ -37,7 +37,6 @@ Example::
 from __future__ import annotations
 
 import datetime
-import itertools
 import logging
 import os
 import queue
@@ -601,8 +600,8 @@ def agree_before_groups(store: dist.Store | None, rank: int, world: int, timeout
         return list(range(world))
     marks = dist.PrefixStore(f"{PREFIX}/groups/{key}", store)
     deadline = time.monotonic() + timeout
-    members = list(range(world))
-    for round_ in itertools.count():
+    members, round_ = list(range(world)), 0
+    while True:
         marks.set(f"{round_}/{rank}", "1")
         while waiting := [r for r in members if r != rank and not marks.check([f"{round_}/{r}"])
                           and not declared_dead(store, r)]:
@@ -613,8 +612,7 @@ def agree_before_groups(store: dist.Store | None, rank: int, world: int, timeout
         came = [r for r in members if r == rank or marks.check([f"{round_}/{r}"])]
         if came == members and round_ > 0:
             return came
-        members = came
-    raise AssertionError("unreachable")  # (itertools.count never ends)
+        members, round_ = came, round_ + 1
 
 
 def meet_before_groups(store: dist.Store | None, rank: int, world: int, timeout: float, what: str, key: str) -> None:
