@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from tests.reliability.common import QUICK, injected_at, run_cli
 
@@ -97,3 +98,39 @@ def test_gossip_goes_on_without_a_worker_lost_before_the_gossip_groups_are_made(
     else:
         assert [j["event"] for j in joined] == ["joined"] and summary["workers_at_end"] == 4
     assert summary["final_test_accuracy"] > 0.9  # (the synthetic task: 0.95 or so without a loss)
+
+
+@pytest.mark.parametrize("algorithm,victim,operation", [
+    # the first worker, which writes the summary, after the consensus's all-reduce (1); Prague's
+    # workers end with models of their own, AD-PSGD's with about the same one
+    ("prague", 0, 1),
+    pytest.param("adpsgd", 2, 1, marks=pytest.mark.slow),
+    pytest.param("adpsgd", 3, 5, marks=pytest.mark.slow),  # after the summary's rows were gathered (5)
+])
+def test_gossip_goes_on_without_a_worker_lost_in_the_runs_last_collectives(tmp_path, algorithm, victim, operation):
+    """A worker killed after training, between one of the run's last collectives (the consensus,
+    the checkpoint's step counts, the summary's rows) and its mark in the launcher's store: the
+    others redo that collective without it and finish; the consensus they save is the mean of
+    their own final models (in their checkpoint files; lost after the consensus, 2 collectives,
+    it is in it, and in the checkpoint), the summary names the lost worker (worker 0 lost: the next
+    writes it and the model), and nothing is left running."""
+    mark = tmp_path / "killed-at"
+    run_dir = tmp_path / "run"
+    run = run_cli([*QUICK, "--workers", "4", "--epochs", "3", "--algorithm", algorithm, "--run-dir", str(run_dir)],
+                  timeout=120, DISTRAIN_INJECT_KILL_IN=f"closing-{operation}:{victim}", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == [] and mark.exists()
+    assert f"lost worker(s) [{victim}] as the run ended" in run.stderr, run.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["lost_workers"]) == [str(victim)] and summary["workers_at_end"] == 3
+    assert summary["final_test_accuracy"] > 0.9
+    (final,) = sorted((run_dir / "checkpoints").iterdir())
+    files = {int(re.search(r"rank-(\d+)", p.name).group(1)): p for p in final.glob("rank-*.pt")}
+    averaged = [r for r in range(4) if r != victim or operation > 2]  # the consensus's workers
+    assert sorted(files) == averaged  # (the lost worker saved its file before the summary's rows)
+    models = [torch.load(files[r], weights_only=True)["model"] for r in averaged]
+    consensus = torch.load(run_dir / "model.pt", weights_only=True)
+    for name, value in consensus.items():
+        if value.is_floating_point():
+            reference = torch.stack([m[name] for m in models]).mean(0)
+            assert torch.allclose(value, reference, atol=1e-6), name

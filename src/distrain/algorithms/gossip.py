@@ -56,6 +56,7 @@ from distrain.algorithms.base import Algorithm, FlatParams, RunFacts, StepContex
 from distrain.algorithms.rejoin import Admissions
 from distrain.comm.link import LinkTransport, open_link
 from distrain.comm.store_group import StoreGroup
+from distrain.comm.surviving import SurvivingGroup
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import WorkerFailure
 from distrain.runtime.faults import inject_kill_in
@@ -660,14 +661,16 @@ class AsyncGossip(Algorithm):
         self.snapshots = Snapshots(g.snapshot_every, snapshot_limit(flat.numel() * flat.element_size()))
         #: workers lost as the run started, before the gossip groups were made (meet_before_groups)
         self.started_without: set[int] = set()
-        self.control: Transport | None = None  # after training: the survivors' group, if workers were lost
+        #: after training, where losses are survived: the group of the run's last collectives
+        #: (a SurvivingGroup over the workers still alive); else the survivors' group, if workers were lost
+        self.control: Transport | SurvivingGroup | None = None
         self.engine: GossipEngine | None = self.build_engine(transport) if transport.world_size > 1 else None
         if self.started_without and self.leads(transport):  # one line for the run
             log.warning("worker %d: worker(s) %s lost as the run started, before the gossip groups were made; the "
                         "others go on without them", self.state.rank, sorted(self.started_without))
         self._drained = False
         self._stop_requested = False
-        self.lost_workers: dict[int, float] = {}
+        self._lost_in_training: dict[int, float] = {}  # declared dead as training ended (see _survivors)
         self._reported: dict[int, float] = {}  # deaths newly_lost() reported (id -> when declared)
         self._lost_checked = -LOST_CHECK_S
         self._dead: Liveness | None = None  # the main thread's own store client (see newly_lost)
@@ -866,8 +869,18 @@ class AsyncGossip(Algorithm):
         self._drained = True
         self.control = self._survivors()
 
-    def _survivors(self) -> Transport | None:
-        """A group of the workers still alive, when some were lost (None: everyone is here).
+    @property
+    def lost_workers(self) -> dict[int, float]:  # type: ignore[override]
+        """Workers lost on the way (id -> when declared dead), in training and in the run's last
+        collectives."""
+        closing = self.control.lost if isinstance(self.control, SurvivingGroup) else {}
+        return {**self._lost_in_training, **closing}
+
+    def _survivors(self) -> Transport | SurvivingGroup | None:
+        """The group of the run's last collectives: where losses are survived (a launcher's store
+        declares deaths), a :class:`~distrain.comm.surviving.SurvivingGroup` over the workers
+        still alive, which goes on without one lost on the way; else a group of the workers
+        still alive when some were lost (None: everyone is here).
 
         Every survivor reads the same dead set: a lost worker is declared dead in the store
         before anyone counts it done, and training is over only once all are done.
@@ -876,21 +889,27 @@ class AsyncGossip(Algorithm):
         live = Liveness.from_env(self.state.world) if self.state.world > 1 else None
         if live is None:
             return None
-        self.lost_workers = live.dead_ranks()
+        self._lost_in_training = live.dead_ranks()
+        lost, rank = self._lost_in_training, self.transport.rank
         joined = self.engine is not None and self.engine.admissions is not None and self.engine.admissions.joined
-        if not self.lost_workers and not joined:
-            return None
-        if self.transport.rank in self.lost_workers:
-            raise LeftBehind(self.transport.rank)
-        survivors = [r for r in range(self.state.world) if r not in self.lost_workers]
+        if rank in lost:
+            raise LeftBehind(rank)
+        survivors = [r for r in range(self.state.world) if r not in lost]
+        group: Any = self.transport
         if joined:  # a worker that joined again is in no group of the others: meet in the store
-            log.info("worker %d: the consensus is over workers %s", self.transport.rank, survivors)
-            return StoreGroup(live.store, survivors, self.transport.rank, self.settings.peer_timeout)  # type: ignore[return-value]
-        log.warning("worker %d: the consensus is over workers %s (lost: %s)", self.transport.rank, survivors,
-                    sorted(self.lost_workers))
-        group = dist.new_group(survivors, backend="gloo", timeout=timedelta(seconds=self.settings.peer_timeout),
-                               use_local_synchronization=True)
-        return Transport(group)
+            log.info("worker %d: the consensus is over workers %s", rank, survivors)
+            group = StoreGroup(live.store, survivors, rank, self.settings.peer_timeout,
+                               gone=lambda r: declared_dead(live.store, r))
+        elif lost:
+            log.warning("worker %d: the consensus is over workers %s (lost: %s)", rank, survivors, sorted(lost))
+            # (agreed first: one lost since would keep the group's rendezvous waiting its timeout)
+            survivors = agree_before_groups(live.store, rank, self.state.world, self.settings.peer_timeout,
+                                            "the survivors' group", f"{self.name}-survivors", members=survivors)
+            group = Transport(dist.new_group(survivors, backend="gloo", use_local_synchronization=True,
+                                             timeout=timedelta(seconds=self.settings.peer_timeout)))
+        if not self.survives(self.settings):
+            return None if group is self.transport else group
+        return SurvivingGroup(group, survivors, rank, live.store, self.settings.peer_timeout, key=self.name)
 
     def control_transport(self) -> Transport | None:
         return self.control
@@ -920,7 +939,7 @@ class AsyncGossip(Algorithm):
         control = self.control
         if control is None and self.started_without:
             return self.state.rank == min(set(range(self.state.world)) - self.started_without)
-        if not isinstance(control, StoreGroup):
+        if not isinstance(control, StoreGroup | SurvivingGroup):
             return super().leads(transport)
         restarted = restarted_workers(control.store)
         first = [m for m in control.members if m not in restarted] or control.members
@@ -935,8 +954,9 @@ class AsyncGossip(Algorithm):
     def _consensus_of(self, vector: torch.Tensor) -> torch.nn.Module:
         """Average ``vector`` over all workers (collective) into the consensus module."""
         ctl = self._ctl()
-        n = ctl.world_size
-        average = ctl.control_all_reduce(vector.to(self.device)).div_(n) if n > 1 else vector.to(self.device)
+        # (the number of workers once the sum is done: a SurvivingGroup may have lost one on the way)
+        average = ctl.control_all_reduce(vector.to(self.device)) if ctl.world_size > 1 else vector.to(self.device)
+        average.div_(ctl.world_size)
         params = [p for p in self.consensus.parameters() if p.requires_grad]
         with torch.no_grad():
             for p, chunk in zip(params, average.split(self.sizes), strict=True):

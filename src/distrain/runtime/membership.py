@@ -581,7 +581,7 @@ def await_ready(store: dist.Store, ranks: list[int], me: int, timeout: float,
 
 
 def agree_before_groups(store: dist.Store | None, rank: int, world: int, timeout: float, what: str,
-                        key: str) -> list[int]:
+                        key: str, members: list[int] | None = None) -> list[int]:
     """The processes of a run that survives losses that came to make ``what`` (e.g. "its gossip
     groups"), in rank order, where making them over every process would wait for one lost as
     the run starts until their timeout.
@@ -595,12 +595,13 @@ def agree_before_groups(store: dist.Store | None, rank: int, world: int, timeout
     the first round and then died while waiting for a slower one would be counted otherwise,
     and the groups' rendezvous would wait for it; now only one that dies in the few
     milliseconds between a last round all were waiting for and the groups is. No store (no
-    launcher declares deaths): every process."""
+    launcher declares deaths): every process. ``members``: the processes that may come (default:
+    every one)."""
     if store is None:
-        return list(range(world))
+        return list(range(world)) if members is None else list(members)
     marks = dist.PrefixStore(f"{PREFIX}/groups/{key}", store)
     deadline = time.monotonic() + timeout
-    members, round_ = list(range(world)), 0
+    members, round_ = list(range(world)) if members is None else list(members), 0
     while True:
         marks.set(f"{round_}/{rank}", "1")
         while waiting := [r for r in members if r != rank and not marks.check([f"{round_}/{r}"])

@@ -453,6 +453,8 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     tokens_per_sample = lm_tokens(task, sample_shape)
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
     stopped_at_target = False  # --stop-at-target: the run ended at the evaluation that reached it
+    final_model: torch.nn.Module | None = None  # what the last evaluation measured (the consensus, if decentralized)
+    measured_final = False  # whether this worker measured it (the first of the workers, or a survivor of it)
     changes: list[Any] = list(opt.changes)  # membership changes handled so far (elastic runs)
     for record in [*resumed, *(change.record() for change in changes)]:  # a joiner's own entry
         metrics.write({"step": start_step, **record})
@@ -540,8 +542,11 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             t_eval = time.perf_counter()
             eval_model = opt.eval_model()  # collective for decentralized algorithms
             follow_changes()  # a loss found there: the survivors' average is what is evaluated
+            if not running:
+                final_model = eval_model
             if leads(algorithm, transport):
                 evals.measure(eval_model, record, final=not running)
+                measured_final = not running
                 if tokens_per_sample is not None and algorithm.synchronous and record["time"] > 0:
                     record["tokens_per_s"] = (step + 1) * global_batch * tokens_per_sample / record["time"]
                 if not running:  # the trained (consensus) model, for distrain.fit and the user
@@ -604,9 +609,18 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     else:
         for i, row in enumerate(control.control_all_gather(mine)):
             rows[control.global_rank(i)] = row.tolist()
-    summary = summarize(cfg, run_dir, rows, world, total_steps, global_batch, evals.accuracy, evals.test_loss,
+
+    def summary_of_leader() -> dict[str, Any] | None:
+        nonlocal measured_final
+        if not leads(algorithm, transport):
+            return None
+        if not measured_final and final_model is not None:  # the first worker was lost as the run ended
+            evals.measure(final_model, {}, final=True)
+            save_model(run_dir / MODEL_FILE, final_model)
+            measured_final = True
+        return summarize(cfg, run_dir, rows, world, total_steps, global_batch, evals.accuracy, evals.test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
-                        run.lost_workers, run.segment_wall_s,
+                        {**run.lost_workers, **lost()}, run.segment_wall_s,  # (and any lost in the gather)
                         {**lm_figures(task, train_set, test_set, evals.test_loss), "model_parameters": count_parameters(model),
                          **{key: {str(s): t for s, t in sorted(servers.items())}
                             for key, servers in (("lost_servers", run.lost_servers),
@@ -615,11 +629,15 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                         workers_at_end=opt.workers if elastic or opt.joins is not None
                         else world - len(lost() if algorithm.synchronous else algorithm.lost_workers),
                         leader=opt.id if opt.changes else None,
-                        tokens_per_sample=tokens_per_sample) if leads(algorithm, transport) else None
+                        tokens_per_sample=tokens_per_sample)
+
+    summary = summary_of_leader()
     if elastic:
         opt.control_barrier()
     else:
         control.control_barrier()  # nobody leaves (and tears the group down) before the summary exists
+    if summary is None and not elastic:  # the first worker was lost after the rows were gathered: the next writes it
+        summary = summary_of_leader()
     watch_waits(None)
     if stop_at is not None:
         raise Interrupted(step)
