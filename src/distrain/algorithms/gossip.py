@@ -882,19 +882,35 @@ class AsyncGossip(Algorithm):
         still alive, which goes on without one lost on the way; else a group of the workers
         still alive when some were lost (None: everyone is here).
 
-        Every survivor reads the same dead set: a lost worker is declared dead in the store
-        before anyone counts it done, and training is over only once all are done.
+        The workers still alive agree who they are in the launcher's store: a worker lost during
+        training is declared dead before anyone counts it done, but one lost as training ends
+        may be declared dead between two workers' looks.
         """
         assert self.transport is not None
         live = Liveness.from_env(self.state.world) if self.state.world > 1 else None
         if live is None:
             return None
-        self._lost_in_training = live.dead_ranks()
-        lost, rank = self._lost_in_training, self.transport.rank
+        rank = self.transport.rank
         joined = self.engine is not None and self.engine.admissions is not None and self.engine.admissions.joined
-        if rank in lost:
-            raise LeftBehind(rank)
-        survivors = [r for r in range(self.state.world) if r not in lost]
+        inject_kill_in("closing-0", rank)  # tests: lost as its training ended, before the last collectives
+        if self.survives(self.settings):
+            # Agreed, not read: a worker lost as training ended (after it counted itself done) is
+            # declared dead before some read the dead set and after others did.
+            if declared_dead(live.store, rank):  # taken for lost (silent past --peer-timeout)
+                raise LeftBehind(rank)
+            alive = [r for r in range(self.state.world) if not declared_dead(live.store, r)]
+            survivors = agree_before_groups(live.store, rank, self.state.world, self.settings.peer_timeout,
+                                            "the run's last collectives", f"{self.name}-closing", members=alive)
+            if declared_dead(live.store, rank):  # (meanwhile)
+                raise LeftBehind(rank)
+            dead = live.dead_ranks()
+            self._lost_in_training = {r: dead.get(r, time.time()) for r in range(self.state.world) if r not in survivors}
+        else:
+            self._lost_in_training = live.dead_ranks()
+            if rank in self._lost_in_training:
+                raise LeftBehind(rank)
+            survivors = [r for r in range(self.state.world) if r not in self._lost_in_training]
+        lost = self._lost_in_training
         group: Any = self.transport
         if joined:  # a worker that joined again is in no group of the others: meet in the store
             log.info("worker %d: the consensus is over workers %s", rank, survivors)
@@ -902,9 +918,6 @@ class AsyncGossip(Algorithm):
                                gone=lambda r: declared_dead(live.store, r))
         elif lost:
             log.warning("worker %d: the consensus is over workers %s (lost: %s)", rank, survivors, sorted(lost))
-            # (agreed first: one lost since would keep the group's rendezvous waiting its timeout)
-            survivors = agree_before_groups(live.store, rank, self.state.world, self.settings.peer_timeout,
-                                            "the survivors' group", f"{self.name}-survivors", members=survivors)
             group = Transport(dist.new_group(survivors, backend="gloo", use_local_synchronization=True,
                                              timeout=timedelta(seconds=self.settings.peer_timeout)))
         if not self.survives(self.settings):

@@ -454,6 +454,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     stop_at: int | None = None  # after a SIGTERM / Ctrl-C: the step every worker stops at
     stopped_at_target = False  # --stop-at-target: the run ended at the evaluation that reached it
     final_model: torch.nn.Module | None = None  # what the last evaluation measured (the consensus, if decentralized)
+    final_time = 0.0  # and when (the run's seconds)
     measured_final = False  # whether this worker measured it (the first of the workers, or a survivor of it)
     changes: list[Any] = list(opt.changes)  # membership changes handled so far (elastic runs)
     for record in [*resumed, *(change.record() for change in changes)]:  # a joiner's own entry
@@ -543,7 +544,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             eval_model = opt.eval_model()  # collective for decentralized algorithms
             follow_changes()  # a loss found there: the survivors' average is what is evaluated
             if not running:
-                final_model = eval_model
+                final_model, final_time = eval_model, record["time"]
             if leads(algorithm, transport):
                 evals.measure(eval_model, record, final=not running)
                 measured_final = not running
@@ -611,13 +612,15 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             rows[control.global_rank(i)] = row.tolist()
 
     def summary_of_leader() -> dict[str, Any] | None:
-        nonlocal measured_final
+        nonlocal measured_final, run
         if not leads(algorithm, transport):
             return None
         if not measured_final and final_model is not None:  # the first worker was lost as the run ended
-            evals.measure(final_model, {}, final=True)
+            evals.measure(final_model, {"time": final_time}, final=True)
             save_model(run_dir / MODEL_FILE, final_model)
             measured_final = True
+            run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(), lost(),
+                              algorithm.lost_servers, algorithm.returned_servers)  # its time to target too
         return summarize(cfg, run_dir, rows, world, total_steps, global_batch, evals.accuracy, evals.test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         {**run.lost_workers, **lost()}, run.segment_wall_s,  # (and any lost in the gather)
