@@ -670,7 +670,7 @@ class AsyncGossip(Algorithm):
                         "others go on without them", self.state.rank, sorted(self.started_without))
         self._drained = False
         self._stop_requested = False
-        self._lost_in_training: dict[int, float] = {}  # declared dead as training ended (see _survivors)
+        self._lost_in_training: dict[int, float] = {}  # lost before the last collectives (see _survivors)
         self._reported: dict[int, float] = {}  # deaths newly_lost() reported (id -> when declared)
         self._lost_checked = -LOST_CHECK_S
         self._dead: Liveness | None = None  # the main thread's own store client (see newly_lost)
@@ -893,7 +893,8 @@ class AsyncGossip(Algorithm):
         rank = self.transport.rank
         joined = self.engine is not None and self.engine.admissions is not None and self.engine.admissions.joined
         inject_kill_in("closing-0", rank)  # tests: lost as its training ended, before the last collectives
-        if self.survives(self.settings):
+        survives = self.survives(self.settings)
+        if survives:
             # Agreed, not read: a worker lost as training ended (after it counted itself done) is
             # declared dead before some read the dead set and after others did.
             if declared_dead(live.store, rank):  # taken for lost (silent past --peer-timeout)
@@ -920,7 +921,7 @@ class AsyncGossip(Algorithm):
             log.warning("worker %d: the consensus is over workers %s (lost: %s)", rank, survivors, sorted(lost))
             group = Transport(dist.new_group(survivors, backend="gloo", use_local_synchronization=True,
                                              timeout=timedelta(seconds=self.settings.peer_timeout)))
-        if not self.survives(self.settings):
+        if not survives:
             return None if group is self.transport else group
         return SurvivingGroup(group, survivors, rank, live.store, self.settings.peer_timeout, key=self.name)
 

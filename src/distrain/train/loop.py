@@ -597,8 +597,12 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     opt.close()
 
     # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
-    run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(), lost(),
-                      algorithm.lost_servers, algorithm.returned_servers)
+    def run_totals() -> RunTotals:
+        """Every segment's totals with this one's, as far as they are known now."""
+        return totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(), lost(),
+                           algorithm.lost_servers, algorithm.returned_servers)
+
+    run = run_totals()
     mine = torch.tensor(run.row, dtype=torch.float64)
     elastic = opt.membership is not None
     rows = [[0.0] * len(mine) for _ in range(world if elastic else transport.world_size)]  # lost: zeros
@@ -619,8 +623,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             evals.measure(final_model, {"time": final_time}, final=True)
             save_model(run_dir / MODEL_FILE, final_model)
             measured_final = True
-            run = totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(), lost(),
-                              algorithm.lost_servers, algorithm.returned_servers)  # its time to target too
+            run = run_totals()  # its time to target too
         return summarize(cfg, run_dir, rows, world, total_steps, global_batch, evals.accuracy, evals.test_loss,
                         run.time_to_target_s, run.eval_s, resume_step, stop_at is not None,
                         {**run.lost_workers, **lost()}, run.segment_wall_s,  # (and any lost in the gather)
