@@ -661,7 +661,7 @@ class GroupGossip(GossipEngine):
         try:
             self._wait_on(generator, [self._route(generator)[1].send(bye, generator)])
         except Exception as exc:
-            if self.liveness is None or not is_comm_error(exc):
+            if self.liveness is None or not (isinstance(exc, GeneratorLost) or is_comm_error(exc)):
                 raise
             log.info("worker %d: the generator (worker %d) left before our goodbye", self.rank, generator)
 
@@ -684,11 +684,13 @@ class GroupGossip(GossipEngine):
                 control = self._route(generator)[1]
                 self._wait_on(generator, [control.recv(answer, generator), control.send(ready, generator)])
                 return answer, generator
+            except GeneratorLost:  # seen declared dead: no need to wait for its heartbeat to go stale
+                pass  # (it may have joined again since, and stamp again)
             except Exception as exc:
                 if self.liveness is None or not is_comm_error(exc):
                     raise
                 self._generator_gone(generator, exc)
-            if self._succeed(self.liveness) is None:
+            if self._succeed(self.liveness, generator) is None:
                 return torch.cat([torch.tensor([STOP, 0, *[-1] * self.size, NO_GROUP]), self.state.progress_header()]), None
 
     def _wait_on(self, generator: int, handles: list[Handle]) -> None:
@@ -738,17 +740,23 @@ class GroupGossip(GossipEngine):
             self.state.mark_lost(peer)
         return gone
 
-    def _succeed(self, live: Liveness) -> int | None:
-        """The generator was declared dead: the lowest live rank generates the groups from now on
-        (this worker starts a generator if it is that rank). Returns it, or None when training
-        was marked over before the loss (every worker stops; nobody is elected)."""
+    def _succeed(self, live: Liveness, lost: int) -> int | None:
+        """The generator ``lost`` was declared dead: the lowest live rank other than it generates
+        the groups from now on (this worker starts a generator if it is that rank). Returns it
+        (the generator already elected, where another thread of this worker replaced ``lost``
+        first), or None when training was marked over before the loss (every worker stops;
+        nobody is elected). ``lost`` is never elected again: started again, and admitted before
+        this worker looked, it is no longer dead, but its new life generates nothing (it waits
+        for the one the others elect, see :meth:`enter`)."""
         with self._elect_lock:
             if GroupBoard(live.store).training_over():  # read after the loss: see the module doc
                 return None
+            if lost != self.generator_rank:
+                return self.generator_rank
             dead = live.dead_ranks()
             if self.rank in dead:
                 raise LeftBehind(self.rank)
-            new = min(r for r in range(self.state.world) if r not in dead)
+            new = min(r for r in range(self.state.world) if r not in dead and r != lost)
             if new != self.generator_rank:
                 log.warning("worker %d: the group generator (worker %d) is lost; worker %d forms the groups from now on",
                             self.rank, self.generator_rank, new)
@@ -773,7 +781,8 @@ class GroupGossip(GossipEngine):
         while not self._worker_ended.wait(WATCH_S):
             if self.generator is not None:
                 return  # this worker is the generator now
-            if live.is_dead(self.generator_rank) and self._succeed(live) is None:
+            generator = self.generator_rank
+            if live.is_dead(generator) and self._succeed(live, generator) is None:
                 return  # training is over: nobody needs a generator
 
     def _lose(self, members: list[int], exc: BaseException) -> None:
