@@ -20,6 +20,7 @@ from distrain.config import (
     leaf_fields,
 )
 from distrain.errors import CheckpointError, ConfigError, DataError, DistrainError, Interrupted
+from distrain.runtime.forkserver import start_early
 from distrain.runtime.process import EXIT_BAD_INPUT, freeze_at_exit
 
 
@@ -335,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         freeze_at_exit()  # the launcher's exit skips the last garbage collection (about 0.8 s with torch)
+        start_early(sys.argv[1:] if argv is None else argv)  # the workers' fork server imports beside this process
         parser = build_parser()
         args = parser.parse_args(argv)
         logging.basicConfig(level=logging.WARNING, format="distrain: %(levelname)s %(name)s: %(message)s")

@@ -41,7 +41,7 @@ def test_a_worker_of_the_fork_server_gets_the_launchers_environment_of_its_start
     launcher's as the launcher starts it (a setting made after the fork server started too)."""
     import os
 
-    from distrain.launch.common import worker_context
+    from distrain.runtime.forkserver import worker_context
 
     context = worker_context()  # the fork server runs from here on
     monkeypatch.setenv("DISTRAIN_TEST_LATE", "seen")
@@ -120,3 +120,50 @@ def test_ctrl_c_before_the_command_runs_is_one_line(monkeypatch, capsys) -> None
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["train"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["distrain: interrupted"]
+
+
+@pytest.mark.parametrize("argv,wanted", [
+    (["train"], True), (["train", "--workers", "4"], True), (["compare", "--workers=2"], True),
+    (["train", "--workers", "1"], False), (["train", "--workers=1"], False),
+    (["train", "--emulation", "netns"], False), (["train", "--help"], False), (["report", "runs/x"], False),
+    ([], False)])
+def test_the_fork_server_starts_early_only_for_commands_that_fork_workers(argv, wanted, monkeypatch) -> None:
+    from distrain.runtime.forkserver import wants_workers
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert wants_workers(argv) is wanted
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    assert wants_workers(argv) is False  # a torchrun worker forks none
+
+
+EARLY_START = """
+import sys
+from distrain.runtime.forkserver import start_early, worker_context
+
+def report():
+    print("imported", "torch" in sys.modules, "distrain.train.loop" in sys.modules)
+
+if __name__ == "__main__":
+    assert start_early(["train", "--workers", "2"])
+    assert "torch" not in sys.modules  # the caller imports nothing heavy to start it
+    p = worker_context().Process(target=report)
+    p.start()
+    p.join(120)
+    sys.exit(p.exitcode)
+"""
+
+
+def test_a_worker_of_the_early_fork_server_has_torch_and_the_loop_imported(tmp_path) -> None:
+    """The fork server started from the command line's first look at its arguments imports
+    torch and distrain's loop before it forks a worker, so no worker imports them again; the
+    caller itself has imported neither."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_START)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["imported", "True", "True"]

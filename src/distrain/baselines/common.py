@@ -50,10 +50,10 @@ from distrain.launch.common import (
     enter_worker,
     exit_now,
     free_port,
-    worker_context,
 )
 from distrain.models import build_model, count_parameters
 from distrain.optim.optimizers import build_optimizer
+from distrain.runtime.forkserver import worker_context
 from distrain.runtime.process import EXIT_BAD_INPUT
 from distrain.tasks import build_task
 from distrain.train.evaluation import Evaluations

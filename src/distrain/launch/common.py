@@ -6,9 +6,6 @@ import ctypes
 import ctypes.util
 import datetime
 import logging
-import multiprocessing
-import multiprocessing.context
-import multiprocessing.forkserver
 import os
 import select
 import shutil
@@ -194,29 +191,8 @@ def _watch_parent(parent: int) -> None:
     _orphaned(parent)
 
 
-#: What the fork server that starts local workers imports once, before any worker exists.
-WORKER_PRELOAD = ("torch", "torch.distributed", "distrain.train.loop")
-
-
-def worker_context() -> multiprocessing.context.BaseContext:
-    """How a launcher starts its local workers: forked from a fork server (one per launcher
-    process) that imported torch and distrain once, where the platform has one (each worker
-    started with ``spawn`` imported torch again: about 1.5 s of CPU per process, the larger part
-    of a short run's start on a small machine); ``spawn`` elsewhere. Both start every worker from
-    a clean state: the fork server forks before it trains anything, pickles the worker's
-    arguments and imports the caller's main module as ``spawn`` does, and its children start in
-    the caller's working directory. A fork server keeps the environment it started with, so pass
-    each worker ``dict(os.environ)`` and begin it with :func:`enter_worker`."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))  # (a fork server already running keeps its own)
-    multiprocessing.forkserver.ensure_running()  # its imports now, beside the launcher's own checks
-    return context
-
-
 def enter_worker(launcher: int, environ: dict[str, str]) -> None:
-    """First thing in a worker of :func:`worker_context`: the launcher's environment as it started
+    """First thing in a worker of :func:`~distrain.runtime.forkserver.worker_context`: the launcher's environment as it started
     the worker, and the worker's end with the launcher's (process ``launcher``), however that
     ends (:func:`die_with_parent` for a child of the launcher, :func:`die_with` for a child of
     its fork server, which outlives the launcher while any worker lives)."""

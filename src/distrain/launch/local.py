@@ -44,8 +44,8 @@ from distrain.launch.common import (
     replace_earlier_run,
     run_role,
     server_count,
-    worker_context,
 )
+from distrain.runtime.forkserver import worker_context
 from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, LeftOut
 from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
@@ -282,7 +282,7 @@ def launch_local(cfg: TrainConfig, *, model_fn: Any = None, train_set: Any = Non
     """Train with ``cfg.cluster.workers`` local processes; returns the run summary.
 
     Workers are started from a fork server, as by ``spawn`` (see
-    :func:`~distrain.launch.common.worker_context`), so ``model_fn``, ``loss_fn`` and the data sets
+    :func:`~distrain.runtime.forkserver.worker_context`), so ``model_fn``, ``loss_fn`` and the data sets
     must be picklable (module-level functions, not lambdas) when there is more than one worker.
     """
     if cfg.network.emulation == "netns":  # emulation: each worker in its own shaped network namespace

@@ -1,0 +1,73 @@
+"""The fork server that starts a launcher's local workers, and its early start.
+
+A local run's workers are forked from one fork server per launcher process, which imports torch
+and distrain once, before any worker exists (see :func:`worker_context`). Those imports take
+about 2 s of CPU: started only once the launcher itself had imported torch and read its
+settings, the fork server made every multi-worker ``distrain train`` wait for both in a row.
+:func:`start_early` starts it from the command line's first look at its arguments instead, so
+that it imports beside the launcher. This module imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
+import os
+from collections.abc import Sequence
+
+#: What the fork server imports once, before any worker exists. Not ``torch._dynamo``, which
+#: the first optimizer a process makes imports (about 1.3 s of CPU per worker): imported before
+#: a worker opens its process group, gloo's group then joins its threads as it is freed, and a
+#: survivor that replaces the group after a hung (alive, silent) peer waited there until
+#: ``--timeout`` (imported after, as each worker does, the group is not freed at once).
+WORKER_PRELOAD = ("torch", "torch.distributed", "distrain.train.loop")
+
+#: The commands whose launcher starts local workers from the fork server.
+COMMANDS = ("train", "compare")
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """How a launcher starts its local workers: forked from a fork server (one per launcher
+    process) that imported torch and distrain once, where the platform has one (each worker
+    started with ``spawn`` imported torch again: about 1.5 s of CPU per process, the larger part
+    of a short run's start on a small machine); ``spawn`` elsewhere. Both start every worker from
+    a clean state: the fork server forks before it trains anything, pickles the worker's
+    arguments and imports the caller's main module as ``spawn`` does, and its children start in
+    the caller's working directory. A fork server keeps the environment it started with, so pass
+    each worker ``dict(os.environ)`` and begin it with
+    :func:`~distrain.launch.common.enter_worker`."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))  # (a fork server already running keeps its own)
+    multiprocessing.forkserver.ensure_running()  # it imports from now on, beside the caller
+    return context
+
+
+def wants_workers(argv: Sequence[str]) -> bool:
+    """Whether command-line arguments ``argv`` (without the program) start local workers from
+    the fork server, as far as a look at them tells: ``train`` or ``compare``, not as a
+    torchrun worker, not ``--workers 1`` (one worker trains in the launcher's own process) and
+    not ``--emulation netns`` (each worker is a process of its own namespace). A wrong guess
+    costs nothing but time: a fork server nobody uses ends with the launcher."""
+    if not argv or argv[0] not in COMMANDS or "--help" in argv or "-h" in argv:
+        return False
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return False
+    values = {}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--workers", "--emulation"):
+            values[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return values.get("--workers") != "1" and values.get("--emulation") != "netns"
+
+
+def start_early(argv: Sequence[str]) -> bool:
+    """Start the fork server now when ``argv`` starts local workers (:func:`wants_workers`);
+    True when it was started. The command's launcher later gets the same server from
+    :func:`worker_context`."""
+    if not wants_workers(argv) or "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    worker_context()
+    return True
