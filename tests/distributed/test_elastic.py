@@ -238,6 +238,8 @@ def test_a_restarted_worker_joins_with_the_others_state(tmp_path: Path):
     assert not torch.allclose(reference(0, at + 1, back, steps), expected)  # the survivors redid step 3 without it
 
 
+# `make test-all`: the joins of every family stay in CI; this is the case of a worker lost before wrap() opened its group
+@pytest.mark.slow
 def test_a_worker_killed_before_wrap_is_started_again_in_its_place(tmp_path: Path):
     """--max-restarts 1: worker 2 dies before its ``wrap()`` (as a script dies loading its data).
     Nobody waits for it in a run yet: once the others begin to open the group, the launcher

@@ -221,6 +221,8 @@ def test_resume_auto_starts_a_run_that_left_no_summary(tmp_path):
     assert json.loads((run / "summary.json").read_text())["steps"] >= 1
 
 
+# `make test-all`: a run resumed at its target stays in CI (test_a_run_that_stopped_at_its_target_is_finished)
+@pytest.mark.slow
 def test_a_resumed_run_judged_by_another_target(tmp_path):
     """Resumed with another target, a run's time to target is when its earlier
     evaluations first met the new target (computed here from its metrics), not when they met

@@ -134,7 +134,8 @@ def test_workers_die_with_a_launcher_killed_outright(tmp_path):
         kill_tagged(tag)
 
 
-@pytest.mark.parametrize("use_prctl", [True, False])
+# the fallbacks where the kernel has no prctl / pidfd: `make test-all`
+@pytest.mark.parametrize("use_prctl", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_worker_ends_when_its_launcher_is_killed(use_prctl):
     """The kernel's signal (Linux), and the fallback where there is none: a thread polls for a
     new parent and exits with a message."""
@@ -163,7 +164,7 @@ def test_a_worker_ends_when_its_launcher_is_killed(use_prctl):
         kill_tagged(tag)
 
 
-@pytest.mark.parametrize("use_pidfd", [True, False])
+@pytest.mark.parametrize("use_pidfd", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_worker_forked_by_a_fork_server_ends_when_its_launcher_is_killed(use_pidfd):
     """A local worker is the child of its launcher's fork server, which outlives the launcher
     while the worker lives: the worker watches the launcher itself (its pidfd, or polling)."""
