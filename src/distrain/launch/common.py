@@ -192,10 +192,11 @@ def _watch_parent(parent: int) -> None:
 
 
 def enter_worker(launcher: int, environ: dict[str, str]) -> None:
-    """First thing in a worker of :func:`~distrain.runtime.forkserver.worker_context`: the launcher's environment as it started
-    the worker, and the worker's end with the launcher's (process ``launcher``), however that
-    ends (:func:`die_with_parent` for a child of the launcher, :func:`die_with` for a child of
-    its fork server, which outlives the launcher while any worker lives)."""
+    """First thing in a worker of :func:`~distrain.runtime.forkserver.worker_context`: the
+    launcher's environment as it started the worker, and the worker's end with the launcher's
+    (process ``launcher``), however that ends (:func:`die_with_parent` for a child of the
+    launcher, :func:`die_with` for a child of its fork server, which outlives the launcher while
+    any worker lives)."""
     os.environ.clear()
     os.environ.update(environ)
     if os.getppid() == launcher:
