@@ -1,0 +1,43 @@
+"""Prague's election of a new group generator over a real TCPStore (no training)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from distrain.algorithms.prague import GroupGossip
+from distrain.launch.common import free_port
+from distrain.runtime.health import Liveness
+
+
+def _worker(rank: int, live: Liveness) -> GroupGossip:
+    """A worker's gossip engine with only what an election reads (its generator is set, so an
+    election of this worker starts no thread)."""
+    lost: list[int] = []
+    engine = object.__new__(GroupGossip)
+    engine.rank, engine.generator_rank, engine.generator = rank, 0, object()
+    engine._elect_lock = threading.RLock()
+    engine.state = SimpleNamespace(world=4, mark_lost=lost.append, lost=lost)
+    engine.liveness = live
+    return engine
+
+
+def test_a_lost_generator_started_again_is_not_elected_and_one_loss_elects_once():
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    live = Liveness("127.0.0.1", port, world_size=4)
+    worker = _worker(2, live)
+    # Worker 0, the generator, was lost, started again and admitted before this worker looked:
+    # no longer dead, it is still not the one to generate (its new life waits for another).
+    assert live.dead_ranks() == {}
+    assert worker._succeed(live, 0) == 1 and worker.generator_rank == 1
+    # The same loss seen by a second thread of this worker: the generator elected stays.
+    assert worker._succeed(live, 0) == 1 and worker.generator_rank == 1
+    # Worker 1 is lost too, declared dead: the lowest live rank but the lost one, which is worker
+    # 0's new life now (it runs the same election, and starts the generator).
+    live.declare_dead(1)
+    assert worker._succeed(live, 1) == 0 and worker.generator_rank == 0
+    assert worker.state.lost == [1]
+    del store
