@@ -26,11 +26,6 @@ from distrain.launch.common import (
 )
 
 
-def in_torchrun() -> bool:
-    """True when this process was started by torchrun (or an equivalent launcher)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
 def _shared_run_dir(cfg: TrainConfig) -> Path:
     """A run directory every rank agrees on, stable across torchrun restarts."""
     if cfg.run.run_dir or cfg.run.name:

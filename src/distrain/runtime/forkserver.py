@@ -5,7 +5,7 @@ and distrain once, before any worker exists (see :func:`worker_context`). Those 
 about 2 s of CPU: started only once the launcher itself had imported torch and read its
 settings, the fork server made every multi-worker ``distrain train`` wait for both in a row.
 :func:`start_early` starts it from the command line's first look at its arguments instead, so
-that it imports beside the launcher. This module imports nothing but the standard library.
+that it imports beside the launcher. This module imports nothing but the standard library (and distrain.runtime.process).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
-import os
 from collections.abc import Sequence
+
+from distrain.runtime.process import in_torchrun
 
 #: What the fork server imports once, before any worker exists. Not ``torch._dynamo``, which
 #: the first optimizer a process makes imports (about 1.3 s of CPU per worker): imported before
@@ -53,7 +54,7 @@ def wants_workers(argv: Sequence[str]) -> bool:
     costs nothing but time: a fork server nobody uses ends with the launcher."""
     if not argv or argv[0] not in COMMANDS or "--help" in argv or "-h" in argv:
         return False
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+    if in_torchrun():
         return False
     values = {}
     for i, arg in enumerate(argv):

@@ -7,12 +7,16 @@ run: 4 workers on 2 cores wait about 1.6 s for it. Frozen objects (``gc.freeze``
 it; at exit nothing needs them collected (Python does not promise to finalize objects that still
 exist when the interpreter exits), and everything else of interpreter teardown (``atexit``
 handlers registered before this one, module cleanup, flushing files) runs as usual.
+
+Also what a process can tell of itself before it imports torch: its exit statuses, and whether
+torchrun started it (:func:`in_torchrun`).
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
 
 #: Exit status of a run, launcher or worker stopped by bad input (a setting, data or checkpoint
 #: refused, with one line naming it), as argparse's usage errors.
@@ -34,3 +38,9 @@ def freeze_at_exit() -> None:
     if not _registered:
         _registered = True
         atexit.register(gc.freeze)
+
+
+def in_torchrun() -> bool:
+    """True when this process was started by torchrun (or an equivalent launcher): its
+    environment names its rank, the world size and the rendezvous."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
