@@ -2,7 +2,8 @@
 gradient at each step is a fixed vector of the worker's id and the step (so the test can
 compute the exact result), SGD with momentum, and worker ``VICTIM`` killing itself (SIGKILL)
 as step ``AT`` begins, or between its backward and its step when ``WHERE`` is ``backward``
-(only the first time: a worker started again by ``--max-restarts`` joins the others).
+(only the first time: a worker started again by ``--max-restarts`` joins the others). With
+``hang`` it stops itself (SIGSTOP) there instead: alive, its connections open, silent.
 
 With ``WHERE`` ``rejoin`` the workers go on past ``STEPS`` until the restarted one has joined (and
 with ``ELASTIC_SERVER_BACK=1`` in the environment, until a lost parameter server has returned),
@@ -136,6 +137,8 @@ def main() -> None:
             if where == "node":
                 os.kill(os.getppid(), signal.SIGKILL)  # the node's launcher: its other workers die with it
             os.kill(os.getpid(), signal.SIGKILL)
+        if me == victim and step == at and where == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)  # alive, connections open, silent: until the launcher ends it
         x = gradient(me, step).reshape(1, DIM).to(device)
         model(x).sum().backward()  # d/dw (w . g) = g
         if first_life and me == victim and step == at and where == "backward":

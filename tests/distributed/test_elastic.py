@@ -238,6 +238,29 @@ def test_a_restarted_worker_joins_with_the_others_state(tmp_path: Path):
     assert not torch.allclose(reference(0, at + 1, back, steps), expected)  # the survivors redid step 3 without it
 
 
+def test_a_hung_worker_is_left_behind_at_once_and_removed_as_the_others_finish(tmp_path: Path):
+    """Worker 2 stops (SIGSTOP) as step 3 begins: alive, its connections open, silent. The script
+    made its optimizer before ``wrap()`` (as every user's does, importing ``torch._dynamo`` before
+    the group opened): the survivors replace their group within a second of agreeing on the loss
+    (not after gloo's freed group has waited out the 60 s --timeout on the silent peer), finish
+    with the reference's parameters, and the launcher removes the stopped worker as they finish
+    (it would not answer SIGTERM), with one line and exit status 0."""
+    at = 3
+    done = launch_tagged(tmp_path, 2, at, "hang")
+    assert done.returncode == 0, done.stderr
+    assert "rank 2 was left behind by the others (silent past their deadline) and still ran as they finished; " \
+           "stopped it" in done.stderr
+    survivors = [0, 1, 3]
+    for r in survivors:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["ids"] == survivors and result["steps"] == STEPS, r
+        [change] = result["changes"]
+        assert change["workers"] == [2] and change["members"] == survivors and change["lost_at_step"] == at
+        assert change["recovery_s"] < 3.0, change  # (57 s when the old group was freed)
+        torch.testing.assert_close(result["weight"].reshape(-1), reference(2, at), rtol=0, atol=1e-12)
+    assert not (tmp_path / "worker2.pt").exists()
+
+
 # `make test-all`: the joins of every family stay in CI; this is the case of a worker lost before wrap() opened its group
 @pytest.mark.slow
 def test_a_worker_killed_before_wrap_is_started_again_in_its_place(tmp_path: Path):

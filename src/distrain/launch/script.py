@@ -440,6 +440,8 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                 return 1
         if first_done is None and 0 in codes:
             first_done = (time.monotonic(), procs[codes.index(0)].rank)
+            if elastic_run(store):
+                _remove_left_behind(procs, codes, lost, store)
         if first_done is not None and time.monotonic() - first_done[0] > exit_window:
             stuck = [p.rank for p, c in zip(procs, codes, strict=True) if c is None]
             announce_failure(store, nodes, f"rank {stuck[0]} did not finish")
@@ -449,6 +451,22 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                   file=sys.stderr)
             return 1
         time.sleep(0.05)
+
+
+def _remove_left_behind(procs: list[_Process], codes: list[int | None], lost: list[_Process], store: Any) -> None:
+    """As the first process of an elastic run finishes: kill (SIGKILL) every first life still
+    running that the others declared dead, a process they went on without because it was silent
+    (stopped, deadlocked): it is no longer in the run, and a stopped one would not even answer
+    SIGTERM. It counts as lost, so the others' success is the run's, at once, not after the
+    exit window. (A life started again may carry its last life's dead mark: it is left alone.)"""
+    for p, code in zip(procs, codes, strict=True):
+        if code is None and p not in lost and procs.index(p) == [q.rank for q in procs].index(p.rank) \
+                and declared_dead(store, p.rank):
+            p.stop(signal.SIGKILL)
+            p.proc.wait()
+            lost.append(p)
+            print(f"distrain: rank {p.rank} was left behind by the others (silent past their deadline) and still "
+                  f"ran as they finished; stopped it", file=sys.stderr)
 
 
 def _start_in_place(held: dict[_Process, float], procs: list[_Process], lost: list[_Process], store: Any,

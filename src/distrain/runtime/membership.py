@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
@@ -509,6 +510,7 @@ class Membership:
         inject_kill_in("meet", self.me)  # fault injection for tests
         if dist.is_initialized():
             _abort(dist.group.WORLD)  # an operation still waiting on the lost peer ends now
+            _keep_groups_alive()
             dist.destroy_process_group()
         # a member that dies between its ready mark and the group's rendezvous would hold the
         # others there for the run's whole timeout: the opening gets its own, shorter bound
@@ -683,6 +685,19 @@ def _abort(group: dist.ProcessGroup) -> None:
         group._get_backend(torch.device("cpu")).abort()
     except (RuntimeError, AttributeError, NotImplementedError) as exc:
         log.debug("could not abort the old group: %s", exc)
+
+
+def _keep_groups_alive() -> None:
+    """Let no process group of this process be freed from now on. gloo's group, as it is freed,
+    joins its threads, and one of them may still be in an operation with a peer that is alive
+    but silent (stopped, deadlocked), which ``abort()`` does not end: freeing the group would hold
+    this worker until the group's timeout (``--timeout``: 57 s of a 60 s one here, where the
+    members had agreed on the loss within 3). Whether the last reference goes as the group is
+    destroyed depends on what else holds one (it does in a script that made its optimizer, and
+    so imported ``torch._dynamo``, before the group opened). Kept, the group's threads end with
+    their operation's timeout or with the process; each costs a few kB, once per membership change."""
+    for group in list(dist.distributed_c10d._world.pg_names):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def mark_elastic(store: dist.Store | None) -> None:
