@@ -35,7 +35,7 @@ import torch.distributed as dist
 from distrain.launch.common import free_port
 
 #: What the fork server imports once; a child imports the rest of what its function needs.
-PRELOAD = ["torch", "torch.distributed", "distrain.algorithms", "distrain.distributed", "distrain.comm.transport",
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distrain.algorithms", "distrain.distributed", "distrain.comm.transport",
            "distrain.compress", "tests.harness"]
 _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)

@@ -2,7 +2,7 @@
 
 A local run's workers are forked from one fork server per launcher process, which imports torch
 and distrain once, before any worker exists (see :func:`worker_context`). Those imports take
-about 2 s of CPU: started only once the launcher itself had imported torch and read its
+about 3 s of CPU: started only once the launcher itself had imported torch and read its
 settings, the fork server made every multi-worker ``distrain train`` wait for both in a row.
 :func:`start_early` starts it from the command line's first look at its arguments instead, so
 that it imports beside the launcher. This module imports nothing but the standard library (and distrain.runtime.process).
@@ -17,12 +17,11 @@ from collections.abc import Sequence
 
 from distrain.runtime.process import in_torchrun
 
-#: What the fork server imports once, before any worker exists. Not ``torch._dynamo``, which
-#: the first optimizer a process makes imports (about 1.3 s of CPU per worker): imported before
-#: a worker opens its process group, gloo's group then joins its threads as it is freed, and a
-#: survivor that replaces the group after a hung (alive, silent) peer waited there until
-#: ``--timeout`` (imported after, as each worker does, the group is not freed at once).
-WORKER_PRELOAD = ("torch", "torch.distributed", "distrain.train.loop")
+#: What the fork server imports once, before any worker exists. ``torch._dynamo`` too: the first
+#: optimizer a process makes imports it (about 1.4 s of CPU per worker otherwise). (Imported before
+#: a worker's process group opens, it once held a survivor that replaced its group after a hung
+#: peer until ``--timeout``: see ``membership._keep_groups_alive``.)
+WORKER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "distrain.train.loop")
 
 #: The commands whose launcher starts local workers from the fork server.
 COMMANDS = ("train", "compare")
