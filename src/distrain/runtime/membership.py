@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import logging
@@ -510,7 +511,7 @@ class Membership:
         inject_kill_in("meet", self.me)  # fault injection for tests
         if dist.is_initialized():
             _abort(dist.group.WORLD)  # an operation still waiting on the lost peer ends now
-            _keep_groups_alive()
+            _keep_groups_alive(self.timeout)
             dist.destroy_process_group()
         # a member that dies between its ready mark and the group's rendezvous would hold the
         # others there for the run's whole timeout: the opening gets its own, shorter bound
@@ -687,17 +688,34 @@ def _abort(group: dist.ProcessGroup) -> None:
         log.debug("could not abort the old group: %s", exc)
 
 
-def _keep_groups_alive() -> None:
-    """Let no process group of this process be freed from now on. gloo's group, as it is freed,
-    joins its threads, and one of them may still be in an operation with a peer that is alive
-    but silent (stopped, deadlocked), which ``abort()`` does not end: freeing the group would hold
-    this worker until the group's timeout (``--timeout``: 57 s of a 60 s one here, where the
-    members had agreed on the loss within 3). Whether the last reference goes as the group is
-    destroyed depends on what else holds one (it does in a script that made its optimizer, and
-    so imported ``torch._dynamo``, before the group opened). Kept, the group's threads end with
-    their operation's timeout or with the process; each costs a few kB, once per membership change."""
-    for group in list(dist.distributed_c10d._world.pg_names):
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+#: Process groups replaced after a membership change, each with the time after which every
+#: operation it may still hold has ended (see :func:`_keep_groups_alive`).
+_KEPT: list[tuple[float, list[dist.ProcessGroup]]] = []
+
+
+def _keep_groups_alive(timeout: float) -> None:
+    """Keep every process group of this process from being freed for twice ``timeout`` seconds
+    (the longest any of its operations may take; a group of an algorithm takes at most the
+    run's), and free those kept that long. gloo's group, as it is freed, joins its threads, and
+    one of them may still be in an operation with a peer that is alive but silent (stopped,
+    deadlocked), which ``abort()`` does not end: freeing the group with the default group's
+    destruction held the survivors of a user's ``wrap()`` script until that timeout (57 s of a
+    60 s --timeout, where they had agreed on the loss within 3 s). Whatever is kept as the
+    process exits is never freed: its threads end with the process."""
+    now = time.monotonic()
+    _KEPT[:] = [(until, groups) for until, groups in _KEPT if until > now]  # the others are freed here
+    atexit.unregister(_never_free_kept)
+    atexit.register(_never_free_kept)  # (once)
+    _KEPT.append((now + 2 * timeout, list(dist.distributed_c10d._world.pg_names)))
+
+
+def _never_free_kept() -> None:
+    """At exit: let the groups still kept outlive the interpreter (freed as it ends, one might
+    wait for an operation with a silent peer)."""
+    for _, groups in _KEPT:
+        for group in groups:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    _KEPT.clear()
 
 
 def mark_elastic(store: dist.Store | None) -> None:
