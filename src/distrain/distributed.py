@@ -991,8 +991,10 @@ class DistributedOptimizer:
         if self.membership is not None:  # a survivor still in its last step may take our state
             self.membership.close()
             self.control_barrier()
+        inject_kill_in("final-model", self.id)  # fault injection for tests
+        self._final = self.eval_model()  # in an elastic run over the survivors of a loss on the way
+        if self.membership is not None:
             watch_waits(None)
-        self._final = self.algorithm.eval_model()
         control = self.algorithm.control_transport() or self.transport
         self.close()
         control.control_barrier()  # nobody tears the group down while another still averages

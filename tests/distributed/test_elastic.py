@@ -832,6 +832,26 @@ def test_gossip_on_a_ring_survivors_a_step_apart_realign(tmp_path: Path):
     assert not torch.allclose(ring_reference(victim, {r: p + 1 for r, p in positions.items()}, STEPS), expected)
 
 
+def test_gossip_survivors_of_a_loss_as_finish_makes_the_final_model_return_their_consensus(tmp_path: Path):
+    """D-PSGD on the ring: worker 1 dies as ``finish()`` begins its final consensus, after the
+    members' last barrier. The others agree on the loss there and return the consensus of their
+    own models (the mean of the three, which differ on the ring), not a failure."""
+    victim = 1
+    done = launch_tagged(tmp_path, victim, -1, "start", settings={"algorithm": "dpsgd"},
+                         env=kill_in(tmp_path, "final-model", victim))
+    assert done.returncode == 0, done.stderr
+    assert f"rank {victim} failed: killed by SIGKILL; the others go on without it" in done.stderr
+    survivors = [0, 2, 3]
+    results = {r: torch.load(tmp_path / f"worker{r}.pt", weights_only=True) for r in survivors}
+    own = torch.stack([results[r]["history"][-1] for r in survivors])
+    assert not torch.allclose(own[0], own[1])  # (the mean below is not any one of them)
+    for r, result in results.items():
+        [change] = result["changes"]
+        assert change["workers"] == [victim] and change["members"] == survivors, r
+        assert result["steps"] == STEPS, r
+        torch.testing.assert_close(result["weight"].reshape(-1), own.mean(0), rtol=0, atol=1e-12)
+
+
 def ps_reference(victim: int, at: int, steps: int = STEPS, lr: float = 0.1, momentum: float = 0.9) -> torch.Tensor:
     """The parameters the servers end with: SGD with momentum on the sum of the pushes over the
     number of workers (``victim``'s from step ``at`` on missing)."""

@@ -34,7 +34,9 @@ Fault injection for tests (environment variables, read by every worker):
                                        ``node-stop`` (a worker of synchronous parameter
                                        servers, once it told the first server its training
                                        is over), ``gossip-groups`` (a worker of adpsgd or
-                                       prague, as it is about to make its gossip groups)
+                                       prague, as it is about to make its gossip groups),
+                                       ``final-model`` (a worker, as ``finish()`` begins to
+                                       make the final model, after the members' last barrier)
     DISTRAIN_INJECT_KILL_ANSWERING='RANK:STEP:N'  synchronous parameter server RANK (global rank)
                                        kills itself with SIGKILL once it answered step STEP (as
                                        its workers count them) to its first N live workers and
