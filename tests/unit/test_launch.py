@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +168,33 @@ def test_a_worker_of_the_early_fork_server_has_torch_and_the_loop_imported(tmp_p
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["imported", "True", "True"]
+
+
+REFUSED_EARLY = """
+import multiprocessing.forkserver
+import sys
+from distrain.runtime.forkserver import start_early
+
+if __name__ == "__main__":
+    assert start_early(["train", "--workers", "2"])
+    print(multiprocessing.forkserver._forkserver._forkserver_pid, flush=True)
+    sys.exit(2)  # refused before any worker started, while the fork server still imports
+"""
+
+
+def test_the_early_fork_server_ends_with_a_launcher_that_started_no_worker(tmp_path) -> None:
+    """A command refused before any worker started takes its fork server with it as it exits, in
+    the middle of its imports (which would otherwise hold the command's output open for
+    seconds after its one line)."""
+    import subprocess
+    import sys
+
+    script, out = tmp_path / "refused.py", tmp_path / "out.txt"
+    script.write_text(REFUSED_EARLY)
+    with out.open("w") as stdout:  # (not pipes: the call returns as the launcher exits)
+        done = subprocess.run([sys.executable, str(script)], stdout=stdout, stderr=subprocess.STDOUT, timeout=120,
+                              cwd=tmp_path)
+    assert done.returncode == 2, out.read_text()
+    pid = int(out.read_text())
+    proc = Path(f"/proc/{pid}")
+    assert not proc.exists() or b"forkserver" not in (proc / "cmdline").read_bytes()

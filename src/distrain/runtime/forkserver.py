@@ -10,9 +10,13 @@ that it imports beside the launcher. This module imports nothing but the standar
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
+import os
+import signal
 from collections.abc import Sequence
 
 from distrain.runtime.process import in_torchrun
@@ -70,4 +74,19 @@ def start_early(argv: Sequence[str]) -> bool:
     if not wants_workers(argv) or "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     worker_context()
+    atexit.register(_stop_server)
     return True
+
+
+def _stop_server() -> None:
+    """At the launcher's exit: end the fork server now. Left alone, it ends only once its imports
+    are done, and it holds the launcher's standard output and error until then, so a command
+    refused before any worker started (bad input, exit 2) ended, for whoever reads its output,
+    seconds after its one line. (Its workers have ended by then: the launcher waits for them.)"""
+    server = multiprocessing.forkserver._forkserver
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
