@@ -478,7 +478,9 @@ class GossipConfig:
                            "two groups fit)")
     max_lag: int = _opt(2, "steps a worker may take since its last averaging before it waits for the next one (0 = no "
                         "bound); keeps models close when computing outruns the network")
-    peer_timeout: float = _opt(120.0, "seconds a gossip exchange or a wait for a group may take before the run fails")
+    peer_timeout: float = _opt(120.0, "seconds a gossip exchange or a wait for a group may take before the run fails "
+                                      "(elastic runs: before the peer is dropped, after twice this while its heartbeat "
+                                      "goes on; a peer whose heartbeat stopped is dropped a few seconds after it)")
     snapshot_every: float = _opt(1.0, "seconds between copies of every worker's model; their averages (the consensus "
                                  "over time) are evaluated after training")
 

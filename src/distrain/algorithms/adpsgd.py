@@ -80,6 +80,9 @@ from distrain.runtime.faults import is_comm_error
 from distrain.runtime.health import Liveness
 from distrain.topology import Graph, bipartite_sets, build_topology
 
+#: How often a wait for a peer's answer looks at its heartbeat (seconds).
+SILENCE_POLL_S = 0.5
+
 log = logging.getLogger(__name__)
 
 REQUEST, REPLY, DONE, HELLO = 1, 2, 3, 4
@@ -127,13 +130,13 @@ class PairwiseGossip(GossipEngine):
         seed: seeds the choice of partners (each worker draws its own sequence).
         liveness: where lost peers are declared and looked up (``None``: a lost peer fails the
             run, as in a synchronous algorithm).
-        peer_timeout: seconds a caller may stay silent before a passive worker checks whether
-            it is gone (its heartbeat).
+        peer_timeout: the ceiling: an exchange with a peer whose heartbeat goes on stamping
+            is given up after twice this many seconds.
 
-    A peer whose connection closes, that does not answer within ``peer_timeout`` with a stale
-    heartbeat (killed, hung), or (a caller of a passive worker) that stays silent past it with a
-    stale heartbeat, is dropped: declared dead in the store, counted as done, and never called or
-    waited for again. With ``liveness``, waits run on a :class:`~distrain.algorithms.gossip.Waiter`
+    A peer whose connection closes, that does not answer while its heartbeat is stale (killed,
+    hung, cut off: noticed a few seconds after its last stamp, ``Liveness.stale_after``), or (a
+    caller of a passive worker) that stays silent for as long with a stale heartbeat, is
+    dropped: declared dead in the store, counted as done, and never called or waited for again. With ``liveness``, waits run on a :class:`~distrain.algorithms.gossip.Waiter`
     so that giving up on a hung peer leaves the others' connections open (the group's gloo
     timeout is only a backstop); a worker that finds itself declared dead (it hung past the
     timeout and resumed) leaves with a one-line message.
@@ -192,7 +195,9 @@ class PairwiseGossip(GossipEngine):
 
     def _wait(self, handles: list[Handle], peer: int) -> None:
         """Wait for an exchange with ``peer``. With liveness: on the waiter, giving up (PeerTimeout)
-        after ``peer_timeout`` if the peer's heartbeat stopped, else after twice that."""
+        once the wait outlasted a heartbeat's staleness and the peer's heartbeat stopped (killed,
+        hung, cut off: a few seconds), or after twice ``peer_timeout`` whatever its heartbeat says
+        (a peer alive but stuck in an exchange with another)."""
         if self.waiter is None or self.liveness is None:
             for handle in handles:
                 handle.wait()
@@ -202,11 +207,19 @@ class PairwiseGossip(GossipEngine):
             for handle in handles:
                 handle.wait()
 
-        job = self.waiter.start(wait_all)
-        if job.wait(self.peer_timeout) or (not self.liveness.silent([peer]) and job.wait(self.peer_timeout)):
+        job, began = self.waiter.start(wait_all), time.monotonic()
+        while not job.wait(SILENCE_POLL_S):
+            waited = time.monotonic() - began
+            if waited > self.liveness.stale_after and self.liveness.silent([peer]):
+                reason = f"silent for {waited:.0f} s, no heartbeat"
+                break
+            if waited >= 2 * self.peer_timeout:
+                reason = f"timed out after {2 * self.peer_timeout:g} s (twice --peer-timeout)"
+                break
+        else:
             return
         self.waiter.abandon()  # the job keeps its buffers (and any late message) to itself
-        raise PeerTimeout(f"worker {peer} did not answer: timed out after {self.peer_timeout:g} s")
+        raise PeerTimeout(f"worker {peer} did not answer: {reason}")
 
     # -- active side --
 
@@ -214,7 +227,7 @@ class PairwiseGossip(GossipEngine):
         try:
             gossiped = 0  # the first exchange follows the first step
             while True:
-                gossiped, _ = self.wait_for_round(gossiped)
+                steps, _ = self.wait_for_round(gossiped)
                 if self.state.all_done and self._may_stop():
                     break
                 peer = self._pick()
@@ -222,7 +235,10 @@ class PairwiseGossip(GossipEngine):
                     continue
                 try:
                     self._call(peer)
+                    gossiped = steps
                 except Exception as exc:
+                    # No averaging came of this step: another peer is called at once (our training
+                    # thread may be waiting for an averaging, --max-lag, and take no step until then).
                     self._lose(peer, exc)
             for peer in list(self.peers):
                 try:
@@ -393,8 +409,8 @@ class PairwiseGossip(GossipEngine):
 
     def _watch(self) -> None:
         """A second thread: once a second, leave if the others declared this worker dead (it hung
-        past the peer timeout), and (passive) give up on callers silent past the peer timeout
-        whose heartbeat stopped too (killed, hung, cut off). A caller given up on counts as done;
+        and resumed), and (passive) give up on callers silent for longer than a heartbeat's
+        staleness whose heartbeat stopped too (killed, hung, cut off). A caller given up on counts as done;
         our next replies say so, so the others can finish without it."""
         assert self.liveness is not None
         live = Liveness(self.liveness.host, self.liveness.port, self.liveness.world_size)  # its own store client
@@ -408,12 +424,13 @@ class PairwiseGossip(GossipEngine):
             if self.active:
                 continue
             now = time.monotonic()
-            quiet = [p for p in list(self._calling) if p not in self.state.lost and now - self._heard[p] > self.peer_timeout]
-            for peer in live.silent(quiet) if quiet else []:
+            quiet = {p: now - self._heard[p] for p in list(self._calling)
+                     if p not in self.state.lost and now - self._heard[p] > live.stale_after}
+            for peer in live.silent(list(quiet)) if quiet else []:
                 live.declare_dead(peer)  # before counting it done: see AsyncGossip._survivors
                 self.state.mark_lost(peer)
-                log.warning("worker %d: lost worker %d (silent for more than %g s, no heartbeat); going on without it",
-                            self.transport.rank, peer, self.peer_timeout)
+                log.warning("worker %d: lost worker %d (silent for %.0f s, no heartbeat); going on without it",
+                            self.transport.rank, peer, quiet[peer])
 
     def _serve(self, src: int, calling: set[int], theirs: Message | None = None) -> bool:
         """Answer the request in ``theirs`` (default ``self.theirs``); True when something changed

@@ -59,7 +59,7 @@ from distrain.comm.store_group import StoreGroup
 from distrain.comm.surviving import SurvivingGroup
 from distrain.comm.transport import Transport, blocked
 from distrain.errors import WorkerFailure
-from distrain.runtime.faults import inject_kill_in
+from distrain.runtime.faults import PeerTimeout, inject_kill_in
 from distrain.runtime.health import LOST_CHECK_S, Liveness, declared_dead
 from distrain.runtime.membership import (
     PREFIX,
@@ -84,11 +84,11 @@ SNAPSHOT_BYTES = 2**30
 
 
 class LeftBehind(LeftOut):
-    """This worker was silent past --peer-timeout (hung, stopped) and its peers declared it dead
-    and went on without it: it leaves, with this one line (and counts as lost, not failed)."""
+    """This worker was silent, its heartbeat stale (hung, stopped), and its peers declared it
+    dead and went on without it: it leaves, with this one line (and counts as lost, not failed)."""
 
     def __init__(self, rank: int) -> None:
-        super().__init__(f"worker {rank} was silent past --peer-timeout and its peers went on without it; leaving")
+        super().__init__(f"worker {rank} was silent (no heartbeat) and its peers went on without it; leaving")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -455,11 +455,6 @@ class Waiter:
 
     def close(self) -> None:
         self._jobs.put(None)
-
-
-class PeerTimeout(RuntimeError):
-    """A peer did not answer within the peer timeout (its heartbeat stopped, or it stayed silent
-    for twice the timeout). Reads as a communication error (see ``faults.is_comm_error``)."""
 
 
 #: The gloo timeout of gossip groups whose waits a :class:`Waiter` bounds: a gloo timeout would
@@ -897,7 +892,7 @@ class AsyncGossip(Algorithm):
         if survives:
             # Agreed, not read: a worker lost as training ended (after it counted itself done) is
             # declared dead before some read the dead set and after others did.
-            if declared_dead(live.store, rank):  # taken for lost (silent past --peer-timeout)
+            if declared_dead(live.store, rank):  # taken for lost (silent, no heartbeat)
                 raise LeftBehind(rank)
             alive = [r for r in range(self.state.world) if not declared_dead(live.store, r)]
             survivors = agree_before_groups(live.store, rank, self.state.world, self.settings.peer_timeout,

@@ -143,11 +143,13 @@ class GroupView:
     a member in ``routes`` is reached over its own Transport instead (a link with a worker that
     joined again, named by run ranks too)."""
 
-    def __init__(self, transport: Transport, members: list[int], routes: dict[int, Transport] | None = None) -> None:
+    def __init__(self, transport: Transport, members: list[int], routes: dict[int, Transport] | None = None,
+                 tag: int = 0) -> None:
         self.transport, self.members = transport, members
         self.routes = routes or {}
         self.rank = members.index(transport.rank)
         self.world_size = len(members)
+        self.tag = tag  # every message of this group's ring carries it (see ring_tag)
 
     def _to(self, member: int) -> Transport:
         return self.routes.get(member, self.transport)
@@ -161,10 +163,19 @@ class GroupView:
         return (self.rank - 1) % self.world_size
 
     def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        return self._to(self.members[dst]).send(tensor, self.members[dst])
+        return self._to(self.members[dst]).send(tensor, self.members[dst], tag=self.tag)
 
     def recv(self, tensor: torch.Tensor, src: int) -> Handle:
-        return self._to(self.members[src]).recv(tensor, self.members[src])
+        return self._to(self.members[src]).recv(tensor, self.members[src], tag=self.tag)
+
+
+def ring_tag(gid: int) -> int:
+    """The tag of group ``gid``'s messages: a positive 31-bit number of its own (0 is for the
+    untagged control messages). A ring given up on (a member hung) leaves receives posted and
+    sends pending between live members; under tags of their own, none of them ever matches a
+    message of a later group."""
+    generator, count = gid >> 40, gid & ((1 << 40) - 1)
+    return 1 + (generator * 1_000_003 + count) % (2**31 - 2)
 
 
 class GroupBoard:
@@ -514,8 +525,9 @@ class GroupGenerator:
 
     def watch(self) -> None:
         """The generator's second thread: once a second, drop workers declared dead by others,
-        and workers silent past the timeout (neither waiting for a group nor stopped) whose
-        heartbeat stopped too (killed between groups: nobody else would notice), and group the
+        and workers silent for longer than a heartbeat's staleness (neither waiting for a group
+        nor stopped) whose heartbeat stopped too (killed or hung between groups: nobody else
+        would notice), and group the
         ready workers that have become eligible since the last message."""
         assert self.liveness is not None
         live = self.liveness.another()  # its own store client
@@ -523,7 +535,7 @@ class GroupGenerator:
             now = time.monotonic()
             with self.lock:
                 quiet = [w for w in range(self.world) if w != self.rank and w not in self.lost and w not in self.ready
-                         and w not in self.stopped and now - self.heard[w] > self.timeout]
+                         and w not in self.stopped and now - self.heard[w] > live.stale_after]
             gone = set(live.silent(quiet)) if quiet else set()
             gone |= {w for w in quiet if w in self.deaf and now - self.heard[w] > 2 * self.timeout}  # cut off
             for w in gone:
@@ -557,9 +569,9 @@ class GroupGossip(GossipEngine):
         control: a Transport on another group of all workers for READY / GROUP messages.
         group_size: workers per group.
         seed: seeds the generator's choices.
-        timeout: how long a worker may wait for a group from the generator's worker while its
-            heartbeat is fresh (twice this) or stale (once), and a silent worker may stay silent
-            before its heartbeat is checked.
+        timeout: the ceiling: a wait for the generator's worker, or for a group's ring, whose
+            peers' heartbeats go on stamping is given up after twice this many seconds (a peer
+            whose heartbeat is stale is given up on a few seconds after its last stamp).
         liveness: where lost workers are declared and looked up (``None``: a lost worker fails
             the run, as in a synchronous algorithm, and the generator stays on rank 0).
         admissions: where workers started again ask to join (None: the launcher starts none).
@@ -639,7 +651,7 @@ class GroupGossip(GossipEngine):
         store said training was over after the generator was lost)."""
         gossiped = 0  # the first group follows the first step
         while True:
-            gossiped, _ = self.wait_for_round(gossiped)
+            steps, _ = self.wait_for_round(gossiped)
             answer, told_by = self._ask()
             kind, k = int(answer[0]), int(answer[1])
             self.state.merge(answer[3 + self.size:])
@@ -651,7 +663,10 @@ class GroupGossip(GossipEngine):
             self.last_gid = int(answer[2 + self.size])
             try:
                 self._reduce(members, {m: self._route(m, poll=True)[0] for m in members if m != self.rank})
+                gossiped = steps
             except Exception as exc:
+                # No averaging came of this step: ask for another group at once (our training
+                # thread may be waiting for an averaging, --max-lag, and take no step until then).
                 self._lose(members, exc)
 
     def _bye(self, generator: int) -> None:
@@ -695,7 +710,8 @@ class GroupGossip(GossipEngine):
 
     def _wait_on(self, generator: int, handles: list[Handle]) -> None:
         """Wait for messages to and from the generator's worker; raise GeneratorLost once it is
-        declared dead (or silent past the timeout), PeerTimeout after twice the timeout."""
+        declared dead (or its heartbeat is stale: killed, hung), PeerTimeout after twice the
+        timeout."""
         if self.waiter is None or self.liveness is None:
             for handle in handles:
                 handle.wait()
@@ -710,7 +726,7 @@ class GroupGossip(GossipEngine):
         started = time.monotonic()
         while not job.wait(WATCH_S):
             waited = time.monotonic() - started
-            if self.liveness.is_dead(generator) or (waited > self.timeout and self.liveness.silent([generator])):
+            if self.liveness.is_dead(generator) or (waited > self.liveness.stale_after and self.liveness.silent([generator])):
                 self.waiter.abandon()
                 raise GeneratorLost(f"the group generator (worker {generator}) is lost")
             if waited > 2 * self.timeout:
@@ -804,10 +820,31 @@ class GroupGossip(GossipEngine):
         self.state.read(out=self.sent)
         self.total.copy_(self.sent)
         start = time.perf_counter()
-        ring_all_reduce(GroupView(self.data, members, routes), self.total)  # type: ignore[arg-type]
+        view = GroupView(self.data, members, routes, tag=ring_tag(self.last_gid))
+        self._bounded([m for m in members if m != self.rank],
+                      lambda: ring_all_reduce(view, self.total))  # type: ignore[arg-type]
         self.last_ring_us = max(1, round((time.perf_counter() - start) * 1e6))
         self.state.mix(self.sent, self.total.div_(len(members)))
         self.groups += 1
+
+    def _bounded(self, peers: list[int], ring: Callable[[], None]) -> None:
+        """Run ``ring`` (an exchange with ``peers``). With liveness: on the waiter, giving up
+        (PeerTimeout) once it outlasted a heartbeat's staleness and a peer's heartbeat stopped
+        (killed, hung: its connections stay open, and every member of the ring waits for it),
+        or after twice the timeout whatever their heartbeats say."""
+        if self.waiter is None or self.liveness is None:
+            ring()
+            return
+        job, began = self.waiter.start(ring), time.monotonic()
+        while not job.wait(WATCH_S):
+            waited = time.monotonic() - began
+            if waited > self.liveness.stale_after and (silent := self.liveness.silent(peers)):
+                self.waiter.abandon()  # the ring's buffers go to the graveyard (see _lose)
+                raise PeerTimeout(f"worker {silent[0]} did not answer in a group: silent for {waited:.0f} s, "
+                                  "no heartbeat")
+            if waited > 2 * self.timeout:
+                self.waiter.abandon()
+                raise PeerTimeout(f"a group with workers {peers} timed out after {2 * self.timeout:g} s")
 
     # -- joins: a lost worker started again (see distrain.algorithms.rejoin) --
 
@@ -1002,7 +1039,7 @@ class Prague(AsyncGossip):
         if self.entered is not None:  # no group to enter: links with every peer (see GroupGossip.enter)
             return GroupGossip(self.state, transport, transport, size, seed=g.run.seed, timeout=g.peer_timeout,
                                liveness=liveness, admissions=admissions, entry=self.entered.epoch)
-        # With liveness the control group's waits are bounded by us (see Waiter), gloo's is a backstop.
+        # With liveness both groups' waits are bounded by us (see Waiter), gloo's is a backstop.
         came = self.meet_before_groups(liveness, transport)
         if liveness is not None and self.started_without:  # some were lost as the run started
             data = survivors_link(liveness, came, transport, g.run.timeout, name="prague-data")
@@ -1011,7 +1048,7 @@ class Prague(AsyncGossip):
                                  liveness=liveness, admissions=admissions)
             engine.lost_at_start(self.started_without)
             return engine
-        data = gossip_group(g.peer_timeout)
+        data = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)
         control = gossip_group(GOSSIP_BACKSTOP_S if liveness is not None else g.peer_timeout)
         link = transport.link_model
         return GroupGossip(self.state, Transport(data, link_model=link), Transport(control, link_model=link),

@@ -41,16 +41,16 @@ class LinkTransport(Transport):
     def _global(self, group_rank: int) -> int:
         return group_rank  # peers are named by their ranks in the run
 
-    def send(self, tensor: torch.Tensor, dst: int) -> Handle:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
         sent, received = self._charge({dst: nbytes}, {})
-        return self._start("send", sent, received, lambda: [self.group.send([tensor], self._place[dst], 0)],
+        return self._start("send", sent, received, lambda: [self.group.send([tensor], self._place[dst], tag)],
                            lambda model: model.send(self._ids[dst], nbytes))
 
-    def recv(self, tensor: torch.Tensor, src: int) -> Handle:
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
         sent, received = self._charge({}, {src: nbytes})
-        work = self.group.recv([tensor], self._place[src], 0)
+        work = self.group.recv([tensor], self._place[src], tag)
         return Handle(self, "recv", work, sent, received, after=self._delivery(src, nbytes))
 
 

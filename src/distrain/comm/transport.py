@@ -429,21 +429,24 @@ class Transport:
 
     # -- point to point ----------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        """Start sending ``tensor`` to group rank ``dst``."""
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        """Start sending ``tensor`` to group rank ``dst``; only a receive with the same ``tag``
+        takes it."""
         nbytes = _nbytes(tensor)
         tensor = self._outgoing(tensor)
         sent, received = self._charge({dst: nbytes}, {})
         return self._start("send", sent, received,
-                           lambda: [dist.isend(tensor, dst=self._global(dst), group=self.group)],
+                           lambda: [dist.isend(tensor, dst=self._global(dst), group=self.group, tag=tag)],
                            lambda model: model.send(self._ids[dst], nbytes))
 
-    def recv(self, tensor: torch.Tensor, src: int) -> Handle:
-        """Start receiving into ``tensor`` from group rank ``src``."""
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        """Start receiving into ``tensor`` from group rank ``src`` (the send with the same ``tag``:
+        a receive left posted by an abandoned exchange never takes a later exchange's message
+        when each exchange has a tag of its own)."""
         nbytes = _nbytes(tensor)
         sent, received = self._charge({}, {src: nbytes})
         buffer, copy = self._incoming(tensor)
-        work = dist.irecv(buffer, src=self._global(src), group=self.group)
+        work = dist.irecv(buffer, src=self._global(src), group=self.group, tag=tag)
         return Handle(self, "recv", work, sent, received, after=_then(copy, self._delivery(src, nbytes)))
 
     def recv_any(self, tensor: torch.Tensor) -> int:

@@ -81,6 +81,11 @@ REPEAT_WINDOW_S = 3.0
 COMM_ERROR_WORDS = ("connection", "closed", "reset", "timed out", "timeout", "broken pipe", "gloo", "peer", "socket")
 
 
+class PeerTimeout(RuntimeError):
+    """A peer did not answer: its heartbeat stopped while we waited for it, or it stayed silent
+    past the ceiling. A communication error (:func:`is_comm_error`), whatever its message says."""
+
+
 class NonFinite(Exception):
     """Raised where a non-finite value is found before it is sent (``what``: loss, gradient)."""
 
@@ -197,7 +202,7 @@ def announced_failure(store: dist.Store | None) -> str | None:
 
 def is_comm_error(exc: BaseException) -> bool:
     """Whether an exception looks like a collective or point-to-point failing (a peer gone)."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
+    if isinstance(exc, (PeerTimeout, getattr(dist, "DistError", ()))):
         return True
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in COMM_ERROR_WORDS)
 

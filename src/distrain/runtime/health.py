@@ -351,7 +351,7 @@ def declared_dead(store: dist.Store | None, rank: int) -> bool:
 class Liveness:
     """Which workers the others have given up on (asynchronous algorithms drop them and go on).
 
-    A worker that finds a peer gone (its connection closed, or silent past the peer timeout
+    A worker that finds a peer gone (its connection closed, or silent while we wait for it
     with a stale heartbeat) declares it dead in the store; every survivor then leaves it out of
     the final consensus. One instance per thread (each holds its own store client).
 
