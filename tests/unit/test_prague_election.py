@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from distrain.algorithms.prague import GroupGossip
+from distrain.algorithms.prague import GROUP, NO_GROUP, GroupBoard, GroupGenerator, GroupGossip
 from distrain.launch.common import free_port
 from distrain.runtime.health import Liveness
 
@@ -40,4 +40,26 @@ def test_a_lost_generator_started_again_is_not_elected_and_one_loss_elects_once(
     live.declare_dead(1)
     assert worker._succeed(live, 1) == 0 and worker.generator_rank == 0
     assert worker.state.lost == [1]
+    del store
+
+
+def test_a_successor_hands_out_a_lost_generators_group_only_to_the_lives_it_was_formed_for():
+    """The lost generator formed group [0, 1] and told only worker 0 (itself) before it died. Its
+    successor gives that group to worker 1 at its first READY (worker 0's old life waits for it in
+    the ring), unless worker 0 has joined again since: its new life never heard of the group, and
+    worker 1 would wait in a ring nobody else enters."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    live = Liveness("127.0.0.1", port, world_size=4)
+    old = GroupGenerator(4, 2, control=None, liveness=live, rank=0)  # type: ignore[arg-type]
+    GroupBoard(live.store).record([(1, old._answer(GROUP, [0, 1]))])  # as the old generator does
+    for joined_again in (False, True):
+        successor = GroupGenerator(4, 2, control=None, liveness=live, rank=1, successor=True)  # type: ignore[arg-type]
+        if joined_again:
+            successor.revive(0, epoch=1)  # worker 0 started again, admitted in epoch 1
+        missed = successor._missed(1, NO_GROUP)
+        if joined_again:
+            assert missed is None
+        else:
+            assert missed is not None and missed[2:4].tolist() == [0, 1]
     del store

@@ -116,7 +116,7 @@ from distrain.comm.transport import Handle, Transport
 from distrain.errors import WorkerFailure
 from distrain.runtime.faults import is_comm_error
 from distrain.runtime.health import Liveness
-from distrain.runtime.membership import LinkMissed
+from distrain.runtime.membership import LinkMissed, asked
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +369,10 @@ class GroupGenerator:
         members = answer[2 : 2 + int(answer[1])].tolist()
         if set(members) & self.lost:
             return None
+        n = self.world
+        lives = answer[3 + self.size + n : 3 + self.size + 2 * n].tolist()  # each worker's life, as answered
+        if any(self.done[m] // 2 > lives[m] // 2 for m in members):  # one joined again since: its last
+            return None  # life was in that group; its new life never hears of it
         log.warning("group generator: worker %d never heard of its group %s; it joins it now", worker, members)
         return answer
 
@@ -613,6 +617,12 @@ class GroupGossip(GossipEngine):
         self._graveyard: list[torch.Tensor] = []  # buffers of failed rings (see _lose)
         self.waiter = Waiter("distrain-prague-wait") if liveness is not None else None
         self._worker_ended = threading.Event()
+        #: per peer, the asks to join of its lives this worker knows (welcomed, or before its own
+        #: entry): a later ask means the life it exchanges with is gone (see _drop_silent)
+        self._lives: dict[int, int] = {}
+        if entry and liveness is not None:
+            for r in asked(liveness.store):
+                self._lives[r] = self._lives.get(r, 0) + 1
 
     def _generator(self, successor: bool) -> GroupGenerator:
         generator = GroupGenerator(self.state.world, self.group_size, self.control, self.seed, self.timeout,
@@ -661,13 +671,14 @@ class GroupGossip(GossipEngine):
             if kind != GROUP or self.rank not in members:
                 raise WorkerFailure(f"worker {self.rank}: bad group answer {answer.tolist()}")
             self.last_gid = int(answer[2 + self.size])
+            lives = dict(self._lives)  # the members' lives this ring is with (see _drop_silent)
             try:
                 self._reduce(members, {m: self._route(m, poll=True)[0] for m in members if m != self.rank})
                 gossiped = steps
             except Exception as exc:
                 # No averaging came of this step: ask for another group at once (our training
                 # thread may be waiting for an averaging, --max-lag, and take no step until then).
-                self._lose(members, exc)
+                self._lose(members, exc, lives)
 
     def _bye(self, generator: int) -> None:
         """Tell the generator that stopped this worker that it has stopped (so its service thread
@@ -695,6 +706,7 @@ class GroupGossip(GossipEngine):
                 assert self.generator is not None
                 return self.generator.ask_local(ready[1:]), generator
             answer = torch.empty(self.answer_len, dtype=torch.int64)
+            lives = dict(self._lives)  # the generator's life this wait is with (see _drop_silent)
             try:
                 control = self._route(generator)[1]
                 self._wait_on(generator, [control.recv(answer, generator), control.send(ready, generator)])
@@ -704,7 +716,7 @@ class GroupGossip(GossipEngine):
             except Exception as exc:
                 if self.liveness is None or not is_comm_error(exc):
                     raise
-                self._generator_gone(generator, exc)
+                self._generator_gone(generator, exc, lives)
             if self._succeed(self.liveness, generator) is None:
                 return torch.cat([torch.tensor([STOP, 0, *[-1] * self.size, NO_GROUP]), self.state.progress_header()]), None
 
@@ -734,27 +746,57 @@ class GroupGossip(GossipEngine):
                 raise PeerTimeout(f"no answer from the group generator (worker {generator}): timed out after "
                                   f"{2 * self.timeout:g} s")
 
-    def _generator_gone(self, generator: int, exc: BaseException) -> None:
+    def _generator_gone(self, generator: int, exc: BaseException, lives: dict[int, int]) -> None:
         """A wait on the generator's worker failed: once it is declared dead (or its heartbeat
         stopped), declare it dead for all; raise ``exc`` if it stays alive past the timeout."""
-        self._drop_silent([generator], exc, WATCH_S)
+        self._drop_silent([generator], exc, WATCH_S, lives)
 
-    def _drop_silent(self, peers: list[int], exc: BaseException, poll: float) -> list[int]:
+    def _drop_silent(self, peers: list[int], exc: BaseException, poll: float,
+                     lives: dict[int, int] | None = None) -> list[int]:
         """After ``exc``, an exchange with ``peers`` failing: wait (polling every ``poll`` s, at
         most the timeout, then raise ``exc``) until some of them are declared dead or their
-        heartbeat stopped; declare those dead for all, count them done, and return them."""
+        heartbeat stopped, or were started again; declare the first dead for all, count them all
+        done, and return them.
+
+        A worker killed and started again at once (``--max-restarts``) may be admitted, its dead
+        mark deleted and its new heartbeat stamping, before this worker looks: its new life's
+        ask to join tells that the life this exchange was with is gone. It is counted done here
+        (its new life trains again once this worker welcomes it), never declared dead: the mark
+        would name the new life. ``lives``: the peers' lives (:attr:`_lives`) as the exchange
+        began; one welcomed since was counted done then, and trains again already."""
         assert self.liveness is not None
         if self.rank in self.liveness.dead_ranks():  # we were the silent one (e.g. SIGSTOP)
             raise LeftBehind(self.rank) from exc
         deadline = time.monotonic() + self.timeout
-        while not (gone := self.liveness.silent(peers)):  # a heartbeat goes stale seconds after death
+        while True:
+            gone = self.liveness.silent(peers)  # a heartbeat goes stale seconds after death
+            with self._elect_lock:  # (welcomes count lives under it: none comes between)
+                asks = self._asks(set(peers) - set(gone))
+                again = [q for q, n in asks.items() if n > (lives if lives is not None else self._lives).get(q, 0)]
+                for peer in again:
+                    if asks[peer] > self._lives.get(peer, 0):  # not welcomed yet: its last life is lost
+                        self.state.mark_lost(peer)
+            if gone or again:
+                break
             if time.monotonic() >= deadline:
                 raise exc
             time.sleep(poll)
         for peer in gone:
             self.liveness.declare_dead(peer)  # before counting it done: see AsyncGossip._survivors
             self.state.mark_lost(peer)
-        return gone
+        return sorted({*gone, *again})
+
+    def _asks(self, peers: set[int], live: Liveness | None = None) -> dict[int, int]:
+        """How many times each of ``peers`` asked to join the run (started again), read through
+        ``live`` (default: the worker thread's); {} when no worker is started again in this run."""
+        live = live if live is not None else self.liveness
+        if not peers or self.admissions is None or live is None:
+            return {}
+        asks = dict.fromkeys(peers, 0)
+        for r in asked(live.store):
+            if r in asks:
+                asks[r] += 1
+        return asks
 
     def _succeed(self, live: Liveness, lost: int) -> int | None:
         """The generator ``lost`` was declared dead: the lowest live rank other than it generates
@@ -790,25 +832,29 @@ class GroupGossip(GossipEngine):
 
     def _watch_generator(self) -> None:
         """Each worker's succession thread: a worker busy in a ring (or between steps) still takes
-        over at once when the generator's worker is declared dead; those waiting for it might
-        otherwise wait for this worker's generator."""
+        over at once when the generator's worker is declared dead, or asks to join again (killed
+        and started again so fast that its dead mark was gone before this thread looked); those
+        waiting for it might otherwise wait for this worker's generator."""
         assert self.liveness is not None
         live = self.liveness.another()
+        asks: dict[int, int] = {}  # the generator's asks to join when it became the one this thread watches
         while not self._worker_ended.wait(WATCH_S):
             if self.generator is not None:
                 return  # this worker is the generator now
             generator = self.generator_rank
-            if live.is_dead(generator) and self._succeed(live, generator) is None:
+            now = self._asks({generator}, live).get(generator, 0)
+            again = now > asks.setdefault(generator, now)
+            if (again or live.is_dead(generator)) and self._succeed(live, generator) is None:
                 return  # training is over: nobody needs a generator
 
-    def _lose(self, members: list[int], exc: BaseException) -> None:
+    def _lose(self, members: list[int], exc: BaseException, lives: dict[int, int] | None = None) -> None:
         """A ring failed: drop the members whose heartbeat stopped (declared dead in the store,
         counted done; the generator reads it from our next READY), or fail if none did."""
         me = self.rank
         if self.liveness is None or not is_comm_error(exc):
             raise exc
         others = [m for m in members if m != me and m not in self.state.lost]
-        for peer in self._drop_silent(others, exc, 0.5):
+        for peer in self._drop_silent(others, exc, 0.5, lives):
             log.warning("worker %d: lost worker %d in a group (%s); going on without it", me, peer,
                         str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
         # A receive of the failed ring may still be posted in the backend and land later: give it
@@ -910,6 +956,7 @@ class GroupGossip(GossipEngine):
             return
         with self._elect_lock:
             self.state.revive(joiner, epoch)
+            self._lives[joiner] = self._lives.get(joiner, 0) + 1
             if self.generator is not None:
                 self.generator.revive(joiner, epoch)
         log.info("worker %d: worker %d joins again", self.rank, joiner)
