@@ -531,8 +531,8 @@ class GroupGenerator:
         """The generator's second thread: once a second, drop workers declared dead by others,
         and workers silent for longer than a heartbeat's staleness (neither waiting for a group
         nor stopped) whose heartbeat stopped too (killed or hung between groups: nobody else
-        would notice), and group the
-        ready workers that have become eligible since the last message."""
+        would notice), and group the ready workers that have become eligible since the last
+        message."""
         assert self.liveness is not None
         live = self.liveness.another()  # its own store client
         while not self.served.wait(1.0):
