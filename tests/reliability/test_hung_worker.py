@@ -17,6 +17,7 @@ from tests.reliability.common import (
     injected_at,
     injected_pid,
     kill_tagged,
+    run_cli,
     start_cli,
     tagged,
     wait_for,
@@ -45,19 +46,13 @@ def test_a_hung_gossip_worker_is_dropped_within_seconds_of_its_last_heartbeat(tm
     ends. --max-lag 1: a worker's training waits for an averaging after each step, so the
     exchange that failed must not count as its step's averaging (else both wait for each other
     until the peer timeout)."""
-    tag, mark, run_dir = uuid.uuid4().hex, tmp_path / "stopped-at", tmp_path / "run"
-    proc = start_cli([*QUICK, "--peer-timeout", "60", "--max-lag", "1", "--algorithm", algorithm, "--workers", "4",
-                      "--epochs", "2", "--run-dir", str(run_dir)], tag, DISTRAIN_INJECT_STOP=f"{victim}:10",
-                     DISTRAIN_INJECT_MARK=str(mark))
-    try:
-        out, err = proc.communicate(timeout=120)
-        orphans = tagged(tag)
-    finally:
-        proc.kill()
-        kill_tagged(tag)
-    assert proc.returncode == 0, err
-    assert orphans == []
-    assert "no averaging for" not in err, err  # (a training thread given up waiting for its gossip)
+    mark, run_dir = tmp_path / "stopped-at", tmp_path / "run"
+    run = run_cli([*QUICK, "--peer-timeout", "60", "--max-lag", "1", "--algorithm", algorithm, "--workers", "4",
+                   "--epochs", "2", "--run-dir", str(run_dir)], timeout=120, DISTRAIN_INJECT_STOP=f"{victim}:10",
+                  DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    assert "no averaging for" not in run.stderr, run.stderr  # (a training thread given up waiting for its gossip)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert list(summary["lost_workers"]) == [str(victim)], summary["lost_workers"]
     detection = summary["lost_workers"][str(victim)] - injected_at(mark)
@@ -109,19 +104,14 @@ def test_a_stuck_adpsgd_worker_is_dropped_by_those_it_holds_up_and_leaves_when_i
     left behind and leaves with one line. (A stuck passive worker holds nobody up: its gossip
     thread answers its callers, who go on averaging with it; it trains on when it moves.)"""
     victim = 2
-    tag, mark, run_dir = uuid.uuid4().hex, tmp_path / "wedged-at", tmp_path / "run"
-    proc = start_cli([*QUICK, "--algorithm", "adpsgd", "--topology", "bipartite", "--workers", "4", "--num-samples",
-                      "9600", "--budget", "time", "--time-budget", str(BUDGET_S), "--run-dir", str(run_dir)], tag,
-                     DISTRAIN_INJECT_WEDGE=f"{victim}:30:{HANG_S}", DISTRAIN_INJECT_MARK=str(mark),
-                     DISTRAIN_STUCK_FLOOR_S="1")
-    try:
-        out, err = proc.communicate(timeout=BUDGET_S + 180)
-        orphans = tagged(tag)
-    finally:
-        proc.kill()
-        kill_tagged(tag)
-    assert proc.returncode == 0, err
-    assert orphans == []
+    mark, run_dir = tmp_path / "wedged-at", tmp_path / "run"
+    run = run_cli([*QUICK, "--algorithm", "adpsgd", "--topology", "bipartite", "--workers", "4", "--num-samples",
+                   "9600", "--budget", "time", "--time-budget", str(BUDGET_S), "--run-dir", str(run_dir)],
+                  timeout=BUDGET_S + 180, DISTRAIN_INJECT_WEDGE=f"{victim}:30:{HANG_S}", DISTRAIN_INJECT_MARK=str(mark),
+                  DISTRAIN_STUCK_FLOOR_S="1")
+    err = run.stderr
+    assert run.returncode == 0, err
+    assert run.orphans == []
     assert f"worker {victim}: its training thread has stood still for" in err
     line = f"worker {victim} was silent (no heartbeat) and its peers went on without it; leaving"
     assert f"worker {victim} failed: {line}; the other workers finished without it" in err, err

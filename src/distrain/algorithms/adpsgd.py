@@ -136,10 +136,11 @@ class PairwiseGossip(GossipEngine):
     A peer whose connection closes, that does not answer while its heartbeat is stale (killed,
     hung, cut off: noticed a few seconds after its last stamp, ``Liveness.stale_after``), or (a
     caller of a passive worker) that stays silent for as long with a stale heartbeat, is
-    dropped: declared dead in the store, counted as done, and never called or waited for again. With ``liveness``, waits run on a :class:`~distrain.algorithms.gossip.Waiter`
-    so that giving up on a hung peer leaves the others' connections open (the group's gloo
-    timeout is only a backstop); a worker that finds itself declared dead (it hung past the
-    timeout and resumed) leaves with a one-line message.
+    dropped: declared dead in the store, counted as done, and never called or waited for again.
+    With ``liveness``, waits run on a :class:`~distrain.algorithms.gossip.Waiter` so that giving
+    up on a hung peer leaves the others' connections open (the group's gloo timeout is only a
+    backstop); a worker that finds itself declared dead (it hung past the timeout and resumed)
+    leaves with a one-line message.
 
     Example::
 
@@ -207,18 +208,12 @@ class PairwiseGossip(GossipEngine):
             for handle in handles:
                 handle.wait()
 
-        job, began = self.waiter.start(wait_all), time.monotonic()
-        while not job.wait(SILENCE_POLL_S):
-            waited = time.monotonic() - began
-            if waited > self.liveness.stale_after and self.liveness.silent([peer]):
-                reason = f"silent for {waited:.0f} s, no heartbeat"
-                break
-            if waited >= 2 * self.peer_timeout:
-                reason = f"timed out after {2 * self.peer_timeout:g} s (twice --peer-timeout)"
-                break
-        else:
+        # On giving up, the abandoned job keeps its buffers (and any late message) to itself.
+        gave_up = self.waiter.bounded(wait_all, self.liveness, [peer], 2 * self.peer_timeout, SILENCE_POLL_S)
+        if gave_up is None:
             return
-        self.waiter.abandon()  # the job keeps its buffers (and any late message) to itself
+        reason = (f"silent for {gave_up.waited:.0f} s, no heartbeat" if gave_up.silent
+                  else f"timed out after {2 * self.peer_timeout:g} s (twice --peer-timeout)")
         raise PeerTimeout(f"worker {peer} did not answer: {reason}")
 
     # -- active side --
@@ -410,8 +405,8 @@ class PairwiseGossip(GossipEngine):
     def _watch(self) -> None:
         """A second thread: once a second, leave if the others declared this worker dead (it hung
         and resumed), and (passive) give up on callers silent for longer than a heartbeat's
-        staleness whose heartbeat stopped too (killed, hung, cut off). A caller given up on counts as done;
-        our next replies say so, so the others can finish without it."""
+        staleness whose heartbeat stopped too (killed, hung, cut off). A caller given up on
+        counts as done; our next replies say so, so the others can finish without it."""
         assert self.liveness is not None
         live = Liveness(self.liveness.host, self.liveness.port, self.liveness.world_size)  # its own store client
         me = self.transport.rank

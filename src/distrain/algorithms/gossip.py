@@ -453,8 +453,36 @@ class Waiter:
         self._jobs.put(None)
         self._spawn()
 
+    def bounded(self, fn: Callable[[], None], liveness: Liveness, peers: list[int], ceiling: float, poll: float,
+                gone: Callable[[], bool] | None = None) -> GaveUp | None:
+        """Run ``fn`` (an exchange with ``peers``) as a job, polling every ``poll`` seconds. None
+        once it returned (its exception raised here). Else it is abandoned, and the answer says
+        why: once the wait has outlasted a heartbeat's staleness, some of ``peers`` whose
+        heartbeat stopped (killed, hung, cut off), or ``gone()`` said so (any time); after
+        ``ceiling`` seconds, none (whatever their heartbeats say)."""
+        job, began = self.start(fn), time.monotonic()
+        while not job.wait(poll):
+            waited = time.monotonic() - began
+            silent = liveness.silent(peers) if waited > liveness.stale_after else []
+            if silent or (gone is not None and gone()):
+                self.abandon()
+                return GaveUp(silent or list(peers), waited)
+            if waited > ceiling:
+                self.abandon()
+                return GaveUp([], waited)
+        return None
+
     def close(self) -> None:
         self._jobs.put(None)
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """Why :meth:`Waiter.bounded` gave up: the ``silent`` peers (none: its ceiling passed) and the
+    seconds ``waited``."""
+
+    silent: list[int]
+    waited: float
 
 
 #: The gloo timeout of gossip groups whose waits a :class:`Waiter` bounds: a gloo timeout would
@@ -1034,5 +1062,5 @@ class AsyncGossip(Algorithm):
             self.engine.close()
 
 
-__all__ = ["BUDGETS", "GOSSIP_BACKSTOP_S", "AsyncGossip", "Budget", "GossipEngine", "GossipSettings", "Job", "LeftBehind", "PeerTimeout", "SharedModel",
+__all__ = ["BUDGETS", "GOSSIP_BACKSTOP_S", "AsyncGossip", "Budget", "GaveUp", "GossipEngine", "GossipSettings", "Job", "LeftBehind", "PeerTimeout", "SharedModel",
            "Snapshots", "Waiter", "gossip_group"]

@@ -90,7 +90,7 @@ import random
 import statistics
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -619,10 +619,7 @@ class GroupGossip(GossipEngine):
         self._worker_ended = threading.Event()
         #: per peer, the asks to join of its lives this worker knows (welcomed, or before its own
         #: entry): a later ask means the life it exchanges with is gone (see _drop_silent)
-        self._lives: dict[int, int] = {}
-        if entry and liveness is not None:
-            for r in asked(liveness.store):
-                self._lives[r] = self._lives.get(r, 0) + 1
+        self._lives: dict[int, int] = Counter(asked(liveness.store)) if entry and liveness is not None else {}
 
     def _generator(self, successor: bool) -> GroupGenerator:
         generator = GroupGenerator(self.state.world, self.group_size, self.control, self.seed, self.timeout,
@@ -734,17 +731,14 @@ class GroupGossip(GossipEngine):
                 handle.wait()
 
         # The control group's gloo timeout is a backstop (see Waiter): the wait is bounded here.
-        job = self.waiter.start(wait_all)
-        started = time.monotonic()
-        while not job.wait(WATCH_S):
-            waited = time.monotonic() - started
-            if self.liveness.is_dead(generator) or (waited > self.liveness.stale_after and self.liveness.silent([generator])):
-                self.waiter.abandon()
-                raise GeneratorLost(f"the group generator (worker {generator}) is lost")
-            if waited > 2 * self.timeout:
-                self.waiter.abandon()
-                raise PeerTimeout(f"no answer from the group generator (worker {generator}): timed out after "
-                                  f"{2 * self.timeout:g} s")
+        live = self.liveness
+        gave_up = self.waiter.bounded(wait_all, live, [generator], 2 * self.timeout, WATCH_S,
+                                      gone=lambda: live.is_dead(generator))
+        if gave_up is not None and gave_up.silent:
+            raise GeneratorLost(f"the group generator (worker {generator}) is lost")
+        if gave_up is not None:
+            raise PeerTimeout(f"no answer from the group generator (worker {generator}): timed out after "
+                              f"{2 * self.timeout:g} s")
 
     def _generator_gone(self, generator: int, exc: BaseException, lives: dict[int, int]) -> None:
         """A wait on the generator's worker failed: once it is declared dead (or its heartbeat
@@ -792,11 +786,8 @@ class GroupGossip(GossipEngine):
         live = live if live is not None else self.liveness
         if not peers or self.admissions is None or live is None:
             return {}
-        asks = dict.fromkeys(peers, 0)
-        for r in asked(live.store):
-            if r in asks:
-                asks[r] += 1
-        return asks
+        asks = Counter(asked(live.store))
+        return {p: asks[p] for p in peers}
 
     def _succeed(self, live: Liveness, lost: int) -> int | None:
         """The generator ``lost`` was declared dead: the lowest live rank other than it generates
@@ -881,16 +872,13 @@ class GroupGossip(GossipEngine):
         if self.waiter is None or self.liveness is None:
             ring()
             return
-        job, began = self.waiter.start(ring), time.monotonic()
-        while not job.wait(WATCH_S):
-            waited = time.monotonic() - began
-            if waited > self.liveness.stale_after and (silent := self.liveness.silent(peers)):
-                self.waiter.abandon()  # the ring's buffers go to the graveyard (see _lose)
-                raise PeerTimeout(f"worker {silent[0]} did not answer in a group: silent for {waited:.0f} s, "
-                                  "no heartbeat")
-            if waited > 2 * self.timeout:
-                self.waiter.abandon()
-                raise PeerTimeout(f"a group with workers {peers} timed out after {2 * self.timeout:g} s")
+        # On giving up, the ring's buffers go to the graveyard (see _lose).
+        gave_up = self.waiter.bounded(ring, self.liveness, peers, 2 * self.timeout, WATCH_S)
+        if gave_up is not None and gave_up.silent:
+            raise PeerTimeout(f"worker {gave_up.silent[0]} did not answer in a group: silent for "
+                              f"{gave_up.waited:.0f} s, no heartbeat")
+        if gave_up is not None:
+            raise PeerTimeout(f"a group with workers {peers} timed out after {2 * self.timeout:g} s")
 
     # -- joins: a lost worker started again (see distrain.algorithms.rejoin) --
 
