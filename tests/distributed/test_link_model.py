@@ -1,7 +1,10 @@
 """The in-process link model, timed in real multi-process gloo runs.
 
 Each check compares a measured delay with the model's lower bound (latency + bytes/bandwidth,
-or the per-link traffic of the algorithm) and allows at most 30% more.
+or the per-link traffic of the algorithm) and allows at most 30% more. The bounds are 0.2-0.5 s,
+so that the real work between emulated rounds (a few milliseconds each, more on a loaded machine:
+four workers on two cores) stays well inside the 30%: the own ring all-reduce waits six rounds in
+a row, and at a 0.108 s bound it once took 0.150 s under CI.
 """
 
 from __future__ import annotations
@@ -56,15 +59,17 @@ def _pair_body(rank: int, world: int, nbytes: int, bits: float, latency: float) 
 
 @pytest.mark.timeout(120)
 def test_point_to_point_and_pairwise_take_latency_plus_bytes_over_bandwidth():
-    nbytes, bits, latency = 500_000, 20e6, 0.02
-    bound = latency + nbytes * 8 / bits  # 0.22 s
+    nbytes, bits, latency = 1_000_000, 20e6, 0.02
+    bound = latency + nbytes * 8 / bits  # 0.42 s
     results = run_group(_pair_body, 2, args=(nbytes, bits, latency))
     assert results[1]["payload_ok"]
     for key in ("p2p", "exchange"):  # a pairwise exchange: each uplink carries one message
         for seconds in _elapsed(results, key):
             assert bound <= seconds <= SLACK * bound, (key, seconds, bound)
-    for r in results:
-        assert all(d >= bound for d in r["delays"]), r["delays"]  # the Transport measured the emulated delay
+    for r in results:  # the Transport measured the emulated delay, from this worker's own start: a worker
+        # the barrier let go after its peer sees the peer's message that much sooner
+        late = max(r[key][0] - min(x[key][0] for x in results) for key in ("p2p", "exchange"))
+        assert all(d >= bound - late for d in r["delays"]), (r["delays"], late)
 
 
 def _ring_body(rank: int, world: int, numel: int, bits: float, latency: float) -> dict:
@@ -79,9 +84,9 @@ def _ring_body(rank: int, world: int, numel: int, bits: float, latency: float) -
 
 @pytest.mark.timeout(120)
 def test_ring_all_reduce_is_charged_its_per_link_traffic():
-    world, numel, bits, latency = 4, 100_000, 50e6, 0.002
+    world, numel, bits, latency = 4, 100_000, 10e6, 0.002
     piece = numel * 4 / world
-    bound = 2 * (world - 1) * (latency + piece * 8 / bits)  # 2(n-1) rounds of one piece each: 0.108 s
+    bound = 2 * (world - 1) * (latency + piece * 8 / bits)  # 2(n-1) rounds of one piece each: 0.492 s
     results = run_group(_ring_body, world, args=(numel, bits, latency))
     assert all(r["sum_own"] == world and r["sum_gloo"] == world for r in results)
     for key in ("own", "gloo"):
@@ -114,8 +119,8 @@ def _contention_body(rank: int, world: int, nbytes: int, bits: float, latency: f
 
 @pytest.mark.timeout(120)
 def test_messages_share_a_workers_uplink_and_downlink():
-    nbytes, bits, latency = 250_000, 20e6, 0.01
-    one, two = latency + nbytes * 8 / bits, latency + 2 * nbytes * 8 / bits  # 0.11 s, 0.21 s
+    nbytes, bits, latency = 500_000, 20e6, 0.01
+    one, two = latency + nbytes * 8 / bits, latency + 2 * nbytes * 8 / bits  # 0.21 s, 0.41 s
     results = run_group(_contention_body, 3, args=(nbytes, bits, latency))
     fan_out, fan_in = _elapsed(results, "fan_out"), _elapsed(results, "fan_in")
     assert two <= fan_out[0] <= SLACK * two
