@@ -100,6 +100,60 @@ def test_gossip_goes_on_without_a_worker_lost_before_the_gossip_groups_are_made(
     assert summary["final_test_accuracy"] > 0.9  # (the synthetic task: 0.95 or so without a loss)
 
 
+@pytest.mark.parametrize("mode,victim,restarts", [
+    ("sync", 0, "0"),  # worker 0 also sends the servers their start: the first of the others does
+    pytest.param("async", 0, "0", marks=pytest.mark.slow),
+    pytest.param("sync", 2, "1", marks=pytest.mark.slow),
+    pytest.param("async", 2, "1", marks=pytest.mark.slow),
+])
+def test_ps_goes_on_without_a_worker_lost_as_the_run_starts(tmp_path, mode, victim, restarts):
+    """Flat parameter servers, a worker killed as the run starts (in its set-up, before the
+    servers' start message and the workers' first barrier, each of which would fail on it): the
+    workers and the servers agree in the launcher's store on who came, the first worker that
+    came starts the servers, the servers serve the others, every survivor takes the run's steps
+    and records the loss at its first step; nothing is left running. With ``--max-restarts 1``
+    its new life joins them."""
+    mark = tmp_path / "killed-at"
+    epochs = "3" if restarts == "0" else "40"  # (long enough for the new life to start and join)
+    run = run_cli([*QUICK, "--workers", "4", "--epochs", epochs, "--algorithm", "ps", "--servers", "2",
+                   "--ps-mode", mode, "--max-restarts", restarts, "--run-dir", str(tmp_path / "run")],
+                  timeout=120, DISTRAIN_INJECT_KILL_IN=f"node-groups:{victim}", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == [] and mark.exists()
+    for server in (0, 1):
+        assert f"server {server}: lost worker(s) [{victim}] as the run started; serving the other 3" in run.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    config = json.loads((tmp_path / "run" / "config.json").read_text())  # (written by the first survivor)
+    lost, *joined = summary["membership"]
+    assert lost["event"] == "lost" and lost["workers"] == [victim] and lost["lost_at_step"] <= 1
+    assert lost["members"] == [r for r in range(4) if r != victim]
+    steps = summary["steps_per_worker"]
+    assert all(steps[r] == config["total_steps"] for r in lost["members"]), steps
+    if restarts == "0":
+        assert steps[victim] == 0 and summary["workers_at_end"] == 3 and joined == []
+    else:
+        assert [j["event"] for j in joined] == ["joined"] and summary["workers_at_end"] == 4
+    assert summary["final_test_accuracy"] > 0.9  # (the synthetic task: 0.95 or so without a loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ps_goes_on_without_a_server_lost_as_the_run_starts(tmp_path, mode):
+    """A parameter server killed as soon as it starts (before the start message it would take):
+    the first worker starts the other server only, and the workers' first push to the lost one
+    makes the other take its shard over from their copy; every worker finishes."""
+    mark = tmp_path / "killed-at"
+    run = run_cli([*QUICK, "--workers", "4", "--epochs", "3", "--algorithm", "ps", "--servers", "2",
+                   "--ps-mode", mode, "--run-dir", str(tmp_path / "run")],
+                  timeout=120, DISTRAIN_INJECT_KILL_AFTER="4:0", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == [] and mark.exists()
+    assert "server 1: took over parameters" in run.stderr, run.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert list(summary["lost_servers"]) == ["0"] and summary["workers_at_end"] == 4
+    assert summary["final_test_accuracy"] > 0.9
+
+
 @pytest.mark.parametrize("algorithm,victim,operation", [
     # the first worker, which writes the summary, after the consensus's all-reduce (1); Prague's
     # workers end with models of their own, AD-PSGD's with about the same one

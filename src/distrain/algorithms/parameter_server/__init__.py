@@ -47,7 +47,7 @@ servers and pulls the parameters, which it then broadcasts inside the node. A se
 sum of the pushes by the number of workers, so this is the flat result; in async mode a node's
 push counts as one push.
 
-Wire format (tensors only): at start, worker 0 sends each server an int64 header
+Wire format (tensors only): at start, worker 0 (the first worker that came, see below) sends each server an int64 header
 ``[shard_numel, total_steps, steps_per_epoch]`` (checked before the server allocates: at most
 ``MAX_SHARD_BYTES`` of parameters, and what the server keeps of the shard must fit in its
 machine's memory) and the initial shard; each push is an int64
@@ -64,7 +64,12 @@ dead in the store and serves the others; the round in progress completes without
 worker's push (or with it, if it arrived first: a gradient counts once), and every later round
 sums the survivors' gradients over ``--workers`` as before, i.e. their average at the learning
 rate scaled to the smaller global batch (linear scaling rule). The workers never wait for one
-another, so nothing is redone. The workers look in the store once a second for workers the
+another, so nothing is redone. A worker lost as the run starts (before the servers' start
+message, which worker 0 sends, and the workers' first barrier) is lost before the first step:
+the workers and the servers first agree in the store on who came
+(:func:`~.elastic.came_to_start`), the first worker that came starts the servers, and the
+workers meet in the store to start; a server that did not come is left unstarted and taken
+over at the first push, as later. The workers look in the store once a second for workers the
 servers lost (:meth:`ParameterServer.newly_lost`): the loss becomes a change of members, and
 ``distrain train`` splits the data again over the survivors (the learning rate stays: the servers
 scale it). At the end the survivors and the servers each register as

@@ -22,6 +22,7 @@ from distrain.runtime.membership import (
     POLL_S,
     RESTARTS_KEY,
     Membership,
+    agree_before_groups,
     await_ready,
 )
 
@@ -42,6 +43,20 @@ def survivors_transport(store: dist.Store | None, rank: int, world: int,
     if not lost and int(store.add(JOINS_KEY, 0)) == 0:
         return None, {}
     return StoreGroup(store, finished, rank, timeout), lost
+
+
+def came_to_start(store: dist.Store | None, rank: int, settings: PSSettings) -> list[int]:
+    """The processes (global ranks, workers then servers) that came to start a flat elastic run,
+    agreed by every one of them in the launcher's ``store``
+    (:func:`~distrain.runtime.membership.agree_before_groups`): a worker lost as the run starts
+    would otherwise stop it, the servers waiting for its start message (worker 0) or the
+    workers' barrier failing on it. The first worker that came sends the servers their start;
+    the servers serve the others, the missing taken for lost before the first step. Every
+    process where none is (no store, hierarchical, or not elastic)."""
+    world = settings.run.workers + settings.servers
+    if store is None or settings.workers_per_node or not elastic_servers(settings):
+        return list(range(world))
+    return agree_before_groups(store, rank, world, settings.run.timeout, "the start of training", "ps-start")
 
 
 def admissions(store: dist.Store | None, workers: list[int], me: int, settings: PSSettings) -> Membership | None:

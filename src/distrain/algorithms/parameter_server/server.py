@@ -19,6 +19,7 @@ import torch.distributed as dist
 from distrain.algorithms.hierarchical import node_process_groups
 from distrain.algorithms.parameter_server.elastic import (
     admissions,
+    came_to_start,
     return_link,
     server_life,
     servers_link,
@@ -581,6 +582,20 @@ class ShardServer:
         store.set(NODE_ROW_KEY.format(self.index, i), str(left[0]))
         return left[0]
 
+    def lose_at_start(self, workers: list[int]) -> None:
+        """Take ``workers``, lost as the run started (they never came to its start, and the
+        launcher declared them dead), for lost before the first step: the others are served."""
+        if not workers:
+            return
+        self.lost_pushers.extend(workers)
+        left = self.live_pushers
+        log.warning("server %d: lost worker(s) %s as the run started; serving the other %d", self.index, workers, left)
+        if left < max(1, self.settings.run.min_workers):
+            raise WorkerFailure(f"server {self.index}: lost worker(s) {workers} as the run started; {left} left, "
+                                f"fewer than --min-workers {self.settings.run.min_workers}")
+        if self.settings.ps_mode == "async":
+            self._rounds_follow_pushers()
+
     def _survives(self, exc: BaseException) -> bool:
         """Whether an exchange with a worker that failed with ``exc`` leaves the others served:
         an elastic run, and the worker's process died (its connection reset)."""
@@ -614,10 +629,10 @@ class ShardServer:
         n, limit, every = len(self.pushers), self.settings.max_staleness, self.settings.checkpoint_every
         clocks = self.clocks  # from a state sent at the start or a checkpoint, else zeros
         saved = min(clocks) if every else 0  # the last step whose set this server saved
-        ended = [False] * n
+        ended = [w in self.lost_pushers for w in self.pushers]  # (lost as the run started: lose_at_start)
         pulled = [self.updates] * n  # self.updates when each pusher last got the parameters (a resumed run: its start)
         waiting: deque[int] = deque()  # rows of the pushers whose answer is held back
-        inbox = Inbox(self, list(range(n)))
+        inbox = Inbox(self, [i for i in range(n) if not ended[i]])
         looked = time.monotonic()  # when this server last looked for workers asking to join
         try:
             while not all(ended) or self._admit_async(clocks, ended, pulled, inbox, closing=True):
@@ -998,8 +1013,12 @@ def _serve(settings: ServerSettings, run_dir: str | Path | None, like: torch.opt
         node_process_groups(settings.run.workers, settings.workers_per_node, settings.run.timeout)
     emulation.start()
     start, cpu_start = time.perf_counter(), time.process_time()
-    server = ShardServer(settings, transport, run_dir, like)
+    # who came (a worker lost as the run starts is lost before the first step; the first that came starts the servers)
+    came = came_to_start(store_client(settings.run.timeout) if elastic_servers(settings) else None, transport.rank,
+                         settings)
+    server = ShardServer(settings, transport, run_dir, like, source=min(came))
     server.started, server.cpu_started = start, cpu_start  # waiting for the workers' start counts too
+    server.lose_at_start([w for w in server.pushers if w not in came])
     start_step = server.resume_step or 0  # wrap(): worker 0 sent the state to continue from
     if state is not None:
         server.load(state)

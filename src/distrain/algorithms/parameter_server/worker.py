@@ -10,10 +10,12 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from distrain.algorithms.base import Algorithm, StepContext
 from distrain.algorithms.hierarchical import NodeGroups
 from distrain.algorithms.parameter_server.elastic import (
+    came_to_start,
     return_link,
     server_life,
     servers_link,
@@ -62,9 +64,11 @@ from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import inject_kill_in, is_comm_error, store_client
 from distrain.runtime.health import LOST_CHECK_S, dead_since, declared_dead
 from distrain.runtime.membership import (
+    PREFIX,
     RESTARTS_KEY,
     LeftOut,
     LinkMissed,
+    await_ready,
     meet_before_groups,
     wait_polling,
 )
@@ -86,6 +90,7 @@ class ParameterServer(Algorithm):
 
     def __init__(self, settings: PSSettings) -> None:
         super().__init__(settings, settings.compression)
+        self._joining = False  # started again, it joins over a link of the servers (joiner_transport)
 
     @classmethod
     def survives(cls, settings: PSSettings) -> bool:
@@ -107,6 +112,7 @@ class ParameterServer(Algorithm):
         """A worker started again talks to the servers over a link they open with it (nobody
         reopens the run's group), where it keeps its rank in the run; its rank among the
         training workers is its place in the members."""
+        self._joining = True
         try:
             link = servers_link(joined, joined.me, joined.me, self.settings, link_model)
         except LinkMissed as exc:  # a server lost as it came: the servers took it for lost too
@@ -177,13 +183,23 @@ class ParameterServer(Algorithm):
         self.returns_missed: dict[int, float] = {}
         self._run_length = (0, 0)  # total steps and steps per epoch, for a server that returns
         self._spare = self.flat.clone() if self.takes_over else None
-        self._started = False  # worker 0 started the servers (start())
+        self._started = False  # the first worker started the servers (start())
+        #: the processes that came to start (global ranks; :meth:`meet_to_start`): the first
+        #: worker of them starts the servers (worker 0 where no worker was lost as the run started)
+        self._came: list[int] = []  # set below
         self._loaded_servers: list[dict[str, Any]] | None = None  # load_server_state(): sent at the start
         # --workers-per-node: sum inside the node; only its leader talks to the servers
         k = settings.workers_per_node
         inject_kill_in("node-groups", transport.rank)  # fault injection for tests
         store = self._store_client() if k and elastic_servers(settings) else None  # None: node losses stop the run
         meet_before_groups(store, transport.rank, transport.world_size, settings.run.timeout, "its node groups", "nodes")
+        # flat, elastic: who came, agreed with the servers (one lost as the run starts is lost before the first step)
+        self._came = came_to_start(None if k or self._joining else self._store_client(), transport.rank, settings)
+        if lost := [r for r in range(self.num_workers) if r not in self._came]:
+            self._lost_checked = float("-inf")  # the first step's end records the loss (newly_lost)
+            if transport.rank == min(self._came):
+                log.warning("worker(s) %s lost as the run started; the servers serve the other %d", lost,
+                            self.num_workers - len(lost))
         self.nodes = NodeGroups(transport, k, timeout=settings.run.timeout, workers=self.num_workers) if k else None
         self.pushes = self.nodes is None or self.nodes.is_leader
         #: elastic: the node's survivors meet again when one of them dies (see :mod:`.nodes`)
@@ -203,19 +219,38 @@ class ParameterServer(Algorithm):
         self.ratio = 1.0 if dense or ratio is None else ratio
         return CompressInfo(step=ctx.step, ratio=ratio, worker=self.transport.rank), dense
 
+    def meet_to_start(self) -> bool:
+        """A flat elastic run: the workers that came (:func:`~.elastic.came_to_start`, in
+        :meth:`setup`) meet in the launcher's store, not in a barrier over every worker, which
+        would fail on one lost as the run starts; one lost since is the servers' to find."""
+        store = self._store_client() if self.nodes is None and elastic_servers(self.settings) else None
+        if store is None or self._started:
+            return False
+        rank, workers = self.transport.rank, [r for r in self._came if r < self.num_workers]
+        try:
+            await_ready(dist.PrefixStore(f"{PREFIX}/groups/ps-start-meet", store), workers, rank,
+                        self.settings.run.timeout, lambda r: declared_dead(store, r),
+                        f"worker {rank}: the workers did not start training")
+        except LinkMissed:
+            pass
+        return True
+
     def start(self, total_steps: int, steps_per_epoch: int) -> None:
-        """Worker 0 tells every server its shard size and the run length, and sends the start values
-        (and the optimizer state to start from, after :meth:`load_server_state`)."""
+        """The first worker that came (worker 0 unless it was lost as the run started) tells every
+        server its shard size and the run length, and sends the start values (and the optimizer
+        state to start from, after :meth:`load_server_state`)."""
         self._run_length = (total_steps, steps_per_epoch)
         if self._started:  # a worker that joined a running job (:meth:`join`)
             return
         self._started = True
-        if self.transport.rank != 0:
+        if self.transport.rank != min(self._came):
             return
         self.flat.copy_(torch.cat([p.detach().reshape(-1) for p in self.params]))  # after any resume
         handles: list[Handle] = []
         loaded = self._loaded_servers
         for s, server in enumerate(self.servers):
+            if server not in self._came:  # lost as the run started: the first push to it finds it lost
+                continue
             handles += self._send_start(self.transport, s, follows=loaded is not None)
             if loaded is not None:
                 for h in handles:
