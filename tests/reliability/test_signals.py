@@ -74,6 +74,42 @@ def test_stop_request_ends_every_worker_with_a_checkpoint(tmp_path, algorithm, w
         assert CheckpointStore(run_dir, rank, nprocs).load(last)["step"] == last
 
 
+
+def _fork_server_of(pid: int) -> bool:
+    """Whether the launcher ``pid`` has started its fork server (which then imports torch)."""
+    from pathlib import Path
+
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(pid) \
+                    and b"forkserver" in (entry / "cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_a_ctrl_c_while_the_workers_start_stops_the_run_in_one_line(tmp_path):
+    # Ctrl-C reaches the fork server too, while it still imports torch for the workers: before,
+    # it printed its own KeyboardInterrupt traceback, and a Ctrl-C that early could be lost (the
+    # run trained on to the end, exit status 0)
+    import os
+
+    tag = uuid.uuid4().hex
+    proc = start_cli([*QUICK, "--workers", "2", "--epochs", "200", "--run-dir", str(tmp_path / "run")], tag)
+    try:
+        wait_for(lambda: _fork_server_of(proc.pid), 60, "the fork server")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        orphans = tagged(tag)
+    finally:
+        proc.kill()
+        kill_tagged(tag)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert orphans == []
+
+
 def test_a_stop_request_arriving_inside_another_is_taken():
     """Ctrl-C and the launcher's forwarded SIGTERM reach a worker together: the second handler
     can run between any two lines of the first (also inside what it calls). Each such moment

@@ -17,6 +17,7 @@ import multiprocessing.context
 import multiprocessing.forkserver
 import os
 import signal
+import threading
 from collections.abc import Sequence
 
 from distrain.runtime.process import in_torchrun
@@ -45,7 +46,20 @@ def worker_context() -> multiprocessing.context.BaseContext:
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(WORKER_PRELOAD))  # (a fork server already running keeps its own)
-    multiprocessing.forkserver.ensure_running()  # it imports from now on, beside the caller
+    # It imports from now on, beside the caller. Ctrl-C reaches the whole process group, the fork
+    # server too, which ignores it only once its imports are done: a Ctrl-C in the first seconds
+    # printed its KeyboardInterrupt traceback under the launcher's one line. Started with SIGINT
+    # ignored (kept across its exec), it ignores it from the start; its workers begin so too,
+    # until their stop request takes SIGINT and SIGTERM over, and the launcher forwards a stop
+    # request (SIGTERM) to every worker it started either way.
+    # (Ignored here for the few milliseconds of the fork server's start.)
+    main = threading.current_thread() is threading.main_thread()  # (only it may set handlers)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
     return context
 
 
