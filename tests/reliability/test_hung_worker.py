@@ -35,7 +35,11 @@ def state_of(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-@pytest.mark.parametrize(("algorithm", "victim"), [("adpsgd", 1), ("prague", 0), ("prague", 2)])
+@pytest.mark.parametrize(("algorithm", "victim"), [
+    ("adpsgd", 1),
+    ("prague", 0),  # the group generator, which every worker asks
+    pytest.param("prague", 2, marks=pytest.mark.slow),  # a member its groups' rings wait for: `make test-all`
+])
 def test_a_hung_gossip_worker_is_dropped_within_seconds_of_its_last_heartbeat(tmp_path, algorithm, victim):
     """A worker stops (SIGSTOP) and stays stopped, its connections open: under AD-PSGD a passive
     worker its callers wait for; under Prague worker 0, the group generator, which every worker
