@@ -415,10 +415,10 @@ class DistributedOptimizer:
         self.changes: list[Change] = []
         self._retired: tuple[list[int], list[int], float] | None = None  # traffic of groups left behind
         # Asynchronous gossip tells a lost peer from a slow one by its heartbeat in the store, and
-        # so do elastic survivors (distrain's own loop stamps one for every algorithm). Stamped
+        # so do elastic survivors and servers (distrain's own loop stamps one for every algorithm). Stamped
         # before the first collective: a survivor of a loss as the run starts finds every other
         # worker's heartbeat, so none is taken for silent.
-        wants_heartbeat = not self.algorithm.synchronous or self.membership is not None
+        wants_heartbeat = self.algorithm.stamps_heartbeat or self.membership is not None
         world = dist.get_world_size() if joined is None else self.config.cluster.workers
         # (a worker that joins stamps from before it asked to join)
         self._heartbeat = joined.heartbeat if joined is not None and joined.heartbeat is not None \

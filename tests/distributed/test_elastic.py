@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -884,6 +885,31 @@ def test_parameter_servers_serve_the_workers_left(tmp_path: Path):
         torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
     assert not (tmp_path / f"worker{victim}.pt").exists()
     assert not torch.allclose(ps_reference(victim, STEPS), expected, atol=1e-4)
+
+
+@pytest.mark.slow  # about 25 s (six processes start); CI: distrain train's case (test_hung_worker.py)
+def test_parameter_servers_have_a_hung_worker_stopped_and_serve_the_others(tmp_path: Path):
+    """Two servers, worker 2 stopped (SIGSTOP) as step 3 begins: alive, its connections open,
+    silent. Each server, waiting for its push, finds its heartbeat stopped and asks the launcher
+    to stop it; killed, its connection resets and the servers serve the other three from that
+    step (before, they waited out the 60 s --timeout, whose expiry closed every connection of the
+    group: the run stopped). The survivors end on the reference of the same gradients."""
+    victim, at = 2, 3
+    began = time.monotonic()
+    done = launch_tagged(tmp_path, victim, at, "hang", "--servers", "2", settings={"algorithm": "ps"})
+    took = time.monotonic() - began
+    assert done.returncode == 0, done.stderr
+    assert f"rank {victim} failed: fell silent and was stopped (server " in done.stderr, done.stderr
+    assert took < 50, took  # (the --timeout is 60 s)
+    expected = ps_reference(victim, at)
+    survivors = sorted(set(range(WORKERS)) - {victim})
+    for r in survivors:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["steps"] == STEPS, r
+        [change] = result["changes"]
+        assert (change["event"], change["workers"], change["members"]) == ("lost", [victim], survivors), change
+        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
+    assert not (tmp_path / f"worker{victim}.pt").exists()
 
 
 @pytest.mark.slow  # CI: the synchronous servers' join test below loses worker 0 first

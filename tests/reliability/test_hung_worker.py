@@ -67,6 +67,33 @@ def test_a_hung_gossip_worker_is_dropped_within_seconds_of_its_last_heartbeat(tm
     finite_final_models(run_dir, survivors)
 
 
+@pytest.mark.parametrize("mode,restarts", [("sync", 1), pytest.param("async", 0, marks=pytest.mark.slow)])
+def test_parameter_servers_have_a_hung_worker_stopped_and_go_on(tmp_path, mode, restarts):
+    """Worker 2 of 4 stops (SIGSTOP) at step 10 under 2 parameter servers: alive, its connections
+    open, silent. The servers waiting for its push find its heartbeat stopped and ask the
+    launcher to stop it; killed, it is lost as a dead worker is, within seconds (before: the
+    servers waited out the 60 s --timeout, whose expiry closed every connection of the group, and
+    the run stopped), and with --max-restarts 1 it is started again and joins."""
+    mark, run_dir = tmp_path / "stopped-at", tmp_path / "run"
+    run = run_cli([*QUICK, "--timeout", "60", "--algorithm", "ps", "--servers", "2", "--ps-mode", mode,
+                   "--workers", "4", "--epochs", "2", "--max-restarts", str(restarts), "--run-dir", str(run_dir)],
+                  timeout=120, DISTRAIN_INJECT_STOP="2:10", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    assert "worker 2 failed: fell silent and was stopped: server " in run.stderr, run.stderr
+    assert run.wall < 60, run.wall  # nobody waited for the --timeout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["lost_workers"]) == ["2"], summary["lost_workers"]
+    detection = summary["lost_workers"]["2"] - injected_at(mark)
+    assert detection < 10, detection  # the heartbeat's staleness (3 s) and the watch's and the launcher's polls
+    assert list(summary["joined_workers"]) == (["2"] if restarts else [])
+    assert summary["workers_at_end"] == (4 if restarts else 3)
+    steps = summary["steps_per_worker"]
+    assert all(steps[r] == steps[0] > 10 for r in (1, 3)) or mode == "async", steps
+    assert (0 < steps[2] < steps[0]) if restarts else steps[2] == 0, steps
+    assert summary["final_test_accuracy"] > 0.8
+
+
 @pytest.mark.slow  # `make test-all`; CI: the test above
 @pytest.mark.parametrize("victim", [1, 2])  # passive (its callers find it silent), active (it stops calling)
 def test_a_hung_adpsgd_worker_is_dropped_and_leaves_when_it_resumes(tmp_path, victim):

@@ -160,6 +160,12 @@ class Algorithm:
     returned_servers: dict[int, float] = {}  # noqa: RUF012 - replaced, never mutated
 
     @property
+    def stamps_heartbeat(self) -> bool:
+        """Whether this worker stamps a heartbeat in the store outside an elastic membership (which
+        always does): asynchronous algorithms' peers tell a lost worker from a slow one by it."""
+        return not self.synchronous
+
+    @property
     def common_steps(self) -> bool:
         """Whether the workers end every step together (a joiner then takes the members' data
         plan at the step they admit it); asynchronous parameter servers' do not."""

@@ -48,10 +48,12 @@ from distrain.launch.common import (
     free_port,
     wait_for_master,
 )
-from distrain.runtime.health import declare_dead, declared_dead
+from distrain.runtime.health import declare_dead, declared_dead, take_fence_request
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run, opening
 from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
 
+#: How often the launcher of an elastic job looks for processes another asked to have stopped.
+FENCE_POLL_S = 0.5
 #: Seconds the other processes get to stop after a failure or Ctrl-C before they are killed.
 STOP_GRACE_S = 5.0
 #: Lines of each process's stderr kept for the failure message.
@@ -383,7 +385,8 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
     first_done: tuple[float, int] | None = None
     lost: list[_Process] = []
     held: dict[_Process, float] = {}  # killed before opening the group: since when, until another opens it
-    polled = time.monotonic()
+    fenced: dict[_Process, str] = {}  # stopped here, silent while the others waited for them: why
+    polled = fence_looked = time.monotonic()
     while True:
         if interrupted:
             _stop_all(procs)
@@ -391,6 +394,9 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                   file=sys.stderr)
             return 130 if interrupted[0] == signal.SIGINT else 143
         codes = [p.proc.poll() for p in procs]
+        if time.monotonic() - fence_looked > FENCE_POLL_S and elastic_run(store):
+            fence_looked = time.monotonic()
+            _stop_silent(procs, codes, lost, store, fenced)
         failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0) and p not in lost
                        and p not in held), None)
         code = 0 if failed is None else int(codes[procs.index(failed)])  # type: ignore[arg-type]
@@ -399,12 +405,12 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
             declare_dead(store, failed.rank)
             lost.append(failed)
             again = restart(failed.rank) if restart is not None and first_done is None else None
+            cause = f"fell silent and was stopped ({fenced[failed]})" if failed in fenced else failed.cause(code)
             if again is None:
-                print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}; the others go on without it",
-                      file=sys.stderr)
+                print(f"distrain: rank {failed.rank} failed: {cause}; the others go on without it", file=sys.stderr)
             else:
-                print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}; started again, it joins the "
-                      f"others with their state", file=sys.stderr)
+                print(f"distrain: rank {failed.rank} failed: {cause}; started again, it joins the others with their "
+                      "state", file=sys.stderr)
                 procs.append(again)
             continue
         if failed is not None and code < 0 and restart is not None and restart.in_place_left \
@@ -451,6 +457,23 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                   file=sys.stderr)
             return 1
         time.sleep(0.05)
+
+
+def _stop_silent(procs: list[_Process], codes: list[int | None], lost: list[_Process], store: Any,
+                 fenced: dict[_Process, str]) -> None:
+    """Kill (SIGKILL) the running processes another asked to have stopped: alive, but silent while
+    it waited for them (:class:`~distrain.runtime.health.SilenceWatch`); their connections then
+    close, and the others go on without them as without any process that died."""
+    for p, code in zip(procs, codes, strict=True):
+        if code is not None or p in lost or p in fenced:
+            continue
+        try:
+            why = take_fence_request(store, p.rank)
+        except Exception:  # noqa: BLE001 - the store is closing: the job is ending anyway
+            return
+        if why is not None:
+            fenced[p] = why
+            p.stop(signal.SIGKILL)
 
 
 def _remove_left_behind(procs: list[_Process], codes: list[int | None], lost: list[_Process], store: Any) -> None:

@@ -23,6 +23,7 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -401,3 +402,90 @@ class Liveness:
     def silent(self, ranks: list[int] | set[int]) -> list[int]:
         """Of ``ranks``: those declared dead, or whose heartbeat is missing or stale."""
         return silent(self._client(), ranks, self.stale_after)
+
+
+#: A process asks the launcher (which hosts the store) to stop process ``rank``: it waits for
+#: it, and the process is alive but silent (see :class:`SilenceWatch`). The value says why.
+FENCE_KEY = "distrain/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/fence/{}"
+
+
+def request_fence(store: dist.Store, rank: int, why: str) -> None:
+    """Ask the launcher to stop process ``rank`` (the first reason given stands)."""
+    store.compare_set(FENCE_KEY.format(rank), "", why)
+
+
+def take_fence_request(store: dist.Store, rank: int) -> str | None:
+    """Why a process asked for ``rank`` to be stopped, once (the request is removed, so that a
+    process started again in its place is not stopped for it); None when nobody asked."""
+    key = FENCE_KEY.format(rank)
+    value = store.compare_set(key, _MISSING, _MISSING)  # sets nothing
+    if value == _MISSING.encode():
+        return None
+    store.delete_key(key)
+    return value.decode()
+
+
+class SilenceWatch:
+    """Has the launcher stop a peer that stays silent while this process waits for it.
+
+    Gloo cannot cancel a wait, and a wait that outlasts the group's timeout closes every
+    connection of the group. A peer that stopped (SIGSTOP, a stuck training thread) keeps its
+    connections open: waited for, it would hold this process until ``--timeout`` and then take
+    every other peer's connection with it. A thread here looks every ``poll`` seconds at whom the
+    caller waits for (``awaited()``: rank -> since when, monotonic); once a peer has been waited
+    for longer than ``stale_after`` and its heartbeat is as old (alive, but silent; not declared
+    dead, not finished), it asks the launcher to stop it (:func:`request_fence`). The launcher
+    kills it, the wait fails at once with its connection reset, and the caller goes on without
+    it as without any peer that died (``--max-restarts`` then starts it again). Under a launcher
+    that does not take such requests (torchrun), the wait ends at ``--timeout`` as before.
+
+    Example::
+
+        watch = SilenceWatch(lambda: {worker: since}, "server 0").start()
+        ...
+        watch.close()
+    """
+
+    def __init__(self, awaited: Callable[[], dict[int, float]], who: str, stale_after: float = 3.0,
+                 poll: float = 0.25) -> None:
+        self.awaited, self.who, self.stale_after, self.poll = awaited, who, stale_after, poll
+        #: the peers it asked to have stopped: rank -> the reason given
+        self.asked: dict[int, str] = {}
+        self.looks = 0  # how many times it has looked at the waits
+        self._live = Liveness.from_env(world_size=0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distrain-silence-watch", daemon=True)
+
+    def start(self) -> SilenceWatch:
+        if self._live is not None:
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        waits_asked: set[tuple[int, float]] = set()  # (peer, since): one request per wait
+        while not self._stop.wait(self.poll):
+            try:
+                now = time.monotonic()
+                for peer, since in list(self.awaited().items()):
+                    if now - since <= self.stale_after or (peer, since) in waits_asked:
+                        continue
+                    store = self._live.store
+                    if dead_since(store, peer) is not None or store.check([FINISHED_KEY.format(peer)]) \
+                            or not heartbeat_stale(store, peer, self.stale_after):
+                        continue
+                    why = (f"{self.who} waited {now - since:.1f} s for it and its heartbeat had stopped "
+                           "(alive, but not answering)")
+                    request_fence(store, peer, why)
+                    waits_asked.add((peer, since))
+                    self.asked[peer] = why
+                    log.warning("%s: rank %d silent for %.1f s, its heartbeat stopped; asked the launcher to stop it",
+                                self.who, peer, now - since)
+            except Exception as exc:  # noqa: BLE001 - the store may be closing; looked at again next time
+                log.debug("silence watch: %s", exc)
+                self._live = self._live.another()
+            self.looks += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.poll + 1)

@@ -121,8 +121,11 @@ compresses each shard of the run's layout, its error feedback keyed by the shard
 server carries the message of every shard it holds pieces of (:func:`.layout.shards_touched`),
 which the server decodes and cuts to its pieces, and the step redone on a lost server's pieces
 carries what its messages decode to (:meth:`ParameterServer._pushed`), so the residuals neither
-lose nor repeat anything. A hung worker, the loss of the only server and, with node groups, the
-loss of any server still stop the run. While the servers hold another's ranges, a worker that joins meets the live servers
+lose nor repeat anything. A hung worker (stopped, or its training thread stuck; its connections
+stay open) is stopped by the launcher when a server asks: each server's
+:class:`~distrain.runtime.health.SilenceWatch` looks at whom it waits for, and a worker waited
+for through its heartbeat's staleness with a stale heartbeat is killed, then lost as above. The
+loss of the only server and, with node groups, the loss of any server still stop the run. While the servers hold another's ranges, a worker that joins meets the live servers
 only, each sending it the ranges it owns (:meth:`ShardServer._meet_joiner`), and each server's
 checkpoint and its answer to :data:`~.wire.STATE` hold its ranges part by part with their
 optimizer state (:data:`~.wire.TAKEOVER_STATE_KEY`); the checkpoint sets name the live

@@ -74,7 +74,7 @@ from distrain.runtime.faults import (
     maybe_injected_kill,
     store_client,
 )
-from distrain.runtime.health import declare_dead, declared_dead
+from distrain.runtime.health import SilenceWatch, declare_dead, declared_dead
 from distrain.runtime.membership import (
     SERVERS_RETURN_KEY,
     LinkMissed,
@@ -119,6 +119,9 @@ class ShardServer:
         self.settings = settings
         self.transport = transport
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        #: the workers this server waits for now, each since when (monotonic): a worker that
+        #: stays silent through its heartbeat's staleness is stopped (:class:`SilenceWatch`)
+        self._awaited: dict[int, float] = {}
         self.num_workers = settings.run.workers
         self.index = transport.rank - self.num_workers
         k = settings.workers_per_node  # hierarchical: only node leaders push, each its node's sum
@@ -267,10 +270,17 @@ class ShardServer:
         """Serve until every pushing worker has sent :data:`STOP`."""
         self.watch = watch
         self.steps = start_step
-        if self.settings.ps_mode == "sync":
-            self._run_sync(start_step)
-        else:
-            self._run_async()
+        # an elastic run survives a worker that hangs too: asked to, the launcher stops it
+        silence = SilenceWatch(lambda: self._awaited, f"server {self.index}").start() \
+            if elastic_servers(self.settings) else None
+        try:
+            if self.settings.ps_mode == "sync":
+                self._run_sync(start_step)
+            else:
+                self._run_async()
+        finally:
+            if silence is not None:
+                silence.close()
 
     def _stop_requested(self, step: int) -> None:
         """SIGTERM / Ctrl-C here: propose the step every worker stops at (they then send STOP)."""
@@ -546,6 +556,7 @@ class ShardServer:
         if i not in live:
             return None
         try:
+            self._awaited = {self.pushers[i]: time.monotonic()}  # (for the silence watch)
             return fn()
         except Exception as exc:
             if not self._survives(exc):
@@ -565,6 +576,8 @@ class ShardServer:
                 raise WorkerFailure(f"server {self.index}: lost worker {worker} at step {step + 1}; {left} "
                                     f"left, fewer than --min-workers {self.settings.run.min_workers}") from exc
             return None if successor is None else SUCCEEDED
+        finally:
+            self._awaited = {}
 
     def _succeed(self, i: int) -> int | None:
         """Hierarchical: the next live worker of row ``i``'s node, now its leader and pusher (the
@@ -634,6 +647,8 @@ class ShardServer:
         waiting: deque[int] = deque()  # rows of the pushers whose answer is held back
         inbox = Inbox(self, [i for i in range(n) if not ended[i]])
         looked = time.monotonic()  # when this server last looked for workers asking to join
+        heard = [looked] * n  # when each pusher's last message came (for the silence watch)
+        self._awaited = {self.pushers[i]: looked for i in range(n) if not ended[i]}
         try:
             while not all(ended) or self._admit_async(clocks, ended, pulled, inbox, closing=True):
                 maybe_injected_kill(self.transport.rank, self.steps)  # fault injection for tests
@@ -644,6 +659,7 @@ class ShardServer:
                 if message is None:
                     continue
                 i, worker = message.row, self.pushers[message.row]
+                heard[i] = time.monotonic()
                 if message.failed is not None:
                     self._lose_async(i, message.failed, clocks[i], ended, waiting)
                 elif message.takeover is not None:
@@ -664,6 +680,7 @@ class ShardServer:
                     self._stop_requested(message.clock)
                 if message.failed is None:
                     inbox.release(i)
+                self._awaited = {self.pushers[j]: heard[j] for j in range(n) if not ended[j]}
                 # a worker that has ended (or was lost) holds nobody back
                 slowest = min((c for c, done in zip(clocks, ended, strict=True) if not done), default=None)
                 if every and slowest is not None and slowest // every > saved // every:
@@ -686,6 +703,7 @@ class ShardServer:
                     except Exception as exc:
                         self._lose_async(j, exc, clocks[j], ended, waiting)
         finally:
+            self._awaited = {}
             inbox.close()
         if waiting or self._held:
             raise WorkerFailure(f"server {self.index}: workers "

@@ -105,6 +105,12 @@ class ParameterServer(Algorithm):
     def common_steps(self) -> bool:
         return not self.asynchronous
 
+    @property
+    def stamps_heartbeat(self) -> bool:
+        """Elastic servers have a worker stopped that they wait for while its heartbeat is stale
+        (:class:`~distrain.runtime.health.SilenceWatch`): a hung one, whose connections stay open."""
+        return super().stamps_heartbeat or elastic_servers(self.settings)
+
     def processes(self, workers: int) -> int:
         return workers + self.settings.servers
 
