@@ -833,6 +833,7 @@ def test_gossip_on_a_ring_survivors_a_step_apart_realign(tmp_path: Path):
     assert not torch.allclose(ring_reference(victim, {r: p + 1 for r, p in positions.items()}, STEPS), expected)
 
 
+@pytest.mark.slow  # CI: a loss in the run's last collectives through distrain train (test_lost_peer.py)
 def test_gossip_survivors_of_a_loss_as_finish_makes_the_final_model_return_their_consensus(tmp_path: Path):
     """D-PSGD on the ring: worker 1 dies as ``finish()`` begins its final consensus, after the
     members' last barrier. The others agree on the loss there and return the consensus of their
