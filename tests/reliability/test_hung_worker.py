@@ -74,24 +74,45 @@ def test_parameter_servers_have_a_hung_worker_stopped_and_go_on(tmp_path, mode, 
     launcher to stop it; killed, it is lost as a dead worker is, within seconds (before: the
     servers waited out the 60 s --timeout, whose expiry closed every connection of the group, and
     the run stopped), and with --max-restarts 1 it is started again and joins."""
-    mark, run_dir = tmp_path / "stopped-at", tmp_path / "run"
-    run = run_cli([*QUICK, "--timeout", "60", "--algorithm", "ps", "--servers", "2", "--ps-mode", mode,
-                   "--workers", "4", "--epochs", "2", "--max-restarts", str(restarts), "--run-dir", str(run_dir)],
-                  timeout=120, DISTRAIN_INJECT_STOP="2:10", DISTRAIN_INJECT_MARK=str(mark))
-    assert run.returncode == 0, run.stderr
-    assert run.orphans == []
+    run, summary, detection = _hang_under_servers(tmp_path, 2, mode, restarts)
     assert "worker 2 failed: fell silent and was stopped: server " in run.stderr, run.stderr
-    assert run.wall < 60, run.wall  # nobody waited for the --timeout
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert list(summary["lost_workers"]) == ["2"], summary["lost_workers"]
-    detection = summary["lost_workers"]["2"] - injected_at(mark)
-    assert detection < 10, detection  # the heartbeat's staleness (3 s) and the watch's and the launcher's polls
+    assert detection("lost_workers", "2") < 10  # the heartbeat's staleness (3 s) and the watch's and the launcher's polls
     assert list(summary["joined_workers"]) == (["2"] if restarts else [])
     assert summary["workers_at_end"] == (4 if restarts else 3)
     steps = summary["steps_per_worker"]
     assert all(steps[r] == steps[0] > 10 for r in (1, 3)) or mode == "async", steps
     assert (0 < steps[2] < steps[0]) if restarts else steps[2] == 0, steps
+
+
+@pytest.mark.parametrize("mode,restarts", [("sync", 1), pytest.param("async", 0, marks=pytest.mark.slow)])
+def test_a_hung_parameter_server_is_stopped_and_taken_over(tmp_path, mode, restarts):
+    """Server 0 of 2 (rank 4) stops (SIGSTOP) at its step 10: the workers waiting for its answer
+    find its heartbeat stopped and ask the launcher to stop it; killed, it is taken over by server
+    1 as a dead server is (before: the workers waited out the 60 s --timeout and the run stopped),
+    and with --max-restarts 1 (synchronous servers) it comes back with its parameters."""
+    run, summary, detection = _hang_under_servers(tmp_path, 4, mode, restarts)
+    assert "server 0 (rank 4) failed: fell silent and was stopped: worker " in run.stderr, run.stderr
+    assert list(summary["lost_servers"]) == ["0"], summary["lost_servers"]
+    assert detection("lost_servers", "0") < 10
+    assert list(summary.get("returned_servers") or {}) == (["0"] if restarts else [])
+    assert summary["workers_at_end"] == 4 and summary["lost_workers"] == {}
+    assert len(set(summary["steps_per_worker"])) == 1 or mode == "async", summary["steps_per_worker"]
+
+
+def _hang_under_servers(tmp_path, rank, mode, restarts):  # noqa: ANN001, ANN202
+    """``distrain train`` under 2 servers with process ``rank`` stopped (SIGSTOP) at step 10: the
+    run, its summary and how long after the stop a record of it was made (seconds)."""
+    mark, run_dir = tmp_path / "stopped-at", tmp_path / "run"
+    run = run_cli([*QUICK, "--timeout", "60", "--algorithm", "ps", "--servers", "2", "--ps-mode", mode,
+                   "--workers", "4", "--epochs", "2", "--max-restarts", str(restarts), "--run-dir", str(run_dir)],
+                  timeout=120, DISTRAIN_INJECT_STOP=f"{rank}:10", DISTRAIN_INJECT_MARK=str(mark))
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    assert run.wall < 60, run.wall  # nobody waited for the --timeout
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_test_accuracy"] > 0.8
+    return run, summary, lambda key, who: summary[key][who] - injected_at(mark)
 
 
 @pytest.mark.slow  # `make test-all`; CI: the test above

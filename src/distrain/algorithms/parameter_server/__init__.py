@@ -124,8 +124,10 @@ carries what its messages decode to (:meth:`ParameterServer._pushed`), so the re
 lose nor repeat anything. A hung worker (stopped, or its training thread stuck; its connections
 stay open) is stopped by the launcher when a server asks: each server's
 :class:`~distrain.runtime.health.SilenceWatch` looks at whom it waits for, and a worker waited
-for through its heartbeat's staleness with a stale heartbeat is killed, then lost as above. The
-loss of the only server and, with node groups, the loss of any server still stop the run. While the servers hold another's ranges, a worker that joins meets the live servers
+for through its heartbeat's staleness with a stale heartbeat is killed, then lost as above; so
+is a hung server, two or more of them, that the workers wait for (each worker's own watch), then
+taken over. The loss of the only server and, with node groups, the loss of any server still stop
+the run (a hung only server holds the workers until ``--timeout``). While the servers hold another's ranges, a worker that joins meets the live servers
 only, each sending it the ranges it owns (:meth:`ShardServer._meet_joiner`), and each server's
 checkpoint and its answer to :data:`~.wire.STATE` hold its ranges part by part with their
 optimizer state (:data:`~.wire.TAKEOVER_STATE_KEY`); the checkpoint sets name the live

@@ -62,7 +62,7 @@ from distrain.compress.momentum_correction import MomentumCorrection
 from distrain.compress.pushes import PushDecoder, ShardPush, send_message
 from distrain.errors import ConfigError, WorkerFailure
 from distrain.runtime.faults import inject_kill_in, is_comm_error, store_client
-from distrain.runtime.health import LOST_CHECK_S, dead_since, declared_dead
+from distrain.runtime.health import LOST_CHECK_S, SilenceWatch, dead_since, declared_dead
 from distrain.runtime.membership import (
     PREFIX,
     RESTARTS_KEY,
@@ -189,6 +189,11 @@ class ParameterServer(Algorithm):
         self.returns_missed: dict[int, float] = {}
         self._run_length = (0, 0)  # total steps and steps per epoch, for a server that returns
         self._spare = self.flat.clone() if self.takes_over else None
+        #: the servers this worker waits for now, each since when (monotonic): one that stays silent
+        #: through its heartbeat's staleness (hung) is stopped, then taken over (:class:`SilenceWatch`)
+        self._awaited: dict[int, float] = {}
+        self._silence = SilenceWatch(lambda: self._awaited, f"worker {transport.rank}").start() \
+            if self.takes_over else None
         self._started = False  # the first worker started the servers (start())
         #: the processes that came to start (global ranks; :meth:`meet_to_start`): the first
         #: worker of them starts the servers (worker 0 where no worker was lost as the run started)
@@ -465,11 +470,15 @@ class ParameterServer(Algorithm):
                         raise
                     lost.append((s, exc))
 
-        if self.asynchronous or len(pending) < 2 or self._store_client() is None:
-            wait_all()
-        else:  # the live servers may wait for workers that wait for this one (see _offer_answers)
-            with blocked():
-                wait_polling(wait_all, self._offer_answers, ANSWER_POLL_S)
+        self._awaited = dict.fromkeys((self.servers[s] for s in pending), time.monotonic())
+        try:
+            if self.asynchronous or len(pending) < 2 or self._store_client() is None:
+                wait_all()
+            else:  # the live servers may wait for workers that wait for this one (see _offer_answers)
+                with blocked():
+                    wait_polling(wait_all, self._offer_answers, ANSWER_POLL_S)
+        finally:
+            self._awaited = {}
         for s, (into, _) in pending.items():
             if s not in dict(lost) and len(self.layout.owned[s]) > 1:
                 scatter_ranges(self._spare, self.layout.owned[s], into)
@@ -957,6 +966,8 @@ class ParameterServer(Algorithm):
             self.push.compressor.load_state_dict(state["compressor"])
 
     def close(self) -> None:
+        if getattr(self, "_silence", None) is not None:  # (set up)
+            self._silence.close()
         if self.nodes is not None:
             self.nodes.close()
         if self.node is not None:
