@@ -874,18 +874,25 @@ def test_parameter_servers_serve_the_workers_left(tmp_path: Path):
     done = launch(tmp_path, victim, at, "start", "--servers", "2", settings={"algorithm": "ps"})
     assert done.returncode == 0, done.stderr
     assert f"lost worker {victim} at step {at + 1}" in done.stderr
+    expected = check_servers_served_the_others(tmp_path, victim, at)
+    assert not torch.allclose(ps_reference(victim, STEPS), expected, atol=1e-4)
+
+
+def check_servers_served_the_others(out: Path, victim: int, at: int) -> torch.Tensor:
+    """Every survivor of ``victim``, lost as step ``at`` began under the servers, took every step,
+    recorded the loss (the workers learn it from the store; a loop then splits the data again over
+    them) and ends on the servers' reference parameters (returned); the victim wrote nothing."""
     expected = ps_reference(victim, at)
     survivors = sorted(set(range(WORKERS)) - {victim})
     for r in survivors:
-        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        result = torch.load(out / f"worker{r}.pt", weights_only=True)
         assert result["steps"] == STEPS, r
-        # the workers learn it from the store (a loop then splits the data again over them)
         [change] = result["changes"]
         assert (change["event"], change["workers"], change["members"]) == ("lost", [victim], survivors), change
         assert result["workers"] == WORKERS - 1 and result["ids"] == survivors, r
         torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
-    assert not (tmp_path / f"worker{victim}.pt").exists()
-    assert not torch.allclose(ps_reference(victim, STEPS), expected, atol=1e-4)
+    assert not (out / f"worker{victim}.pt").exists()
+    return expected
 
 
 @pytest.mark.slow  # about 25 s (six processes start); CI: distrain train's case (test_hung_worker.py)
@@ -902,15 +909,7 @@ def test_parameter_servers_have_a_hung_worker_stopped_and_serve_the_others(tmp_p
     assert done.returncode == 0, done.stderr
     assert f"rank {victim} failed: fell silent and was stopped (server " in done.stderr, done.stderr
     assert took < 50, took  # (the --timeout is 60 s)
-    expected = ps_reference(victim, at)
-    survivors = sorted(set(range(WORKERS)) - {victim})
-    for r in survivors:
-        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
-        assert result["steps"] == STEPS, r
-        [change] = result["changes"]
-        assert (change["event"], change["workers"], change["members"]) == ("lost", [victim], survivors), change
-        torch.testing.assert_close(result["weight"].reshape(-1), expected.float().double(), rtol=1e-6, atol=1e-7)
-    assert not (tmp_path / f"worker{victim}.pt").exists()
+    check_servers_served_the_others(tmp_path, victim, at)
 
 
 @pytest.mark.slow  # CI: the synchronous servers' join test below loses worker 0 first

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from distrain.config import TrainConfig, check_run_dir
 from distrain.errors import ConfigError
+from distrain.runtime.health import take_fence_request
 from distrain.runtime.membership import SERVERS_RETURN_KEY
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,24 @@ def replace_earlier_run(cfg: TrainConfig, run_dir: Path) -> None:
             target.unlink()
 
 
+
+
+def stop_requests(store: Any, running: dict[Any, int]) -> dict[Any, str]:
+    """Of the ``running`` processes (each with its rank), those another asked to have stopped,
+    each with why: alive, but silent while it waited for them
+    (:class:`~distrain.runtime.health.SilenceWatch`); the requests are taken. Killed, their
+    connections close, and the others go on without them as without any process that died.
+    Empty once the store cannot answer (the run is ending anyway)."""
+    asked = {}
+    for proc, rank in running.items():
+        try:
+            why = take_fence_request(store, rank)
+        except Exception as exc:  # noqa: BLE001 - the store is closing
+            log.debug("could not read the stop requests: %s", exc)
+            break
+        if why is not None:
+            asked[proc] = why
+    return asked
 
 
 def free_port(addr: str = "127.0.0.1") -> int:

@@ -44,9 +44,10 @@ from distrain.launch.common import (
     replace_earlier_run,
     run_role,
     server_count,
+    stop_requests,
 )
 from distrain.runtime.forkserver import worker_context
-from distrain.runtime.health import declare_dead, declared_dead, take_fence_request
+from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, LeftOut
 from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
 
@@ -221,7 +222,9 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
                 and all(declared_dead(store, ranks[p]) for p in pending):
             _stop(pending)  # the members finished; the others were left out (e.g. stopped) and lost
         if survivable and store is not None:
-            _stop_silent(pending, ranks, store, fenced)
+            for p, why in stop_requests(store, {p: ranks[p] for p in pending if p not in fenced and p.is_alive()}).items():
+                fenced[p] = why
+                p.kill()
         ready = multiprocessing.connection.wait([p.sentinel for p in pending], timeout=0.5)
         for p in [p for p in pending if p.sentinel in ready]:
             p.join()
@@ -267,24 +270,6 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
     interrupted = [r for p, r in ranks.items() if p.exitcode == EXIT_INTERRUPTED]
     if interrupted:  # a worker was signalled directly: every one stopped at the agreed step
         raise Interrupted(-1)
-
-
-def _stop_silent(pending: list[mp.Process], ranks: dict[mp.Process, int], store: dist.Store,
-                 fenced: dict[mp.Process, str]) -> None:
-    """Kill (SIGKILL) the processes another asked to have stopped: alive, but silent while it waited
-    for them (:class:`~distrain.runtime.health.SilenceWatch`); their connections then close, and
-    the others go on without them as without any process that died."""
-    for p in pending:
-        if p in fenced or not p.is_alive():
-            continue
-        try:
-            why = take_fence_request(store, ranks[p])
-        except Exception as exc:  # noqa: BLE001 - the store is closing: the run is ending anyway
-            log.debug("could not read the stop requests: %s", exc)
-            return
-        if why is not None:
-            fenced[p] = why
-            p.kill()
 
 
 def _stop(procs: list[mp.Process], wait: float = 5.0) -> None:

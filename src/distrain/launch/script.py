@@ -46,9 +46,10 @@ from distrain.launch.common import (
     Restarts,
     check_port_free,
     free_port,
+    stop_requests,
     wait_for_master,
 )
-from distrain.runtime.health import declare_dead, declared_dead, take_fence_request
+from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run, opening
 from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
 
@@ -396,7 +397,10 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
         codes = [p.proc.poll() for p in procs]
         if time.monotonic() - fence_looked > FENCE_POLL_S and elastic_run(store):
             fence_looked = time.monotonic()
-            _stop_silent(procs, codes, lost, store, fenced)
+            running = {p: p.rank for p, c in zip(procs, codes, strict=True) if c is None and p not in lost and p not in fenced}
+            for p, why in stop_requests(store, running).items():
+                fenced[p] = why
+                p.stop(signal.SIGKILL)
         failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0) and p not in lost
                        and p not in held), None)
         code = 0 if failed is None else int(codes[procs.index(failed)])  # type: ignore[arg-type]
@@ -457,23 +461,6 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                   file=sys.stderr)
             return 1
         time.sleep(0.05)
-
-
-def _stop_silent(procs: list[_Process], codes: list[int | None], lost: list[_Process], store: Any,
-                 fenced: dict[_Process, str]) -> None:
-    """Kill (SIGKILL) the running processes another asked to have stopped: alive, but silent while
-    it waited for them (:class:`~distrain.runtime.health.SilenceWatch`); their connections then
-    close, and the others go on without them as without any process that died."""
-    for p, code in zip(procs, codes, strict=True):
-        if code is not None or p in lost or p in fenced:
-            continue
-        try:
-            why = take_fence_request(store, p.rank)
-        except Exception:  # noqa: BLE001 - the store is closing: the job is ending anyway
-            return
-        if why is not None:
-            fenced[p] = why
-            p.stop(signal.SIGKILL)
 
 
 def _remove_left_behind(procs: list[_Process], codes: list[int | None], lost: list[_Process], store: Any) -> None:
