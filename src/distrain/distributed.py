@@ -66,7 +66,14 @@ from distrain.algorithms.parameter_server import (
     admissions,
     server_optimizer,
 )
-from distrain.assemble import build_algorithm, check_in_effect, serve, serve_again, survives
+from distrain.assemble import (
+    algorithm_class,
+    build_algorithm,
+    check_in_effect,
+    serve,
+    serve_again,
+    survives,
+)
 from distrain.comm.transport import Transport, blocked_seconds
 from distrain.config import TrainConfig, copy_of
 from distrain.data.partition import labels_of, partition_indices
@@ -90,6 +97,7 @@ from distrain.runtime.membership import (
     enter_run,
     mark_elastic,
     mark_opening,
+    open_first_group,
     wait_work,
     watch_waits,
 )
@@ -187,17 +195,18 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
         # (a LeftOut here, e.g. a server lost as it came, ends the script with EXIT_LEFT_OUT: the hook above)
         return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                                     owns_group=dist.is_initialized(), joined=joined)  # (ps: a link, no group)
-    created = _join(cfg)
+    first = _open_elastic(cfg)  # an elastic run: its first group, over the workers that came
+    created = first is not None or _join(cfg)
     try:
         workers = cfg.cluster.workers
-        servers = dist.get_world_size() - workers
+        servers = 0 if first is not None else dist.get_world_size() - workers  # (first: over the workers that came)
         group = dist.new_group(list(range(workers))) if servers else None  # collective: servers too
         if survives(cfg):  # ps, asynchronous gossip: distrain launch keeps the others going
             mark_elastic(store_client(cfg.cluster.timeout))
         if dist.get_rank() >= workers:
             _serve(cfg, optimizer)  # a parameter server: serve until the workers are done, then exit
         return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                                    owns_group=created, workers_group=group)
+                                    owns_group=created, workers_group=group, first=first)
     except BaseException:  # SystemExit from a server too: the group it opened is closed first
         if created:
             dist.destroy_process_group()
@@ -330,6 +339,35 @@ def _serve_again(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
     raise SystemExit(0)
 
 
+def _loses_workers(cfg: TrainConfig, workers: int) -> bool:
+    """Whether a run of ``workers`` workers with ``cfg`` goes on over the survivors of a lost
+    worker, through a :class:`~distrain.runtime.membership.Membership` (an elastic algorithm,
+    several workers, ``min_workers`` below them, gloo on CPU, not under torchrun, whose agent
+    restarts every worker instead)."""
+    c = cfg.cluster
+    return (algorithm_class(cfg.algo.algorithm).elastic and workers > 1 and c.min_workers < workers
+            and c.device == "cpu" and "TORCHELASTIC_RUN_ID" not in os.environ)
+
+
+def _open_elastic(cfg: TrainConfig) -> Membership | None:
+    """An elastic run's membership, whose first default group this call opens over the workers
+    that came (:func:`~distrain.runtime.membership.open_first_group`): a worker lost before or as
+    the group opens is left out, where a group over every process would wait for it. None: the
+    group opens as usual (:func:`_join`): one is open already, the run is not elastic, or no
+    launcher's store declares deaths."""
+    if dist.is_initialized() or not _loses_workers(cfg, cfg.cluster.workers) or "MASTER_ADDR" not in os.environ \
+            or "MASTER_PORT" not in os.environ:
+        return None
+    from distrain.comm.group import backend_for, check_device
+
+    rank, world = _world_from_env()
+    if world != cfg.cluster.workers:  # (parameter servers' processes: they are not elastic this way)
+        return None
+    check_device(cfg, processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return open_first_group(rank, world, min_workers=cfg.cluster.min_workers, backend=backend_for(cfg),
+                            timeout=cfg.cluster.timeout)
+
+
 def _join(cfg: TrainConfig) -> bool:
     """Open the default process group unless one exists; True when this call opened it."""
     if dist.is_initialized():
@@ -373,7 +411,8 @@ class DistributedOptimizer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, *,
                  total_steps: int | None = None, steps_per_epoch: int | None = None, owns_group: bool = False,
                  workers_group: Any = None, broadcast: bool = True, heartbeat: bool = True,
-                 joined: Membership | None = None, process_group: Any = None) -> None:
+                 joined: Membership | None = None, process_group: Any = None,
+                 first: Membership | None = None) -> None:
         self.model, self.optimizer, self.config = model, optimizer, config
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self._owns_group = owns_group
@@ -385,7 +424,9 @@ class DistributedOptimizer:
         self.algorithm = build_algorithm(config.algo.algorithm, config)
         # A worker keeps its emulated device and links by its id, whatever its rank; in a group of
         # some of the processes, by its rank in that group.
-        me, world = (joined.me, self.algorithm.processes(config.cluster.workers)) if joined is not None else (None, None)
+        # (``first``: the membership whose first group wrap() opened over the workers that came)
+        known = joined if joined is not None else first
+        me, world = (known.me, self.algorithm.processes(config.cluster.workers)) if known is not None else (None, None)
         if process_group is not None:
             me, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.emulation = Emulation.from_config(config.network, me, world, seed=config.run.seed,
@@ -400,14 +441,14 @@ class DistributedOptimizer:
             self.rank, self.workers = link[1], len(joined.members)
         else:
             self.transport = Transport(process_group, link_model=self.emulation.link_model,
-                                       ids=joined.members if joined else None)
+                                       ids=known.members if known else None)
             self.rank, self.workers = self.transport.rank, dist.get_world_size(workers_group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         #: the workers' ids (their ranks when the run started) in rank order; an elastic run
         #: drops the lost ones and adds those that join
-        self.ids = list(joined.members) if joined is not None else list(range(self.workers))
-        self.id = joined.me if joined is not None else self.rank
-        self.membership = None if link is not None else joined or self._elastic_membership()
+        self.ids = list(known.members) if known is not None else list(range(self.workers))
+        self.id = known.me if known is not None else self.rank
+        self.membership = None if link is not None else known or self._elastic_membership()
         if self.membership is not None:
             watch_waits(self.membership.changed)  # this thread's waits leave as soon as a survivor flags a loss
             self.transport.meet = self.membership.meet
@@ -419,11 +460,14 @@ class DistributedOptimizer:
         # before the first collective: a survivor of a loss as the run starts finds every other
         # worker's heartbeat, so none is taken for silent.
         wants_heartbeat = self.algorithm.stamps_heartbeat or self.membership is not None
-        world = dist.get_world_size() if joined is None else self.config.cluster.workers
+        world = dist.get_world_size() if known is None else self.config.cluster.workers
         # (a worker that joins stamps from before it asked to join)
         self._heartbeat = joined.heartbeat if joined is not None and joined.heartbeat is not None \
             else start_heartbeat(self.id, world, ceiling=config.cluster.timeout) if heartbeat and wants_heartbeat else None
-        if broadcast and joined is None:
+        #: whether the workers start from rank 0's parameters and buffers (an elastic run: rank 0
+        #: of the group the algorithm is set up over, :meth:`_set_up_first`)
+        self._from_rank0 = broadcast and joined is None
+        if self._from_rank0 and self.membership is None:
             _broadcast_from_rank0(model, workers_group)
         self._set_up_first(joined is not None)
         #: parameter servers that admit workers started again (the servers hand them the
@@ -460,20 +504,29 @@ class DistributedOptimizer:
 
     def _set_up_first(self, joins: bool) -> None:
         """Set the algorithm up over the first group (a worker that ``joins``: the group the
-        members opened with it). In an elastic run, a worker lost meanwhile (e.g. as the node
-        groups are made) makes the others agree on the survivors and set up over their group."""
+        members opened with it), the workers first taking rank 0's parameters. In an elastic
+        run, a worker lost meanwhile (as the first group opened, in that broadcast, as the node
+        groups are made) makes the others agree on the survivors and do both over their group,
+        from its rank 0."""
         if self.membership is None:
             self.algorithm.setup(self.model, self.optimizer, self.transport)
             return
+        def first_try() -> None:
+            self._start_from_rank0()
+            self.algorithm.setup(self.model, self.optimizer, self.transport)
+
         def set_up() -> None:
             if self.algorithm is not None:  # the first try, over the first group
-                self._guarded(lambda: self.algorithm.setup(self.model, self.optimizer, self.transport))
+                self._guarded(first_try)
             else:  # a loss undid it (_guarded let it go): over the survivors' group
                 self._set_up_again(start=False)
 
-        width = self.workers  # the run's workers, each counted by its id from now on if some are lost
-        changes = self.membership.settle(lambda: None, NOT_ENTERED if joins else 0, then=set_up)
-        if changes and not joins:  # (a joiner takes its admission's changes with the others' state)
+        self.membership.settle(lambda: None, NOT_ENTERED if joins else 0, then=set_up)
+        # the losses as the run started, its first group's opening included (a joiner takes its
+        # admission's changes with the others' state)
+        changes = [] if joins else list(self.membership.changes)
+        if changes:
+            width = self.config.cluster.workers  # the run's workers, each counted by its id from now on
             self.changes += changes
             self._retired = ([0] * width, [0] * width, 0.0)
             log.warning("worker %d: lost worker(s) %s as the run started; %d workers go on (recovered in %.2f s)",
@@ -519,10 +572,7 @@ class DistributedOptimizer:
         or ``distrain launch``'s; under torchrun its agent restarts every worker instead), and
         ``min_workers`` below the number of workers."""
         c = self.config.cluster
-        if (not self.algorithm.elastic or self.workers_group is not None or self.workers < 2
-                or c.min_workers >= self.workers or c.device != "cpu"):
-            return None
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent restarts every worker when one fails
+        if self.workers_group is not None or not _loses_workers(self.config, self.workers):
             return None
         from distrain.comm.group import backend_for
 
@@ -553,11 +603,12 @@ class DistributedOptimizer:
         if self._started:
             return
         self._started = True
-        if self.membership is None:
-            if not self.algorithm.meet_to_start():
-                dist.barrier(group=self.workers_group)
-        else:
-            self.control_barrier()
+        # An elastic run's workers do not meet here: their first collective meets them. A barrier
+        # here comes after the first backward began the step's all-reduces; a loss in it made the
+        # survivors that saw it here and those still setting up (the loss was in the start's
+        # broadcast) run their collectives over the new group out of step, and wait for ever.
+        if self.membership is None and not self.algorithm.meet_to_start():
+            dist.barrier(group=self.workers_group)
         self._begin()
 
     def _begin(self) -> None:
@@ -858,11 +909,28 @@ class DistributedOptimizer:
         inject_kill_in("build", self.id)  # fault injection for tests
         self.ids, self.rank, self.workers = list(members), self.membership.rank, len(members)
         self.transport = Transport(link_model=self.emulation.link_model, ids=self.ids, meet=self.membership.meet)
+        # a loss before anyone's first step (as a member set up, or already waiting to start): every
+        # member, whichever it was doing, takes the parameters of the new group's rank 0 again
+        changes = self.membership.changes
+        if changes and max(changes[-1].steps.values(), default=0) <= 0:
+            self._start_from_rank0()
         self.algorithm = build_algorithm(self.config.algo.algorithm, self.config)
         self.algorithm.setup(self.model, self.optimizer, self.transport)
         self.algorithm.keep_local = True
         if start:
             self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
+
+    @torch.no_grad()
+    def _start_from_rank0(self) -> None:
+        """An elastic run's start: every member takes the parameters and buffers of the group's
+        rank 0 (as :func:`_broadcast_from_rank0`), each wait ending as soon as a survivor flags
+        a loss (a worker that received part of a lost rank 0's tensors takes the new rank 0's
+        again, so the members start alike)."""
+        if not self._from_rank0 or self.workers == 1:
+            return
+        inject_kill_in("start-broadcast", self.id)  # fault injection for tests
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            wait_work(dist.broadcast(tensor.data, src=0, async_op=True))
 
     @torch.no_grad()
     def _take_state(self, src: int, receive: bool = True) -> None:

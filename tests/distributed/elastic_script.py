@@ -24,6 +24,8 @@ after it.
 
 With ``wrap``, ``VICTIM`` kills itself before it calls ``wrap()`` (as a script dies loading
 its data), once: its next life, started as the first one was, finds ``OUT/killed-before-wrap``.
+With ``ELASTIC_INIT=rank`` each worker's parameters start at its rank (all of them alike: 0
+otherwise), so that the test can tell whose start ``wrap()`` handed to everyone.
 
 With ``ELASTIC_SAVE_AT=K`` each worker saves its model and ``opt.state_dict()`` once it has
 taken K steps (``OUT/state<id>.pt``); with ``ELASTIC_RESUME=DIR`` each starts from DIR's.
@@ -85,6 +87,8 @@ def main() -> None:
     else:
         model = torch.nn.Linear(DIM, 1, bias=False).double().to(device)
         torch.nn.init.zeros_(model.weight)
+        if os.environ.get("ELASTIC_INIT") == "rank":  # each worker its own start: wrap() hands rank 0's to all
+            torch.nn.init.constant_(model.weight, float(os.environ["RANK"]))
     if device != "cpu":
         settings.setdefault("backend", "gloo")
     momentum = settings.pop("momentum", 0.9)

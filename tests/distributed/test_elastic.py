@@ -28,10 +28,11 @@ WORKERS, STEPS = 4, 8
 
 
 def absent_reference(absent: dict[int, tuple[int, int]], steps: int, lr: float = 0.1,
-                     momentum: float = 0.9) -> torch.Tensor:
+                     momentum: float = 0.9, start: float = 0.0) -> torch.Tensor:
     """The weights after ``steps`` steps of SGD with momentum on the mean of the live workers'
-    gradients, worker ``w`` absent from step ``absent[w][0]`` until step ``absent[w][1]``."""
-    w = torch.zeros(gradient(0, 0).numel(), dtype=torch.float64)
+    gradients, worker ``w`` absent from step ``absent[w][0]`` until step ``absent[w][1]``, from
+    weights all ``start``."""
+    w = torch.full((gradient(0, 0).numel(),), start, dtype=torch.float64)
     buf = None
     for step in range(steps):
         live = [r for r in range(WORKERS) if not (r in absent and absent[r][0] <= step < absent[r][1])]
@@ -260,6 +261,44 @@ def test_a_hung_worker_is_left_behind_at_once_and_removed_as_the_others_finish(t
         assert change["recovery_s"] < 3.0, change  # (57 s when the old group was freed)
         torch.testing.assert_close(result["weight"].reshape(-1), reference(2, at), rtol=0, atol=1e-12)
     assert not (tmp_path / "worker2.pt").exists()
+
+
+def test_a_worker_killed_before_wrap_is_left_out_and_the_others_open_their_group_without_it(tmp_path: Path):
+    """No restarts: worker 0 dies before its ``wrap()`` (as a script dies loading its data). The
+    others do not wait for it in a group's rendezvous: once they open their group, the launcher
+    declares it dead, and they open it without it and train from step 0 as three, each on the
+    reference without worker 0, the loss recorded at step 0; one line, exit status 0."""
+    done = launch_tagged(tmp_path, 0, 0, "wrap")
+    assert done.returncode == 0, done.stderr
+    assert ("rank 0 failed: killed by SIGKILL before it opened the group with the others; the others go on "
+            "without it") in done.stderr
+    survivors, expected = [1, 2, 3], absent_reference({0: (0, STEPS)}, STEPS)
+    for r in survivors:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["ids"] == survivors and result["steps"] == STEPS, r
+        [change] = result["changes"]
+        assert change["workers"] == [0] and change["members"] == survivors and change["lost_at_step"] == 0, change
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not (tmp_path / "worker0.pt").exists()
+
+
+def test_rank_0_lost_as_it_hands_out_its_parameters_leaves_the_others_starting_from_the_next_ones(tmp_path: Path):
+    """Worker 0 dies as ``wrap()`` begins to hand its parameters to the others (each worker
+    started at its own rank's weights). The others agree without it and start from the new
+    rank 0's (worker 1's) parameters, all alike: every survivor ends on the reference without
+    worker 0 from weights all 1, which a survivor that kept its own start would not."""
+    env = {**kill_in(tmp_path, "start-broadcast", 0), "ELASTIC_INIT": "rank"}
+    done = launch_tagged(tmp_path, -1, 0, "none", env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mark").exists()  # worker 0 died where asked
+    survivors = [1, 2, 3]
+    expected = absent_reference({0: (0, STEPS)}, STEPS, start=1.0)
+    for r in survivors:
+        result = torch.load(tmp_path / f"worker{r}.pt", weights_only=True)
+        assert result["ids"] == survivors and result["steps"] == STEPS, r
+        assert [c["workers"] for c in result["changes"]] == [[0]], result["changes"]
+        torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(absent_reference({0: (0, STEPS)}, STEPS, start=2.0), expected)
 
 
 # `make test-all`: the joins of every family stay in CI; this is the case of a worker lost before wrap() opened its group

@@ -26,7 +26,7 @@ from distrain.comm.ring import ring_all_reduce
 from distrain.comm.transport import Handle, Transport
 from distrain.compress.gradients import GradientCompression
 from distrain.compress.settings import CompressionSettings
-from distrain.runtime.faults import NonFinite, all_finite
+from distrain.runtime.faults import NonFinite, all_finite, inject_kill_in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,6 +228,7 @@ class AllReduce(Algorithm):
         n = len(self.params)
         mine = torch.full((n,), -1, dtype=torch.int64)  # -1: a parameter that got no gradient
         mine[: min(n, len(order))] = torch.tensor(order[:n], dtype=torch.int64)
+        inject_kill_in("regroup", self.transport.ids[self.transport.rank])  # fault injection for tests
         rows = self.transport.control_all_gather(mine)
         if any(not torch.equal(row, rows[0]) for row in rows) or sorted(rows[0].tolist()) != list(range(n)):
             return  # the same buckets on every worker, or their all-reduces would not match
@@ -337,10 +338,10 @@ class AllReduce(Algorithm):
                 bucket.flat.div_(world)
             bucket.scatter_grads()
             bucket.ready, bucket.handle = 0, None
-        self._launched = 0
-        if self._ready_order is not None:
+        if self._ready_order is not None:  # (its gather may lose a peer: the step's own gradients are kept till after it)
             order, self._ready_order = self._ready_order, None
             self._rebuild_buckets(order)
+        self._launched = 0
 
     def metrics(self) -> dict[str, float]:
         return {} if self.compression is None else self.compression.metrics()

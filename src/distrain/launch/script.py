@@ -69,6 +69,11 @@ _WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
 #: caused it, on this node or another, and names that one instead.
 _LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited", re.IGNORECASE)
 ROOT_CAUSE_WAIT_S = 3.0
+#: Seconds a rank killed before it opened the group, with no restart left, waits for another to
+#: open it (``wrap()``): an elastic run then goes on without it; after them, or in a run that is
+#: not elastic (a script that opens its group itself, whose peers wait for it there), it is the
+#: run's failure.
+UNOPENED_GRACE_S = 10.0
 
 
 @dataclass
@@ -404,6 +409,13 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
         failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0) and p not in lost
                        and p not in held), None)
         code = 0 if failed is None else int(codes[procs.index(failed)])  # type: ignore[arg-type]
+        # killed before it opened the group: nobody waits for it yet; started again in its place
+        # once another opens it, or, with no restart left, left out if the run is elastic
+        if failed is not None and code < 0 and nodes is None and first_done is None \
+                and not opening(store, failed.rank) and (restart is not None and restart.in_place_left
+                                                         or not elastic_run(store)):
+            held[failed] = time.monotonic()
+            continue
         # died (a signal), or left out by the others (distrain.wrap() exits with EXIT_LEFT_OUT): the others go on
         if failed is not None and (code < 0 or code == EXIT_LEFT_OUT) and elastic_run(store):
             declare_dead(store, failed.rank)
@@ -417,16 +429,11 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                       "state", file=sys.stderr)
                 procs.append(again)
             continue
-        if failed is not None and code < 0 and restart is not None and restart.in_place_left \
-                and nodes is None and first_done is None and not opening(store, failed.rank):
-            held[failed] = time.monotonic()  # killed before it opened the group: nobody waits for it yet
-            continue
         if failed is None and held:
-            assert restart is not None  # (only a run that may start a rank in its place holds one)
-            started = len(procs)
+            started, gone = len(procs), len(lost)
             failed, code = _start_in_place(held, procs, lost, store, restart, exit_window)
-            if len(procs) != started:
-                continue  # (started again: its place is in procs now)
+            if len(procs) != started or len(lost) != gone:
+                continue  # (started again: its place is in procs now; or left out)
         if failed is not None:
             failed, code, elsewhere = _root_cause(procs, failed, code, store, nodes)
             if elsewhere is not None:  # this node's failure followed another node's
@@ -480,24 +487,32 @@ def _remove_left_behind(procs: list[_Process], codes: list[int | None], lost: li
 
 
 def _start_in_place(held: dict[_Process, float], procs: list[_Process], lost: list[_Process], store: Any,
-                    restart: Restarts, exit_window: float) -> tuple[_Process | None, int]:
+                    restart: Restarts | None, exit_window: float) -> tuple[_Process | None, int]:
     """Ranks ``held``, killed before they began to open the default group (nobody waits for them
     in a run yet): once another rank opens it (``wrap()`` marks it in ``store``), each is started
-    again in its place, as it was started first; one held for ``exit_window`` seconds with nobody
-    opening it (the script opens the group itself, and its peers wait for it there), or with no
-    restart left, is the run's failure: it and its exit status are returned (None: none)."""
+    again in its place, as it was started first; with no restart left, in an elastic run (marked
+    so before the group opens) it is declared dead and the others open their group without it.
+    One held for ``exit_window`` seconds with nobody opening it (the script opens the group
+    itself, and its peers wait for it there), or with no restart left in a run that is not
+    elastic, is the run's failure: it and its exit status are returned (None: none)."""
     others = [q for q in procs if q not in held and q not in lost]
     for p, since in list(held.items()):
         if any(opening(store, q.rank) for q in others):
-            again = restart.in_place(p.rank)
-            if again is None:
+            again = restart.in_place(p.rank) if restart is not None else None
+            if again is None and not elastic_run(store):
                 return p, int(p.proc.returncode)
             del held[p]
             lost.append(p)
+            if again is None:
+                declare_dead(store, p.rank)
+                print(f"distrain: rank {p.rank} failed: {p.cause(p.proc.returncode)} before it opened the group "
+                      "with the others; the others go on without it", file=sys.stderr)
+                continue
             procs.append(again)
             print(f"distrain: rank {p.rank} failed: {p.cause(p.proc.returncode)} before it opened the group with "
                   "the others; started again in its place", file=sys.stderr)
-        elif time.monotonic() - since > exit_window:
+        elif time.monotonic() - since > (exit_window if restart is not None and restart.in_place_left
+                                         else min(exit_window, UNOPENED_GRACE_S)):
             return p, int(p.proc.returncode)
     return None, 0
 

@@ -36,7 +36,11 @@ Fault injection for tests (environment variables, read by every worker):
                                        is over), ``gossip-groups`` (a worker of adpsgd or
                                        prague, as it is about to make its gossip groups),
                                        ``final-model`` (a worker, as ``finish()`` begins to
-                                       make the final model, after the members' last barrier)
+                                       make the final model, after the members' last barrier),
+                                       ``start-broadcast`` (a worker, as the members of its
+                                       first group begin to take rank 0's parameters),
+                                       ``regroup`` (an all-reduce worker, after its first
+                                       step's all-reduce, as the workers agree on the buckets)
     DISTRAIN_INJECT_KILL_ANSWERING='RANK:STEP:N'  synchronous parameter server RANK (global rank)
                                        kills itself with SIGKILL once it answered step STEP (as
                                        its workers count them) to its first N live workers and

@@ -197,6 +197,9 @@ class Membership:
     heartbeat: Heartbeat | None = None
     #: (joiner, epoch) -> how many times that joiner had asked to join when that epoch admitted it
     lives: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: whether this worker has opened a group of the run (False: :func:`open_first_group` opens
+    #: the first one, and nobody's heartbeat counts yet)
+    opened: bool = True
 
     def __post_init__(self) -> None:
         mark_elastic(self.store)
@@ -240,7 +243,11 @@ class Membership:
     # -- agreeing on the survivors -------------------------------------------------------------
 
     def _gone(self, ids: list[int]) -> list[int]:
-        """Of ``ids``: declared dead, or silent (heartbeat missing or stale)."""
+        """Of ``ids``: declared dead, or silent (heartbeat missing or stale); until this worker's
+        first group has opened (:attr:`opened`), declared dead only: as the run starts a worker
+        still importing has stamped no heartbeat yet, and is not gone."""
+        if not self.opened:
+            return [i for i in ids if declared_dead(self.store, i)]
         return silent(self.store, ids, self.stale_after)
 
     def _all_gone(self, ids: list[int]) -> bool:
@@ -508,7 +515,8 @@ class Membership:
         """Replace the default process group by one over the current members, once every one
         of them is ready to (:meth:`_meet`)."""
         self._meet()
-        inject_kill_in("meet", self.me)  # fault injection for tests
+        if self.opened:  # (a group after a change; not the first one)
+            inject_kill_in("meet", self.me)  # fault injection for tests
         if dist.is_initialized():
             _abort(dist.group.WORLD)  # an operation still waiting on the lost peer ends now
             _keep_groups_alive(self.timeout)
@@ -528,6 +536,7 @@ class Membership:
             raise
         if opening < self.timeout:  # the group's operations get the run's timeout
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout))
+        self.opened = True
 
 
     def _meet(self) -> None:
@@ -544,15 +553,23 @@ class Membership:
         some of them, whose rendezvous would wait the whole timeout for a member that died): a
         member gone meanwhile, or a change flagged for this epoch, raises MembershipChanged within
         a poll. Gone is declared dead, or silent; as the run starts (epoch 0, every heartbeat
-        maybe not stamped yet), declared dead only."""
+        maybe not stamped yet), declared dead only. A member declared dead after its mark (it died
+        waiting for a slower one) counts too, once more after the last mark came: the first
+        members to mark themselves wait longest, and the rendezvous would wait for it."""
         self.store.set(self._key(f"{name}/{self.me}"), "1")
         deadline = time.monotonic() + self.timeout
-        while waiting := [m for m in self.members if m != self.me and not self.store.check([self._key(f"{name}/{m}")])]:
+        others = [m for m in self.members if m != self.me]
+        while True:
+            waiting = [m for m in others if not self.store.check([self._key(f"{name}/{m}")])]
             if self.store.check([self._key("changed")]):
                 raise MembershipChanged(f"a change of epoch {self.epoch} was flagged before its members could {what}")
-            if gone := (self._gone(waiting) if self.epoch else [m for m in waiting if declared_dead(self.store, m)]):
+            died = [m for m in others if m not in waiting and declared_dead(self.store, m)]
+            if gone := died + (self._gone(waiting) if self.epoch else [m for m in waiting if declared_dead(self.store, m)]):
                 self.flag()
-                raise MembershipChanged(f"worker(s) {gone} gone before the members of epoch {self.epoch} could {what}")
+                raise MembershipChanged(f"worker(s) {sorted(gone)} gone before the members of epoch {self.epoch} "
+                                        f"could {what}")
+            if not waiting:
+                return
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"worker {self.me}: workers {waiting} did not {what} in epoch {self.epoch} "
                                     f"within {self.timeout:g} s")
@@ -581,6 +598,29 @@ def await_ready(store: dist.Store, ranks: list[int], me: int, timeout: float,
         if time.monotonic() > deadline:
             raise WorkerFailure(f"{missed} within {timeout:g} s (ranks {waiting} never came)")
         time.sleep(POLL_S / 2)
+
+
+def open_first_group(rank: int, world: int, *, min_workers: int, backend: str, timeout: float) -> Membership | None:
+    """Open an elastic run's first default group over the workers that came, where the launcher
+    hosting the rendezvous store (``distrain launch``'s) declares a dead process dead: the
+    membership of ``world`` workers (this one ``rank``), or None without a store.
+
+    Every worker marks itself ready and waits for the others' marks, then they open the group
+    under the epoch's key (:meth:`Membership._reopen`, as after a change of members). A worker
+    dead before its mark (its script died loading its data), or in the group's rendezvous, is
+    declared dead by the launcher, and the others agree on who is left and open their group
+    without it (:meth:`Membership.settle`; below ``min_workers`` the run stops in one line), where
+    the rendezvous of a group over every process would have waited for it until ``timeout``.
+    Until the group is open a worker counts as gone only when declared dead, not by its
+    heartbeat: one still importing has stamped none yet. A lost worker is recorded as a change at
+    step 0 (:attr:`Membership.changes`)."""
+    membership = Membership.from_env(list(range(world)), rank, min_workers=min_workers, backend=backend,
+                                     timeout=timeout, opened=False)
+    if membership is None:
+        return None
+    mark_opening(membership.store, rank)  # (the run was marked elastic first, as the membership was made)
+    membership.settle(membership._reopen, 0)
+    return membership
 
 
 def agree_before_groups(store: dist.Store | None, rank: int, world: int, timeout: float, what: str,
