@@ -597,9 +597,10 @@ class DistributedOptimizer:
             self._forward_at, self._blocked_at_forward = time.perf_counter(), blocked_seconds()
 
     def start(self) -> None:
-        """Start training together (collective): the emulated network's clock and the algorithm's
-        (asynchronous budgets, gossip threads). :meth:`step` calls it the first time; call it
-        earlier to leave set-up time out of the first step."""
+        """Start training together (collective, but for an elastic run's workers, whose first
+        collective meets them): the emulated network's clock and the algorithm's (asynchronous
+        budgets, gossip threads). :meth:`step` calls it the first time; call it earlier to leave
+        set-up time out of the first step."""
         if self._started:
             return
         self._started = True
