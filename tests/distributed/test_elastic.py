@@ -70,7 +70,9 @@ def launch_tagged(tmp_path: Path, victim: int, at: int, where: str, *flags: str,
     processes are tagged; any found are killed)."""
     from tests.reliability.common import kill_tagged, tagged
 
-    tag = f"rejoin-{tmp_path.name}"
+    # (the session's directory too: pytest cuts tmp_path's name to 30 characters, and another
+    # pytest session's test of a like name would otherwise find, and kill, this run's processes)
+    tag = f"rejoin-{tmp_path.parent.name}-{tmp_path.name}"
     try:
         done = launch(tmp_path, victim, at, where, *flags, settings=settings,
                       env={**(os.environ if env is None else env), "DISTRAIN_TEST_TAG": tag})
