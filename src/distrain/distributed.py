@@ -927,11 +927,9 @@ class DistributedOptimizer:
         rank 0 (as :func:`_broadcast_from_rank0`), each wait ending as soon as a survivor flags
         a loss (a worker that received part of a lost rank 0's tensors takes the new rank 0's
         again, so the members start alike)."""
-        if not self._from_rank0 or self.workers == 1:
-            return
-        inject_kill_in("start-broadcast", self.id)  # fault injection for tests
-        for tensor in [*self.model.parameters(), *self.model.buffers()]:
-            wait_work(dist.broadcast(tensor.data, src=0, async_op=True))
+        if self._from_rank0:
+            inject_kill_in("start-broadcast", self.id)  # fault injection for tests
+            _broadcast_from_rank0(self.model, None)
 
     @torch.no_grad()
     def _take_state(self, src: int, receive: bool = True) -> None:
@@ -1162,11 +1160,13 @@ class DistributedOptimizer:
 
 @torch.no_grad()
 def _broadcast_from_rank0(model: torch.nn.Module, group: Any) -> None:
-    """Every worker starts from rank 0's parameters and buffers (set-up, not training traffic)."""
+    """Every worker starts from rank 0's parameters and buffers (set-up, not training traffic);
+    each wait ends early when this thread's watch sees the membership change (:func:`wait_work`)."""
     if dist.get_world_size(group) == 1:
         return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        wait_work(dist.broadcast(tensor.data, src=src, group=group, async_op=True))
 
 
 __all__ = ["SETTINGS_ENV", "DistributedOptimizer", "settings_from_env", "wrap"]
