@@ -170,6 +170,59 @@ def test_a_worker_of_the_early_fork_server_has_torch_and_the_loop_imported(tmp_p
     assert done.stdout.split() == ["imported", "True", "True"]
 
 
+CTRL_C_AS_THE_SERVER_STARTS = """
+import multiprocessing.forkserver
+import os
+import signal
+import sys
+from distrain.runtime.forkserver import start_early, worker_context
+
+def report(launcher):
+    from distrain.launch.common import enter_worker
+
+    enter_worker(launcher, dict(os.environ))
+    print("worker", signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+          signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
+
+if __name__ == "__main__":
+    started = multiprocessing.forkserver.ensure_running
+
+    def ctrl_c_as_it_starts():
+        started()  # the server's process is there, its start not yet over for the launcher
+        os.killpg(0, signal.SIGINT)
+
+    multiprocessing.forkserver.ensure_running = ctrl_c_as_it_starts
+    try:
+        start_early(["train", "--workers", "2"])
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    print("interrupted", interrupted, flush=True)
+    multiprocessing.forkserver.ensure_running = started
+    p = worker_context().Process(target=report, args=(os.getpid(),))
+    p.start()
+    p.join(120)
+    sys.exit(p.exitcode)
+"""
+
+
+def test_a_ctrl_c_as_the_fork_server_starts_reaches_the_launcher_and_no_worker_starts_with_it(tmp_path) -> None:
+    """Ctrl-C (the whole process group) in the moment the fork server has started but the
+    launcher's start of it is not over: the launcher gets it (it was ignored there, so a run
+    trained to its end with exit status 0), the server prints nothing, and a worker it forks
+    later ignores SIGINT (unblocked) until its stop request takes it over."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_AS_THE_SERVER_STARTS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          start_new_session=True)  # (its own process group, which the Ctrl-C reaches)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["interrupted", "True", "worker", "True", "False"], done.stdout
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+
+
 REFUSED_EARLY = """
 import multiprocessing.forkserver
 import sys

@@ -218,6 +218,11 @@ def enter_worker(launcher: int, environ: dict[str, str]) -> None:
     any worker lives)."""
     os.environ.clear()
     os.environ.update(environ)
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []):  # forked by the fork server, which
+        # started with SIGINT held (see worker_context): ignore it, as the server does, until the
+        # stop request takes it over (a Ctrl-C raised before this worker's work began was a traceback)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if os.getppid() == launcher:
         die_with_parent(launcher)
     else:

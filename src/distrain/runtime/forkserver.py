@@ -17,8 +17,8 @@ import multiprocessing.context
 import multiprocessing.forkserver
 import os
 import signal
-import threading
 from collections.abc import Sequence
+from multiprocessing import resource_tracker
 
 from distrain.runtime.process import in_torchrun
 
@@ -48,18 +48,20 @@ def worker_context() -> multiprocessing.context.BaseContext:
     context.set_forkserver_preload(list(WORKER_PRELOAD))  # (a fork server already running keeps its own)
     # It imports from now on, beside the caller. Ctrl-C reaches the whole process group, the fork
     # server too, which ignores it only once its imports are done: a Ctrl-C in the first seconds
-    # printed its KeyboardInterrupt traceback under the launcher's one line. Started with SIGINT
-    # ignored (kept across its exec), it ignores it from the start; its workers begin so too,
-    # until their stop request takes SIGINT and SIGTERM over, and the launcher forwards a stop
-    # request (SIGTERM) to every worker it started either way.
-    # (Ignored here for the few milliseconds of the fork server's start.)
-    main = threading.current_thread() is threading.main_thread()  # (only it may set handlers)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    # printed its KeyboardInterrupt traceback under the launcher's one line. So it starts with
+    # SIGINT held (blocked: the mask is kept across its exec), where a Ctrl-C waits until its
+    # own start ignores SIGINT and drops it; its workers begin ignoring it (enter_worker) until
+    # their stop request takes SIGINT and SIGTERM over, and the launcher forwards a stop request
+    # (SIGTERM) to every worker it started either way. Here SIGINT is held for the few
+    # milliseconds of the server's start and arrives once they are over. (It was ignored here
+    # instead, kept ignored across the exec: a Ctrl-C in those milliseconds was lost, and the
+    # run trained to its end with exit status 0.)
+    resource_tracker.ensure_running()  # (its own start ends by releasing SIGINT: before the hold)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # (this thread's: the server takes it)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        if main:
-            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C meanwhile is raised now
     return context
 
 
