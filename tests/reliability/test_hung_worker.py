@@ -100,6 +100,51 @@ def test_a_hung_parameter_server_is_stopped_and_taken_over(tmp_path, mode, resta
     assert len(set(summary["steps_per_worker"])) == 1 or mode == "async", summary["steps_per_worker"]
 
 
+def test_a_hung_single_parameter_server_stops_the_run_within_seconds(tmp_path):
+    """The only server (rank 4) stops (SIGSTOP) at its step 10: nobody can take its parameters
+    over, so the run stops, in one line naming it, a few seconds after its heartbeat's last
+    stamp (before: the workers waited out the 60 s --timeout, with the server still stopped)."""
+    mark, run_dir = tmp_path / "stopped-at", tmp_path / "run"
+    run = run_cli([*QUICK, "--timeout", "60", "--algorithm", "ps", "--servers", "1", "--workers", "4",
+                   "--epochs", "2", "--run-dir", str(run_dir)], timeout=120, DISTRAIN_INJECT_STOP="4:10",
+                  DISTRAIN_INJECT_MARK=str(mark))
+    ended = time.time()
+    assert run.returncode == 1, run.stderr
+    assert run.orphans == []
+    last = run.stderr.strip().splitlines()[-1]
+    assert "server 0 (rank 4) failed: fell silent and was stopped: worker " in last, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    # the heartbeat's staleness (3 s), the watch's and the launcher's polls, the others' stop
+    assert ended - injected_at(mark) < 20, ended - injected_at(mark)
+
+
+@pytest.mark.slow  # `make test-all`; CI: the test above, through distrain train
+def test_a_hung_single_parameter_server_of_a_users_script_stops_the_launch_naming_why(tmp_path):
+    """The same through ``distrain launch`` and ``wrap()`` (examples/custom_loop.py): the
+    launcher's last line names the server and why it was stopped (it said only "killed by
+    SIGKILL", the stop it made itself)."""
+    import subprocess
+    import sys
+
+    from tests.reliability.common import cli_env
+
+    root = Path(__file__).resolve().parents[2]
+    mark, tag = tmp_path / "stopped-at", uuid.uuid4().hex
+    env = {**cli_env(tag), "DISTRAIN_INJECT_STOP": "4:10", "DISTRAIN_INJECT_MARK": str(mark)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "distrain", "launch", "--workers", "4", "--servers", "1",
+                               "--timeout", "60", str(root / "examples" / "custom_loop.py"), "--algorithm", "ps"],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        ended, orphans = time.time(), tagged(tag)
+    finally:
+        kill_tagged(tag)
+    assert done.returncode == 1, done.stderr
+    assert orphans == []
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("distrain: rank 4 failed: fell silent and was stopped (worker "), done.stderr
+    assert ended - injected_at(mark) < 20, ended - injected_at(mark)
+
+
 def _hang_under_servers(tmp_path, rank, mode, restarts):  # noqa: ANN001, ANN202
     """``distrain train`` under 2 servers with process ``rank`` stopped (SIGSTOP) at step 10: the
     run, its summary and how long after the stop a record of it was made (seconds)."""

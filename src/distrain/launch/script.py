@@ -443,7 +443,8 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
                 return 1
             announce_failure(store, nodes, f"rank {failed.rank} failed")  # the other nodes stop at once
             _stop_all(procs)
-            print(f"distrain: rank {failed.rank} failed: {failed.cause(code)}", file=sys.stderr)
+            cause = f"fell silent and was stopped ({fenced[failed]})" if failed in fenced else failed.cause(code)
+            print(f"distrain: rank {failed.rank} failed: {cause}", file=sys.stderr)
             return EXIT_BAD_INPUT if failed.bad_input() else 1
         if all(c == 0 or p in lost for p, c in zip(procs, codes, strict=True)):
             return 0 if len(lost) < len(procs) else 1

@@ -190,10 +190,12 @@ class ParameterServer(Algorithm):
         self._run_length = (0, 0)  # total steps and steps per epoch, for a server that returns
         self._spare = self.flat.clone() if self.takes_over else None
         #: the servers this worker waits for now, each since when (monotonic): one that stays silent
-        #: through its heartbeat's staleness (hung) is stopped, then taken over (:class:`SilenceWatch`)
+        #: through its heartbeat's staleness (hung) is stopped (:class:`SilenceWatch`), then taken
+        #: over; a single server nobody can take over is lost, and the run stops in one line (it
+        #: waited out --timeout for a hung one)
         self._awaited: dict[int, float] = {}
         self._silence = SilenceWatch(lambda: self._awaited, f"worker {transport.rank}").start() \
-            if self.takes_over else None
+            if elastic_servers(settings) else None
         self._started = False  # the first worker started the servers (start())
         #: the processes that came to start (global ranks; :meth:`meet_to_start`): the first
         #: worker of them starts the servers (worker 0 where no worker was lost as the run started)
@@ -430,8 +432,12 @@ class ParameterServer(Algorithm):
                 info.key = shard
                 handles += send_message(self.transport, self.push.encode(self.grad[lo:hi], info, dense=dense), server)
             handles.append(self.transport.recv(self.flat[lo:hi], server))
-        for h in handles:
-            h.wait()
+        self._awaited = dict.fromkeys(self.servers, time.monotonic())
+        try:
+            for h in handles:
+                h.wait()
+        finally:
+            self._awaited = {}
 
     def _header(self, s: int) -> torch.Tensor:
         """This push's header for server ``s``: the clock and learning rate; a worker that joined
