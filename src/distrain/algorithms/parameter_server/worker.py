@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -432,10 +434,16 @@ class ParameterServer(Algorithm):
                 info.key = shard
                 handles += send_message(self.transport, self.push.encode(self.grad[lo:hi], info, dense=dense), server)
             handles.append(self.transport.recv(self.flat[lo:hi], server))
-        self._awaited = dict.fromkeys(self.servers, time.monotonic())
-        try:
+        with self._waiting_for(self.servers):
             for h in handles:
                 h.wait()
+
+    @contextmanager
+    def _waiting_for(self, servers: Iterable[int]) -> Iterator[None]:
+        """Marks ``servers`` (global ranks) waited for from now on, for the silence watch."""
+        self._awaited = dict.fromkeys(servers, time.monotonic())
+        try:
+            yield
         finally:
             self._awaited = {}
 
@@ -476,15 +484,12 @@ class ParameterServer(Algorithm):
                         raise
                     lost.append((s, exc))
 
-        self._awaited = dict.fromkeys((self.servers[s] for s in pending), time.monotonic())
-        try:
+        with self._waiting_for(self.servers[s] for s in pending):
             if self.asynchronous or len(pending) < 2 or self._store_client() is None:
                 wait_all()
             else:  # the live servers may wait for workers that wait for this one (see _offer_answers)
                 with blocked():
                     wait_polling(wait_all, self._offer_answers, ANSWER_POLL_S)
-        finally:
-            self._awaited = {}
         for s, (into, _) in pending.items():
             if s not in dict(lost) and len(self.layout.owned[s]) > 1:
                 scatter_ranges(self._spare, self.layout.owned[s], into)
