@@ -71,7 +71,7 @@ from distrain.runtime.files import atomic_write
 from distrain.runtime.membership import JOIN_ENV, Membership, RunEnded, enter_run, watch_waits
 from distrain.runtime.totals import RunTotals
 from distrain.tasks import LossFn, Task, bits_per_byte, build_task, check_task_data
-from distrain.train.evaluation import Evaluations
+from distrain.train.evaluation import EvalTime, Evaluations
 from distrain.train.metrics import (
     MetricsWriter,
     parse_record,
@@ -403,7 +403,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         unless given."""
         done = step - start_step
         sent, received, _ = opt.peer_traffic()
-        wall = time.perf_counter() - start - eval_seconds if wall is None else wall
+        wall = time.perf_counter() - start - eval_time.seconds(refresh=True) if wall is None else wall
         cpu = time.process_time() - cpu_start if cpu is None else cpu
         return [done, done * cfg.data.batch_size, wall, compute_seconds, exposed_seconds, *sent, *received, cpu]
 
@@ -422,7 +422,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             SHAPE_KEY: shape_settings(cfg),
             "epochs": cfg.run.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "rng": rng_state(),
             SET_SIZE_KEY: store.world_size, **({EPOCH_WORKERS_KEY: first_world} if first_world != world else {}),
-            "totals": totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(),
+            "totals": totals.plus(counters(step, wall, cpu), eval_time.seconds(), evals.time_to_target, records(),
                                   lost(), algorithm.lost_servers, algorithm.returned_servers).state_dict(),
             **({PLAN_KEY: plan.state()} if plan is not None else {}),
             # after a loss the set is written by the members at this step (and any servers)
@@ -447,7 +447,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     evals = Evaluations(task, test_set, cfg.run.eval_samples, cfg.run.target_accuracy, cfg.run.target_loss, device)
     totals = retarget(totals, cfg, run_dir, evals, resume_step)
     progress = _progress_bar(cfg, rank, total_steps, start_step)
-    eval_seconds = compute_seconds = exposed_seconds = busy_before = 0.0
+    compute_seconds = exposed_seconds = busy_before = 0.0
     params = [p for p in model.parameters() if p.requires_grad]
     skip_nonfinite = cfg.run.on_nonfinite == "skip"
     tokens_per_sample = lm_tokens(task, sample_shape)
@@ -479,6 +479,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     model.train()
     opt.start()  # together: emulated bandwidth traces and asynchronous algorithms' clocks start now
     start, cpu_start = time.perf_counter(), time.process_time()
+    eval_time = EvalTime(opt.membership.store if opt.membership is not None else None, algorithm.synchronous)
     if joined is not None and cfg.run.checkpoint_every and start_step % cfg.run.checkpoint_every == 0:
         save(start_step, 0.0, 0.0)  # the members saved this step with this worker among them
     # Asynchronous algorithms (AD-PSGD, Prague) decide when a worker stops (its own budget; faster
@@ -532,7 +533,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
 
         sent, received, busy = opt.peer_traffic()
         record: dict[str, Any] = {  # see distrain.train.metrics for each field's meaning and unit
-            "step": step + 1, "epoch": (step + 1) / steps_per_epoch, "time": earlier.wall + time.perf_counter() - start - eval_seconds,
+            "step": step + 1, "epoch": (step + 1) / steps_per_epoch, "time": earlier.wall + time.perf_counter() - start - eval_time.seconds(),
             "loss": loss_value if finite else float("nan"), "lr": lr, "bytes_sent": earlier.sent + sum(sent),
             "bytes_received": earlier.received + sum(received), "compute_s": opt.last_compute_seconds,
             "step_s": step_seconds, "exposed_comm_s": exposed, "comm_busy_s": busy - busy_before,
@@ -540,12 +541,13 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         }
         busy_before = busy
         if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
-            t_eval = time.perf_counter()
+            t_eval, during, measured = time.perf_counter(), running, False
             eval_model = opt.eval_model()  # collective for decentralized algorithms
             follow_changes()  # a loss found there: the survivors' average is what is evaluated
             if not running:
                 final_model, final_time = eval_model, record["time"]
             if leads(algorithm, transport):
+                measured = True  # the others wait for this evaluation (synchronous algorithms)
                 evals.measure(eval_model, record, final=not running)
                 measured_final = not running
                 if tokens_per_sample is not None and algorithm.synchronous and record["time"] > 0:
@@ -561,7 +563,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                 if leads(algorithm, transport):
                     evals.stopped_at_target(eval_model, record)
                     save_model(run_dir / MODEL_FILE, eval_model)
-            eval_seconds += time.perf_counter() - t_eval
+            eval_time.add(time.perf_counter() - t_eval, during=during, measured=measured)
         if not finite:
             record["skipped"] = True
         record.update(algorithm.metrics())  # after evaluation: includes what eval_model() measured
@@ -576,7 +578,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
         metrics.write({"step": step, **change.record()})
     if opt.membership is not None:
         opt.membership.close()  # a worker started again from now on finds the run over
-    wall = time.perf_counter() - start - eval_seconds
+    wall = time.perf_counter() - start - eval_time.seconds(refresh=True)
     cpu = time.process_time() - cpu_start  # every thread of this process: the gossip's and the backend's too
     if progress is not None:
         progress.close()
@@ -599,7 +601,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # --- summary: every process's counters (servers too), over every segment, gathered on rank 0 --
     def run_totals() -> RunTotals:
         """Every segment's totals with this one's, as far as they are known now."""
-        return totals.plus(counters(step, wall, cpu), eval_seconds, evals.time_to_target, records(), lost(),
+        return totals.plus(counters(step, wall, cpu), eval_time.seconds(), evals.time_to_target, records(), lost(),
                            algorithm.lost_servers, algorithm.returned_servers)
 
     run = run_totals()
@@ -635,7 +637,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
                         workers_at_end=opt.workers if elastic or opt.joins is not None
                         else world - len(lost() if algorithm.synchronous else algorithm.lost_workers),
                         leader=opt.id if opt.changes else None,
-                        tokens_per_sample=tokens_per_sample)
+                                        tokens_per_sample=tokens_per_sample)
 
     summary = summary_of_leader()
     if elastic:
