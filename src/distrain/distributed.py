@@ -50,7 +50,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -83,6 +83,8 @@ from distrain.runtime.checkpoint import epoch_steps
 from distrain.runtime.faults import (
     grads_finite,
     inject_kill_in,
+    is_comm_error,
+    lost_peer,
     nonfinite_error,
     start_heartbeat,
     store_client,
@@ -180,7 +182,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
     """
     cfg = _configure(config, settings, model, process_group, optimizer)
     freeze_at_exit()  # this process's exit skips the last garbage collection (about 0.8 s with torch)
-    _exit_left_out_on_uncaught()
+    _one_line_on_uncaught()
     if _subgroup(process_group):  # the caller's group of some of the processes: nothing else to set up
         return DistributedOptimizer(model, optimizer, cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                                     workers_group=process_group, process_group=process_group)
@@ -213,24 +215,30 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config: Tr
         raise
 
 
-def _exit_left_out_on_uncaught() -> None:
-    """A :class:`~distrain.runtime.membership.LeftOut` that ends the user's script (the others
-    went on without this worker, e.g. it was stopped while they agreed on the members) exits
-    with ``EXIT_LEFT_OUT`` after its one line, instead of a traceback and status 1: ``distrain
-    launch`` then counts the worker lost, as if it had died, and the others go on. Installed
-    once per process, in front of the hook already there."""
+def _one_line_on_uncaught() -> None:
+    """A :class:`~distrain.errors.WorkerFailure` that ends the user's script (a peer lost where
+    the run cannot go on without it, the run stopped for another worker's reason) prints its one
+    line instead of a traceback through distrain's internals (``distrain launch`` quotes the line
+    as the rank's cause); the script still exits with status 1. A
+    :class:`~distrain.runtime.membership.LeftOut` (the others went on without this worker, e.g. it
+    was stopped while they agreed on the members) exits with ``EXIT_LEFT_OUT`` after its line:
+    ``distrain launch`` then counts the worker lost, as if it had died, and the others go on.
+    Installed once per process, in front of the hook already there."""
     previous = sys.excepthook
-    if getattr(previous, "distrain_left_out", False):
+    if getattr(previous, "distrain_one_line", False):
         return
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        if isinstance(exc, LeftOut):  # (torch's hook, installed later in front, swaps sys.stderr for a buffer)
-            print(exc, file=sys.__stderr__ or sys.stderr, flush=True)
-            sys.stdout.flush()
+        if not isinstance(exc, WorkerFailure):
+            previous(kind, exc, tb)
+            return
+        # (torch's hook, installed later in front, swaps sys.stderr for a buffer)
+        print(exc, file=sys.__stderr__ or sys.stderr, flush=True)
+        sys.stdout.flush()
+        if isinstance(exc, LeftOut):
             os._exit(EXIT_LEFT_OUT)  # (the interpreter would exit with status 1 after any hook)
-        previous(kind, exc, tb)
 
-    hook.distrain_left_out = True  # type: ignore[attr-defined]
+    hook.distrain_one_line = True  # type: ignore[attr-defined]
     sys.excepthook = hook
 
 
@@ -628,6 +636,10 @@ class DistributedOptimizer:
         """
         if self._finished:
             raise RuntimeError("step() after finish(): this optimizer has ended training")
+        with self._naming_lost_peers():
+            self._step(losses)
+
+    def _step(self, losses: torch.Tensor | None) -> None:
         self.start()
         began = self._forward_at if self._forward_at is not None else self._last_step_end
         blocked_before = self._blocked_at_forward if self._forward_at is not None else blocked_seconds()
@@ -662,6 +674,22 @@ class DistributedOptimizer:
         self._forward_at, self._last_step_end = None, time.perf_counter()
         if self._heartbeat is not None:
             self._heartbeat.progress()
+
+    @contextlib.contextmanager
+    def _naming_lost_peers(self) -> Iterator[None]:
+        """A peer lost where the run cannot go on without it (a run that is not elastic, the
+        only parameter server) ends in a :class:`~distrain.errors.WorkerFailure` naming this
+        worker, the step and the backend's reason in one line, as ``distrain train`` says it,
+        instead of the backend's error from deep inside the algorithm (an elastic run's losses
+        are handled before they reach here)."""
+        try:
+            yield
+        except WorkerFailure:
+            raise
+        except Exception as exc:
+            if not is_comm_error(exc):
+                raise
+            raise lost_peer(exc, self.id, self.steps, self._heartbeat) from exc
 
     def _update(self, ctx: StepContext) -> None:
         self.algorithm.after_backward(ctx)
@@ -1036,9 +1064,10 @@ class DistributedOptimizer:
         algorithms have a consensus only after :meth:`finish`."""
         if self._final is not None:
             return self._final
-        if self.membership is not None and not self.algorithm.replicated:  # over the survivors of any loss
-            return self._collective(lambda: self.algorithm.eval_model())
-        return self.algorithm.eval_model()
+        with self._naming_lost_peers():
+            if self.membership is not None and not self.algorithm.replicated:  # over the survivors of any loss
+                return self._collective(lambda: self.algorithm.eval_model())
+            return self.algorithm.eval_model()
 
     def finish(self) -> torch.nn.Module:
         """End training on this worker and return the final model (the consensus for
@@ -1049,6 +1078,10 @@ class DistributedOptimizer:
         """
         if self._final is not None:
             return self._final
+        with self._naming_lost_peers():
+            return self._finish()
+
+    def _finish(self) -> torch.nn.Module:
         self.start()
         if not self.algorithm.synchronous:
             self.algorithm.request_stop()

@@ -239,20 +239,82 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path):
 def test_a_worker_left_out_ends_its_script_with_status_3_and_other_errors_are_untouched(tmp_path: Path):
     """After wrap(), a LeftOut that ends the user's script (the others went on without this
     worker) prints its one line and exits with status 3, which distrain launch counts as a
-    loss; any other error keeps Python's traceback and status 1 (the hook before it runs)."""
+    loss; another WorkerFailure (e.g. a peer lost in a run that cannot go on without it) prints
+    its one line and exits with status 1; any other error keeps Python's traceback and status 1
+    (the hook before it runs)."""
     script = textwrap.dedent("""
         import sys, torch, distrain
+        from distrain.errors import WorkerFailure
         from distrain.runtime.membership import LeftOut
         model = torch.nn.Linear(2, 1)
         opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        raise (LeftOut("worker 0 was left out of the run at step 7") if sys.argv[1] == "left" else ValueError("mine"))
+        failures = {"left": LeftOut("worker 0 was left out of the run at step 7"),
+                    "lost": WorkerFailure("worker 0 lost contact with rank 1 at step 7 (Connection reset by peer)")}
+        raise failures.get(sys.argv[1], ValueError("mine"))
     """)
     (tmp_path / "job.py").write_text(script)
-    left = subprocess.run([sys.executable, "job.py", "left"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, env=cli_env(uuid.uuid4().hex))
+
+    def job(kind: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "job.py", kind], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env=cli_env(uuid.uuid4().hex))
+
+    left = job("left")
     assert left.returncode == 3, left.stderr
     assert left.stderr.strip().splitlines()[-1] == "worker 0 was left out of the run at step 7"
-    other = subprocess.run([sys.executable, "job.py", "other"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=120, env=cli_env(uuid.uuid4().hex))
+    lost = job("lost")
+    assert lost.returncode == 1 and "Traceback" not in lost.stderr, lost.stderr
+    assert lost.stderr.strip().splitlines()[-1] == "worker 0 lost contact with rank 1 at step 7 (Connection reset by peer)"
+    other = job("other")
     assert other.returncode == 1 and "Traceback" in other.stderr
     assert other.stderr.strip().splitlines()[-1].endswith("ValueError: mine")  # (torch prefixes the rank)
+
+
+def test_a_lost_single_parameter_server_stops_the_job_in_one_line_naming_it(tmp_path: Path):
+    """--servers 1, the server (rank 2) killed at its step 5: nobody holds its parameters, so the
+    job stops at once, its last line naming the server (the launcher said "the others go on
+    without it", and each worker's script then printed gloo's traceback through distrain's
+    internals). A worker that saw the loss first says so in one line."""
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import torch, distrain
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01), algorithm="ps")
+        for step in range(40):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1)).backward()
+            opt.step()
+        opt.finish()
+    """))
+    tag = uuid.uuid4().hex
+    try:
+        done = subprocess.run([sys.executable, "-m", "distrain", "launch", "--workers", "2", "--servers", "1",
+                               "--timeout", "60", "job.py"], env={**cli_env(tag), "DISTRAIN_INJECT_KILL": "2:5"},
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        orphans = tagged(tag)
+    finally:
+        kill_tagged(tag)
+    assert done.returncode == 1, done.stderr
+    assert orphans == []
+    assert "Traceback" not in done.stderr and "go on without it" not in done.stderr, done.stderr
+    for line in done.stderr.splitlines():
+        if line.startswith(("[rank 0]", "[rank 1]")):
+            assert re.fullmatch(r"\[rank (\d)\] worker \1 lost contact with rank 2 at step \d+ \(.+\)", line), done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "distrain: rank 2 failed: killed by SIGKILL", done.stderr
+
+
+def test_a_lost_peer_in_a_step_is_one_failure_naming_the_worker_and_step():
+    """A backend error for a lost peer that reaches wrap()'s optimizer (a run that cannot go on
+    without it) becomes one WorkerFailure line with the step and the backend's reason."""
+    from distrain.errors import WorkerFailure
+
+    model = torch.nn.Linear(2, 1)
+    opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.steps = 7
+    with pytest.raises(WorkerFailure, match=r"^worker 0 lost contact with an unknown rank at step 7 "
+                                            r"\(Connection reset by peer\)$") as failure:
+        with opt._naming_lost_peers():
+            raise RuntimeError("[gloo/pair.cc:534] Connection reset by peer")
+    assert isinstance(failure.value.__cause__, RuntimeError)
+    with pytest.raises(ValueError, match="mine"), opt._naming_lost_peers():  # not a lost peer: untouched
+        raise ValueError("mine")
+    opt.finish()

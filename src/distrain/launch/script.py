@@ -305,7 +305,8 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         restart = Restarts(max_restarts, lambda rank: start(rank, joining=True), world - servers, store,
                            fresh=lambda rank: start(rank, joining=nodes.join))
         code = _supervise(procs, interrupted, exit_window=timeout, store=store, restart=restart,
-                          nodes=nodes if nodes.nnodes > 1 else None)
+                          nodes=nodes if nodes.nnodes > 1 else None,
+                          irreplaceable={world - 1} if servers == 1 else set())
         if nodes.nnodes > 1:
             _end_node(store, nodes, code, workers, timeout)
         return code
@@ -379,7 +380,8 @@ def _failed_elsewhere(store: Any, nodes: Nodes | None) -> str | None:
 
 
 def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float, store: Any = None,
-               restart: Restarts | None = None, nodes: Nodes | None = None) -> int:
+               restart: Restarts | None = None, nodes: Nodes | None = None,
+               irreplaceable: set[int] | None = None) -> int:
     """Wait for every process; on the first failure or a signal, stop the others. Once one has
     finished, the others have ``exit_window`` seconds to finish too (a rank stuck at exit, or in
     a wait its finished peers will never answer, would otherwise keep the job up for ever).
@@ -387,7 +389,9 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
     In an elastic run (``wrap()`` marked it so in ``store``) a process that dies is declared dead
     and the others go on; the job succeeds when every survivor does. On several machines
     (``nodes``) a failure is announced to the other nodes' launchers, and one they announce
-    stops this node's processes."""
+    stops this node's processes. A rank in ``irreplaceable`` (the only parameter server: nobody
+    holds its parameters) fails the job when it dies, elastic or not (it said the others went on
+    without it, and they then stopped for want of it)."""
     first_done: tuple[float, int] | None = None
     lost: list[_Process] = []
     held: dict[_Process, float] = {}  # killed before opening the group: since when, until another opens it
@@ -417,7 +421,8 @@ def _supervise(procs: list[_Process], interrupted: list[int], exit_window: float
             held[failed] = time.monotonic()
             continue
         # died (a signal), or left out by the others (distrain.wrap() exits with EXIT_LEFT_OUT): the others go on
-        if failed is not None and (code < 0 or code == EXIT_LEFT_OUT) and elastic_run(store):
+        if failed is not None and (code < 0 or code == EXIT_LEFT_OUT) and elastic_run(store) \
+                and failed.rank not in (irreplaceable or ()):
             declare_dead(store, failed.rank)
             lost.append(failed)
             again = restart(failed.rank) if restart is not None and first_done is None else None
