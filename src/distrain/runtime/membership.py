@@ -200,8 +200,13 @@ class Membership:
     #: whether this worker has opened a group of the run (False: :func:`open_first_group` opens
     #: the first one, and nobody's heartbeat counts yet)
     opened: bool = True
+    #: the members of this worker's open default group, in its rank order (None: none open yet)
+    group_members: list[int] | None = None
 
     def __post_init__(self) -> None:
+        if self.opened and self.group_members is None and dist.is_initialized() \
+                and dist.get_world_size() == len(self.members):
+            self.group_members = list(self.members)  # opened before this membership, over its members
         mark_elastic(self.store)
         #: whether workers may join (a launcher restarts lost ones): then every step asks the store
         self.accepts_joins = self.store.check([RESTARTS_KEY])
@@ -511,6 +516,18 @@ class Membership:
             membership.settle(membership._reopen, NOT_ENTERED)
         return membership
 
+    def _close_group(self) -> None:
+        """Close this worker's connections in the group it leaves, through a member still in
+        the run (:func:`close_connections`). The group is kept, not freed (see
+        :func:`_keep_groups_alive`), and a connection left open on which a peer had sent what
+        this worker never read kept gloo's transport thread of that group polling it without
+        end: about half a core for the rest of the run, which slowed DiLoCo's rounds after a
+        loss by up to a third."""
+        old = self.group_members or []
+        peers = [rank for rank, m in enumerate(old) if m != self.me and m in self.members]
+        if peers and dist.get_world_size() == len(old):
+            close_connections(peer=peers[0])
+
     def _reopen(self) -> None:
         """Replace the default process group by one over the current members, once every one
         of them is ready to (:meth:`_meet`)."""
@@ -518,6 +535,7 @@ class Membership:
         if self.opened:  # (a group after a change; not the first one)
             inject_kill_in("meet", self.me)  # fault injection for tests
         if dist.is_initialized():
+            self._close_group()
             _abort(dist.group.WORLD)  # an operation still waiting on the lost peer ends now
             _keep_groups_alive(self.timeout)
             dist.destroy_process_group()
@@ -534,6 +552,7 @@ class Membership:
                 raise MembershipChanged(f"worker(s) {gone} gone as the group of epoch {self.epoch} "
                                         "opened") from exc
             raise
+        self.group_members = list(self.members)
         if opening < self.timeout:  # the group's operations get the run's timeout
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout))
         self.opened = True
@@ -904,15 +923,16 @@ def _waiter() -> _Waiter:
 _NEVER_SENT_TAG = 0x5EA1
 
 
-def close_connections(group: dist.ProcessGroup | None = None) -> None:
+def close_connections(group: dist.ProcessGroup | None = None, peer: int | None = None) -> None:
     """Close this worker's connections in ``group``: its pending sends and receives fail now,
-    here and at its peers (see :func:`_wait_p2p`)."""
+    here and at its peers (see :func:`_wait_p2p`). ``peer``: the rank in ``group`` whose
+    connection times out (one that is alive; default: the next rank)."""
     import torch
 
     world = dist.get_world_size(group)
     if world < 2:
         return
-    peer = (dist.get_rank(group) + 1) % world
+    peer = (dist.get_rank(group) + 1) % world if peer is None else peer
     peer = dist.get_global_rank(group, peer) if group is not None else peer
     try:
         dist.irecv(torch.zeros(1), src=peer, group=group, tag=_NEVER_SENT_TAG).wait(
