@@ -3,7 +3,8 @@
 Each process gets the environment torchrun would set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``/``MASTER_PORT`` of a store this launcher hosts on 127.0.0.1) and the emulated
 network's settings in :data:`~distrain.distributed.SETTINGS_ENV`, which :func:`distrain.wrap` reads.
-Output lines carry the rank. When one process fails, the others are stopped and one line names
+Each process is forked from one that imported torch once (:mod:`distrain.launch.preload`) unless
+``--no-preload`` or ``--emulation netns`` asks for a fresh ``python`` per rank. Output lines carry the rank. When one process fails, the others are stopped and one line names
 the rank and the cause; Ctrl-C stops them all; nothing is left running.
 
 On several machines (:class:`Nodes`: ``--nnodes N --node-rank R --master-addr HOST
@@ -18,8 +19,6 @@ enter the running job at a step's end with a live member's state.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import importlib.machinery
 import json
 import os
@@ -42,13 +41,13 @@ from distrain.distributed import SETTINGS_ENV
 from distrain.emulation import NetworkSettings
 from distrain.errors import ConfigError
 from distrain.launch.common import (
-    PR_SET_PDEATHSIG,
     Restarts,
     check_port_free,
     free_port,
     stop_requests,
     wait_for_master,
 )
+from distrain.launch.preload import Forked, Starter, die_with_parent, starter
 from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run, opening
 from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
@@ -123,24 +122,22 @@ def check_settings(settings: dict[str, Any], workers: int, servers: int = 0) -> 
     return cfg
 
 
-def _die_with_launcher() -> None:
-    """In a child, before exec: the kernel kills it when the launcher dies (Linux)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 class _Process:
-    """One rank: its process and the threads copying its output with a rank prefix."""
+    """One rank: its process and the threads copying its output with a rank prefix. Forked by
+    ``starter`` where one is given and can (:mod:`distrain.launch.preload`), else started as
+    ``python`` (behind ``prefix``, e.g. ``ip netns exec NS``)."""
 
     def __init__(self, rank: int, target: Target, env: dict[str, str], lock: threading.Lock,
-                 prefix: list[str] | None = None) -> None:
+                 prefix: list[str] | None = None, starter: Starter | None = None) -> None:
         self.rank = rank
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self.proc = subprocess.Popen([*(prefix or []), *target.command()], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_launcher, start_new_session=True)
+        forked = starter.start(env, target.script, target.module, target.args) if starter is not None else None
+        if starter is not None and forked is None:
+            print(f"distrain: rank {rank} is started with python: the preloaded starter could not start it "
+                  f"({starter.refused})", file=sys.stderr)
+        self.proc: subprocess.Popen[bytes] | Forked = forked if forked is not None else subprocess.Popen(
+            [*(prefix or []), *target.command()], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, start_new_session=True)
         self.threads = [threading.Thread(target=self._copy, args=(self.proc.stdout, sys.stdout, False, lock), daemon=True),
                         threading.Thread(target=self._copy, args=(self.proc.stderr, sys.stderr, True, lock), daemon=True)]
         for t in self.threads:
@@ -233,7 +230,8 @@ class Nodes:
 
 
 def launch_script(target: Target, workers: int, settings: dict[str, Any], *, master_port: int = 0,
-                  timeout: float = 120.0, servers: int = 0, max_restarts: int = 0, nodes: Nodes = Nodes()) -> int:
+                  timeout: float = 120.0, servers: int = 0, max_restarts: int = 0, nodes: Nodes = Nodes(),
+                  preload: bool = True) -> int:
     """Run ``target`` as ``workers`` processes, and ``servers`` more (the last ranks) that
     ``wrap()`` makes parameter servers; the exit status of the job (0: all succeeded). With
     ``nodes`` on several machines, these are ``workers`` of ``nodes.nnodes * workers``.
@@ -242,6 +240,10 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
     it joins the others at a step's end with their state (``wrap()`` sees :data:`JOIN_ENV`). A
     rank killed before its ``wrap()`` began to open the default group (any run) is started again
     in its place, as it was started first, once another rank begins to open it.
+
+    With ``preload`` (and not ``--emulation netns``), every process is forked from one that
+    imported torch once (:mod:`distrain.launch.preload`), a rank started again too; otherwise each
+    starts as ``python SCRIPT``.
 
     Bad settings raise ConfigError before anything starts.
     """
@@ -257,7 +259,7 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
     interrupted: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _frame: interrupted.append(signum))
                 for s in (signal.SIGINT, signal.SIGTERM)}
-    namespaces, work, store = None, None, None
+    namespaces, work, store, forks = None, None, None, None
     try:
         if cfg.network.emulation == "netns":
             from distrain.emulation import NetworkSettings
@@ -292,13 +294,16 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
         if namespaces is not None:
             base.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns that namespaces have no host names
 
+        if preload and namespaces is None and hasattr(os, "fork"):
+            forks = starter()
+
         def start(rank: int, joining: bool = False) -> _Process:
             local = mine.index(rank)
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank)}
             if joining:
                 env[JOIN_ENV] = "1"
             prefix = None if namespaces is None else ["ip", "netns", "exec", namespaces.namespace(rank)]
-            return _Process(rank, target, env, lock, prefix=prefix)
+            return _Process(rank, target, env, lock, prefix=prefix, starter=forks)
 
         for rank in mine:
             procs.append(start(rank, joining=nodes.join))
@@ -316,6 +321,8 @@ def launch_script(target: Target, workers: int, settings: dict[str, Any], *, mas
             p.proc.wait()
             for t in p.threads:
                 t.join(timeout=5)
+        if forks is not None:
+            forks.close()
         del store
         if namespaces is not None:
             namespaces.close()  # after every rank is gone
