@@ -141,3 +141,39 @@ def test_ctrl_c_reaches_every_forked_rank_through_the_launcher(tmp_path: Path):
     finally:
         launcher.kill()
         kill_tagged(tag)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (an orphan's zombie waits for whoever adopted it: not alive)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_starter_that_ended_hands_the_rank_back_to_be_started_with_python(tmp_path: Path):
+    """The starter forks a rank and reports its exit status; once the starter is gone (killed), a
+    rank it was running counts as killed with it, and a new request is refused (None), so that
+    the launcher starts that rank with ``python`` instead."""
+    from distrain.launch.preload import Starter
+
+    script = tmp_path / "ends.py"
+    script.write_text("import sys, time\nprint('ran', flush=True)\nsys.exit(int(sys.argv[1]))\n")
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\ntime.sleep(600)\n")
+    starter = Starter()
+    try:
+        rank = starter.start(dict(os.environ), str(script), None, ["5"])
+        assert rank is not None and rank.wait(timeout=60) == 5 and rank.stdout.read() == b"ran\n"
+        running = starter.start(dict(os.environ), str(hang), None, [])
+        assert running is not None and running.poll() is None
+        starter.proc.kill()
+        assert running.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while _alive(running.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(running.pid)  # it died with the starter
+        assert starter.start(dict(os.environ), str(script), None, ["0"]) is None and starter.refused == "it ended"
+    finally:
+        starter.proc.kill()
+        starter.close()
