@@ -55,7 +55,7 @@ def _launch(tmp_path: Path, *flags: str, how: str = "ok", module: bool = False, 
     script.write_text(FACTS)
     out = tmp_path / ("fork" if "--no-preload" not in flags else "exec")
     out.mkdir(exist_ok=True)
-    target = ["-m", "facts_script"] if module else [str(script)]
+    target = ["-m", "facts_script"] if module else [script.name]  # (relative, from its directory)
     command = [sys.executable, "-m", "distrain", "launch", "--workers", str(workers), *flags, *target, str(out), how]
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path) if module else ""]),
                **(env or {})}

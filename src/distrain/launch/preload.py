@@ -10,11 +10,11 @@ working directory, ``sys.argv``, ``sys.path[0]`` (the script's directory; the wo
 for ``-m``), standard output and error on the launcher's pipes, standard input on /dev/null, the
 signal handlers and mask of a fresh interpreter, the global generators of ``random``, NumPy
 and torch seeded afresh, a process group of its own (the launcher stops it and its children with one signal). It
-then runs the script as ``__main__`` (``runpy``), so an uncaught exception, ``sys.exit`` and
+then runs the script as ``__main__``, so an uncaught exception, ``sys.exit`` and
 ``atexit`` behave as in a fresh interpreter. What differs: the modules of :data:`PRELOAD` are
 imported already (with the environment the launcher had, not the rank's: ``RANK`` and the
 like are read later), Python's string hashes share one seed over the ranks, and a traceback
-shows ``runpy``'s frames above the script's.
+shows the starter's frames above the script's (and ``runpy``'s, with ``-m``).
 
 ``distrain launch --no-preload`` starts each rank with ``python`` instead, as torchrun does; so
 does ``--emulation netns`` (each rank starts inside its namespace). Messages between the
@@ -188,7 +188,25 @@ def _run(rank: _Rank) -> None:
         assert rank.script is not None
         sys.argv = [rank.script, *rank.args]
         sys.path[0] = str(Path(rank.script).resolve().parent)
-        runpy.run_path(rank.script, run_name="__main__")
+        _run_script(os.path.abspath(rank.script))
+
+
+def _run_script(path: str) -> None:
+    """Run the file ``path`` as ``python`` runs its script: a new ``__main__`` module whose
+    ``__file__`` is the absolute path, ``sys.argv[0]`` left as given (``runpy.run_path`` would
+    set it to the path it is handed)."""
+    import builtins
+    import importlib.machinery
+    import io
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __builtins__=builtins, __spec__=None, __cached__=None, __package__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, main.__dict__)
 
 
 # -- the launcher's side ---------------------------------------------------------------------------
