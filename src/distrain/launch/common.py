@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from distrain.config import TrainConfig, check_run_dir
 from distrain.errors import ConfigError
+from distrain.launch.preload import PR_SET_PDEATHSIG
 from distrain.runtime.health import take_fence_request
 from distrain.runtime.membership import SERVERS_RETURN_KEY
 
@@ -169,8 +170,6 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-#: prctl option: the signal this process gets when the thread that started it ends (Linux).
-PR_SET_PDEATHSIG = 1
 #: How often the fallback watch (no prctl) checks that the launcher is still there.
 PARENT_POLL_S = 0.5
 

@@ -53,14 +53,16 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "distrain")
 START_WAIT_S = 120.0
 #: Size bound of one message between the launcher and the starter (a rank's environment).
 MESSAGE_MAX = 1 << 22
+#: prctl option: the signal this process gets when the thread that started it ends (Linux).
 PR_SET_PDEATHSIG = 1
 _CODE = ("import sys; sys.path.insert(0, sys.argv[2]); from distrain.launch.preload import main; "
          "main(int(sys.argv[1]), sys.argv[2])")
 
 
-def die_with_parent() -> None:
+def killed_with_parent() -> None:
     """The kernel kills this process (SIGKILL) when its parent ends (Linux; elsewhere nothing);
-    called in a child before it runs anything."""
+    called in a child before it runs anything (a worker that also wants a watch where prctl is
+    missing uses :func:`distrain.launch.common.die_with_parent`)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -97,7 +99,7 @@ def _serve(sock: socket.socket) -> _Rank | None:
     """Import :data:`PRELOAD`, then fork a child for each request until the launcher closes the
     socket; report each child's pid and exit status. Returns in a child only: its request."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards stops; a Ctrl-C is its to handle
-    die_with_parent()
+    killed_with_parent()
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -155,7 +157,7 @@ def _run(rank: _Rank) -> None:
     """In the forked child: become ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) and run it."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
-    die_with_parent()
+    killed_with_parent()
     if os.getppid() != rank.starter:  # the starter (and the launcher) ended before the line above
         os._exit(1)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -247,14 +249,14 @@ class Starter:
         root = str(Path(__file__).resolve().parents[2])
         self.proc = subprocess.Popen([sys.executable, "-c", _CODE, str(theirs.fileno()), root], pass_fds=[theirs.fileno()],
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+                                     stderr=subprocess.DEVNULL, preexec_fn=killed_with_parent)
         theirs.close()
         self._sock = ours
         self._lock = threading.Lock()
         self._next = 0
         self._waiting: dict[int, Forked] = {}  # request id -> the rank, until its pid is known
         self._running: dict[int, Forked] = {}  # pid -> the rank, until it ends
-        self._early: dict[int, int] = {}  # pid -> exit status reported before its start was read
+        self._ended_unseen: dict[int, int] = {}  # pid -> exit status reported before its start was read
         #: why the starter cannot start ranks (None: it can)
         self.refused: str | None = None
         self._reader = threading.Thread(target=self._read, name="distrain-starter", daemon=True)
@@ -324,8 +326,8 @@ class Starter:
                         os.killpg(int(message["pid"]), signal.SIGKILL)
                     return
                 rank.pid = int(message["pid"])
-                if rank.pid in self._early:
-                    rank._end(self._early.pop(rank.pid))
+                if rank.pid in self._ended_unseen:
+                    rank._end(self._ended_unseen.pop(rank.pid))
                 else:
                     self._running[rank.pid] = rank
                 rank._started.set()
@@ -334,7 +336,7 @@ class Starter:
                 if pid in self._running:
                     self._running.pop(pid)._end(code)
                 else:
-                    self._early[pid] = code
+                    self._ended_unseen[pid] = code
 
     def close(self) -> None:
         """End the starter (once the launcher has stopped every rank it forked)."""

@@ -47,7 +47,7 @@ from distrain.launch.common import (
     stop_requests,
     wait_for_master,
 )
-from distrain.launch.preload import Forked, Starter, die_with_parent, starter
+from distrain.launch.preload import Forked, Starter, killed_with_parent, starter
 from distrain.runtime.health import declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, elastic_run, opening
 from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
@@ -137,7 +137,7 @@ class _Process:
                   f"({starter.refused})", file=sys.stderr)
         self.proc: subprocess.Popen[bytes] | Forked = forked if forked is not None else subprocess.Popen(
             [*(prefix or []), *target.command()], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, start_new_session=True)
+            stdin=subprocess.DEVNULL, preexec_fn=killed_with_parent, start_new_session=True)
         self.threads = [threading.Thread(target=self._copy, args=(self.proc.stdout, sys.stdout, False, lock), daemon=True),
                         threading.Thread(target=self._copy, args=(self.proc.stderr, sys.stderr, True, lock), daemon=True)]
         for t in self.threads:
