@@ -177,3 +177,31 @@ def test_a_starter_that_ended_hands_the_rank_back_to_be_started_with_python(tmp_
     finally:
         starter.proc.kill()
         starter.close()
+
+
+def test_a_starter_that_ends_before_it_answers_hands_the_rank_back_to_be_started_with_python(tmp_path: Path):
+    """Killed while it still imports torch, the starter never answers a request already sent:
+    the request is refused (None, so the launcher starts that rank with python), not handed back
+    as a rank that has no process and counts as killed."""
+    import threading
+
+    from distrain.launch.preload import Starter
+
+    script = tmp_path / "ends.py"
+    script.write_text("print('ran')\n")
+    starter = Starter()
+    got: list = []
+    asking = threading.Thread(target=lambda: got.append(starter.start(dict(os.environ), str(script), None, [])))
+    try:
+        asking.start()
+        deadline = time.monotonic() + 10
+        while not starter._waiting and time.monotonic() < deadline:  # the request is sent, not answered
+            time.sleep(0.001)
+        assert starter._waiting and starter.proc.poll() is None
+        starter.proc.kill()  # (it is importing torch: it answers nothing before its imports are done)
+        asking.join(timeout=30)
+        assert got == [None] and starter.refused == "it ended"
+    finally:
+        starter.proc.kill()
+        asking.join(timeout=30)
+        starter.close()

@@ -284,16 +284,16 @@ class Starter:
         finally:
             os.close(out_w)
             os.close(err_w)
-        if self.refused is not None or not rank._started.wait(timeout):
-            self.refused = self.refused or f"it did not answer within {timeout:g} s"
-            with self._lock:
-                self._waiting.pop(request["id"], None)
-            if rank.pid:  # (answered just now)
-                return rank
-            rank.stdout.close()
-            rank.stderr.close()
-            return None
-        return rank
+        if self.refused is None:
+            rank._started.wait(timeout)  # (set as well when the starter refuses or ends)
+        with self._lock:
+            self._waiting.pop(request["id"], None)  # (an answer after this kills the rank it started)
+        if rank.pid:
+            return rank
+        self.refused = self.refused or f"it did not answer within {timeout:g} s"
+        rank.stdout.close()
+        rank.stderr.close()
+        return None
 
     def _read(self) -> None:
         while True:
@@ -304,9 +304,10 @@ class Starter:
             if not message:  # the starter ended (killed, or the launcher closed it): so did its children
                 with self._lock:
                     self.refused = self.refused or "it ended"
-                    for rank in [*self._running.values(), *self._waiting.values()]:
-                        rank._started.set()
+                    for rank in self._running.values():
                         rank._end(-signal.SIGKILL)
+                    for rank in self._waiting.values():
+                        rank._started.set()  # (no pid: start() hands it back to be started with python)
                     self._running.clear()
                     self._waiting.clear()
                 return
