@@ -89,6 +89,7 @@ from distrain.runtime.faults import (
     start_heartbeat,
     store_client,
 )
+from distrain.runtime.health import HungPeers
 from distrain.runtime.membership import (
     JOIN_ENV,
     NOT_ENTERED,
@@ -97,6 +98,7 @@ from distrain.runtime.membership import (
     Membership,
     RunEnded,
     enter_run,
+    let_go_of_groups,
     mark_elastic,
     mark_opening,
     open_first_group,
@@ -460,6 +462,9 @@ class DistributedOptimizer:
         if self.membership is not None:
             watch_waits(self.membership.changed)  # this thread's waits leave as soon as a survivor flags a loss
             self.transport.meet = self.membership.meet
+        #: a run that stops on a lost peer: this thread's waits end a few seconds after a peer
+        #: stopped answering (its heartbeat stopped), not at --timeout
+        self._hung_watch = self._watch_for_hung_peers(link is None and known is None)
         #: membership changes so far (elastic runs), as records for metrics and the summary
         self.changes: list[Change] = []
         self._retired: tuple[list[int], list[int], float] | None = None  # traffic of groups left behind
@@ -467,7 +472,7 @@ class DistributedOptimizer:
         # so do elastic survivors and servers (distrain's own loop stamps one for every algorithm). Stamped
         # before the first collective: a survivor of a loss as the run starts finds every other
         # worker's heartbeat, so none is taken for silent.
-        wants_heartbeat = self.algorithm.stamps_heartbeat or self.membership is not None
+        wants_heartbeat = self.algorithm.stamps_heartbeat or self.membership is not None or self._hung_watch is not None
         world = dist.get_world_size() if known is None else self.config.cluster.workers
         # (a worker that joins stamps from before it asked to join)
         self._heartbeat = joined.heartbeat if joined is not None and joined.heartbeat is not None \
@@ -573,6 +578,24 @@ class DistributedOptimizer:
         if joined is not None:
             return joined
         return admissions(store_client(self.config.cluster.timeout), self.ids, self.id, algorithm.settings)
+
+    def _watch_for_hung_peers(self, default_group: bool) -> HungPeers | None:
+        """Where a lost peer stops the run (no membership) and the default group holds every
+        process: make this thread's waits end with a one-line failure a few seconds after a peer
+        stopped answering (:class:`~distrain.runtime.health.HungPeers`), where gloo would wait out
+        ``--timeout``. On the CPU (gloo's waits can be polled), not in a group of some of the
+        processes (``wrap(process_group=)``), nor for a worker that trains over links of its own.
+        Asynchronous gossip's training thread polls it where it waits for its gossip threads."""
+        if self.membership is not None or not default_group or self.process_group is not None \
+                or self.config.cluster.device != "cpu" or not dist.is_initialized():
+            return None
+        algorithm = type(self.algorithm)
+        if not algorithm.elastic and algorithm.survives(self.algorithm.settings):
+            return None  # (parameter servers and asynchronous gossip go on without a silent peer themselves)
+        watch = HungPeers.from_env(dist.get_rank(), list(range(dist.get_world_size())), on_hung=let_go_of_groups)
+        if watch is not None:
+            watch_waits(watch)
+        return watch
 
     def _elastic_membership(self) -> Membership | None:
         """The run's membership when the survivors of a lost worker go on: an elastic algorithm,
@@ -1093,7 +1116,7 @@ class DistributedOptimizer:
             self.control_barrier()
         inject_kill_in("final-model", self.id)  # fault injection for tests
         self._final = self.eval_model()  # in an elastic run over the survivors of a loss on the way
-        if self.membership is not None:
+        if self.membership is not None or self._hung_watch is not None:
             watch_waits(None)
         control = self.algorithm.control_transport() or self.transport
         self.close()

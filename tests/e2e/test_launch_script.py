@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -318,3 +319,35 @@ def test_a_lost_peer_in_a_step_is_one_failure_naming_the_worker_and_step():
     with pytest.raises(ValueError, match="mine"), opt._naming_lost_peers():  # not a lost peer: untouched
         raise ValueError("mine")
     opt.finish()
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce", pytest.param("adpsgd", marks=pytest.mark.slow)])
+def test_a_stopped_rank_stops_a_job_that_survives_no_loss_within_seconds(tmp_path: Path, algorithm: str):
+    """--min-workers 4 of 4 (no loss survived): rank 2 stops itself (SIGSTOP) at its step 10,
+    alive, its connections open. The others' waits end a few seconds after its heartbeat's last
+    stamp, in one line naming it, and the launcher stops it (before: the others waited out the
+    60 s --timeout; under adpsgd, whose passive threads receive from any caller, for ever)."""
+    stopped = tmp_path / "stopped-at"
+    (tmp_path / "job.py").write_text(textwrap.dedent(f"""
+        import os, signal, time, torch, distrain
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = distrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01), algorithm="{algorithm}")
+        for step in range(400):
+            if opt.rank == 2 and step == 10:
+                open({str(stopped)!r}, "w").write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1)).backward()
+            opt.step()
+        opt.finish()
+    """))
+    done, orphans = launch(["--workers", "4", "--min-workers", "4", "--timeout", "60", "job.py"], tmp_path)
+    ended = time.time()
+    assert done.returncode == 1, done.stderr
+    assert orphans == []
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"distrain: rank [013] failed: worker [013] lost contact with rank 2 at step \d+ "
+                        r"\(rank 2 has stamped no heartbeat for .+\)", last), done.stderr
+    assert ended - float(stopped.read_text()) < 20  # the heartbeat's staleness (3 s), polls, the stop

@@ -218,3 +218,29 @@ def test_a_stuck_adpsgd_worker_is_dropped_by_those_it_holds_up_and_leaves_when_i
     survivors = [r for r in range(4) if r != victim]
     assert all(summary["steps_per_worker"][r] > 100 for r in survivors), summary["steps_per_worker"]
     finite_final_models(run_dir, survivors)
+
+
+@pytest.mark.parametrize("algorithm", [
+    ["allreduce"],
+    ["adpsgd"],  # its passive threads' any-source receives waited for the stopped caller for ever
+    pytest.param(["dpsgd"], marks=pytest.mark.slow),
+    pytest.param(["diloco", "--sync-every", "4"], marks=pytest.mark.slow),
+    pytest.param(["prague"], marks=pytest.mark.slow),  # waited out --peer-timeout
+    pytest.param(["ps", "--servers", "2"], marks=pytest.mark.slow),
+], ids=lambda a: a[0])
+def test_a_hung_worker_stops_a_run_that_survives_no_loss_within_seconds(tmp_path, algorithm):
+    """--min-workers 4 of 4: worker 2 stops (SIGSTOP) at step 12, alive, its connections open.
+    The others' waits end a few seconds after its heartbeat's last stamp, with one line naming
+    it, and the launcher stops it at once rather than after the others' grace (before: the
+    synchronous algorithms waited out the 60 s --timeout, and the run ended 98 s after the stop;
+    AD-PSGD did not end)."""
+    mark = tmp_path / "stopped-at"
+    run = run_cli([*QUICK, "--timeout", "60", "--peer-timeout", "60", "--algorithm", *algorithm, "--workers", "4",
+                   "--min-workers", "4", "--epochs", "4", "--run-dir", str(tmp_path / "run")], timeout=150,
+                  DISTRAIN_INJECT_STOP="2:12", DISTRAIN_INJECT_MARK=str(mark))
+    ended = time.time()
+    assert run.returncode == 1, run.stderr
+    assert run.orphans == []
+    last = run.stderr.strip().splitlines()[-1]
+    assert "lost contact with rank 2 at step " in last and "the run was stopped" in last, run.stderr
+    assert ended - injected_at(mark) < 20, ended - injected_at(mark)  # staleness (3 s), polls, the stop

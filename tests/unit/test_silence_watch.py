@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-import torch.distributed as dist
-
-from distrain.launch.common import free_port
 from distrain.runtime.health import (
     FINISHED_KEY,
     KEY,
@@ -18,15 +14,6 @@ from distrain.runtime.health import (
     take_fence_request,
 )
 from tests.reliability.common import wait_for
-
-
-@pytest.fixture()
-def store(monkeypatch):  # noqa: ANN001, ANN201
-    port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    yield master
 
 
 def test_only_a_peer_waited_for_past_its_staleness_with_a_stale_heartbeat_is_to_be_stopped(store):

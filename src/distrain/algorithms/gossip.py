@@ -67,9 +67,12 @@ from distrain.runtime.membership import (
     LeftOut,
     LinkMissed,
     Membership,
+    MembershipChanged,
     agree_before_groups,
     await_ready,
+    letting_go,
     restarted_workers,
+    watched,
 )
 
 log = logging.getLogger(__name__)
@@ -354,7 +357,7 @@ class GossipEngine:
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            log.error("worker %d: gossip thread failed: %s", self.state.rank, exc)
+            (log.debug if letting_go() else log.error)("worker %d: gossip thread failed: %s", self.state.rank, exc)
             if self.error is None:
                 self.error = exc
             with self.state.lock:
@@ -637,6 +640,8 @@ class AsyncGossip(Algorithm):
     #: :meth:`joiner_transport`): its admission (it takes a peer's model over links in
     #: :meth:`join`, never entering the run's groups).
     entered: Membership | None = None
+    #: what the training thread's watch raised as it waited for the gossip threads (see :meth:`_stalled`)
+    _stall: BaseException | None = None
 
     def joiner_transport(self, joined: Membership, link_model: Any = None) -> tuple[Transport, int]:
         """A worker started again keeps its id as its rank (asynchronous gossip never renumbers);
@@ -843,10 +848,12 @@ class AsyncGossip(Algorithm):
         self.state.apply_step(delta, self.read_copy)  # x += delta, atomically with any averaging
         g = self.settings
         if self.engine is not None and g.max_lag > 0:
-            engine = self.engine
-            if not self.state.wait_for_averaging(g.max_lag, g.peer_timeout, lambda: engine.error is not None):
+            engine, began = self.engine, time.monotonic()
+            if not self.state.wait_for_averaging(g.max_lag, g.peer_timeout,
+                                                 lambda: engine.error is not None or self._stalled(began)):
                 log.warning("worker %d: no averaging for %.0f s (--max-lag %d); going on alone",
                             self.state.rank, g.peer_timeout, g.max_lag)
+            self._raise_stall()
             engine.check()
             self.state.read(out=self.read_copy)  # averagings that landed while waiting
         self.flat.write(self.read_copy)
@@ -857,6 +864,24 @@ class AsyncGossip(Algorithm):
 
     def after_update(self, ctx: StepContext) -> None:
         self._snapshot_if_due()
+
+    def _stalled(self, began: float) -> bool:
+        """Whether the training thread's watch (a run that stops on any loss: a peer that stopped
+        answering, :class:`~distrain.runtime.health.HungPeers`) ends its wait for the gossip
+        threads that began at ``began``; what it raised is kept for :meth:`_raise_stall`,
+        outside the shared model's lock. The gossip threads' own waits on such a peer would
+        otherwise last until --peer-timeout, or, a passive one's any-source receive, for ever."""
+        if self._stall is None:
+            try:
+                if watched(time.monotonic() - began):
+                    self._stall = MembershipChanged("the run's membership changed")
+            except PeerTimeout as exc:
+                self._stall = exc
+        return self._stall is not None
+
+    def _raise_stall(self) -> None:
+        if self._stall is not None:
+            raise self._stall
 
     def keep_going(self, step: int, total_steps: int) -> bool:
         """False once this worker's budget is used; then first waits until every worker is done
@@ -882,9 +907,12 @@ class AsyncGossip(Algorithm):
     def _drain(self) -> None:
         self.state.finish()
         if self.engine is not None:
+            began = time.monotonic()
             while self.engine.alive():
                 self.engine.join(timeout=0.05)
                 self.engine.check()
+                if self._stalled(began):
+                    self._raise_stall()
                 self._snapshot_if_due()  # the model still changes while the others finish
             self.engine.check()
         self._snapshot_if_due()

@@ -47,7 +47,7 @@ from distrain.launch.common import (
     stop_requests,
 )
 from distrain.runtime.forkserver import worker_context
-from distrain.runtime.health import declare_dead, declared_dead
+from distrain.runtime.health import HungPeers, declare_dead, declared_dead
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, LeftOut
 from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
 
@@ -218,6 +218,10 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
         if due is not None and time.monotonic() >= due:  # the survivors are stuck, or too slow to stop
             _stop(pending)
             break
+        if failed_at is not None and store is not None and (silent := _silent(store, pending, ranks)):
+            _stop(silent, wait=0.5)  # stopped or stuck: none would leave in the others' grace
+            pending = [p for p in pending if p not in silent]
+            continue
         if restart is not None and any(p.exitcode == 0 for p in ranks) \
                 and all(declared_dead(store, ranks[p]) for p in pending):
             _stop(pending)  # the members finished; the others were left out (e.g. stopped) and lost
@@ -270,6 +274,16 @@ def _supervise(procs: list[mp.Process], grace: float, run_dir: Path, nworkers: i
     interrupted = [r for p, r in ranks.items() if p.exitcode == EXIT_INTERRUPTED]
     if interrupted:  # a worker was signalled directly: every one stopped at the agreed step
         raise Interrupted(-1)
+
+
+def _silent(store: dist.Store, pending: list[mp.Process], ranks: dict[mp.Process, int]) -> list[mp.Process]:
+    """Of ``pending``: the processes whose heartbeat stamped and then stopped for longer than its
+    staleness (a stopped process, a stuck training thread), which will not leave by themselves
+    once the run is stopping (best effort: none when the store cannot say)."""
+    try:
+        return [p for p in pending if p.is_alive() and HungPeers.stopped_stamping(store, ranks[p])]
+    except Exception:  # noqa: BLE001 - the store may be closing: the others' grace ends it
+        return []
 
 
 def _stop(procs: list[mp.Process], wait: float = 5.0) -> None:

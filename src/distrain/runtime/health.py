@@ -27,6 +27,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch.distributed as dist
 
@@ -489,3 +490,83 @@ class SilenceWatch:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.poll + 1)
+
+
+class HungPeers:
+    """A wait watch (:func:`~distrain.runtime.membership.watch_waits`) for a run that stops on any
+    lost peer (``--min-workers`` equal to ``--workers``, torchrun, a GPU): a peer that stopped
+    (SIGSTOP, a stuck training thread: its heartbeat stops, :class:`StuckWatch`) keeps its
+    connections open, and a wait for it would last until ``--timeout`` (120 s by default). Once a
+    wait of this thread has lasted ``stale_after`` seconds, the watch looks in the store, every
+    ``every`` seconds, for a peer whose heartbeat stamped and then stopped for ``stale_after``
+    seconds (or which was declared dead), and ends the wait with
+    :class:`~distrain.runtime.faults.PeerTimeout` naming it: the run stops in one line a few
+    seconds after the peer did. A peer that has not stamped yet (still importing) is not
+    suspected; its wait keeps the ``--timeout`` ceiling.
+
+    Example::
+
+        watch_waits(HungPeers.from_env(me=0, peers=[0, 1, 2, 3]))
+    """
+
+    def __init__(self, host: str, port: int, me: int, peers: list[int], stale_after: float = 3.0,
+                 every: float = 0.5, on_hung: Callable[[], None] | None = None) -> None:
+        self.me, self.peers, self.stale_after, self.every = me, [p for p in peers if p != me], stale_after, every
+        #: called before the wait ends (e.g. to close this process's connections, so that its
+        #: pending operations and the peers' waits on it fail now)
+        self.on_hung = on_hung
+        self._live = Liveness(host, port, world_size=0, stale_after=stale_after)
+        self._looked = -float("inf")
+
+    @classmethod
+    def from_env(cls, me: int, peers: list[int], **kwargs: Any) -> HungPeers | None:
+        """The watch over the store at ``MASTER_ADDR:MASTER_PORT``; None without one."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        return cls(host, int(port), me, peers, **kwargs) if host and port and set(peers) - {me} else None
+
+    def __call__(self, waited: float) -> bool:
+        """Called by a wait after ``waited`` seconds: False (the wait goes on), or raises."""
+        now = time.monotonic()
+        if waited <= self.stale_after or now - self._looked < self.every:
+            return False
+        self._looked = now
+        try:
+            hung = self.hung()
+        except Exception as exc:  # noqa: BLE001 - the store may be slow or closing: looked at again next time
+            log.debug("hung-peer watch: %s", exc)
+            self._live = self._live.another()
+            return False
+        if hung:
+            from distrain.runtime.faults import PeerTimeout
+
+            peer, age = hung[0]
+            if self.on_hung is not None:
+                self.on_hung()
+            said = "was declared dead" if age is None else f"has stamped no heartbeat for {age:.1f} s"
+            raise PeerTimeout(f"rank {peer} {said} while rank {self.me} waited {waited:.1f} s for the others: "
+                              "stopped or stuck, it holds the run")
+        return False
+
+    def hung(self) -> list[tuple[int, float | None]]:
+        """The peers declared dead (age None) or whose heartbeat stamped once and then stopped for
+        longer than ``stale_after`` (with its age in seconds), but for those that finished."""
+        store, out = self._live.store, []
+        for peer in self.peers:
+            if dead_since(store, peer) is not None:
+                out.append((peer, None))
+            elif (age := self.silent_for(store, peer)) is not None and age > self.stale_after \
+                    and not store.check([FINISHED_KEY.format(peer)]):  # (a finished one's heartbeat ended with it)
+                out.append((peer, age))
+        return out
+
+    @staticmethod
+    def silent_for(store: dist.Store, rank: int) -> float | None:
+        """Seconds since ``rank``'s last heartbeat; None when it has stamped none."""
+        key = KEY.format(rank)
+        return time.time() - float(store.get(key).decode()) if store.check([key]) else None
+
+    @staticmethod
+    def stopped_stamping(store: dist.Store, rank: int, stale_after: float = 3.0) -> bool:
+        """Whether ``rank``'s heartbeat stamped and then stopped for longer than ``stale_after``."""
+        age = HungPeers.silent_for(store, rank)
+        return age is not None and age > stale_after

@@ -820,6 +820,15 @@ def watch_waits(check: Callable[[float], bool] | None) -> None:
     _watch.check = check
 
 
+def watched(waited: float) -> bool:
+    """Poll this thread's watch (:func:`watch_waits`) from a wait of ``waited`` seconds that is
+    not a ``wait_work`` (e.g. for a condition another thread sets): True when it says the
+    membership changed; False without a watch. A watch may raise instead (see
+    :class:`~distrain.runtime.health.HungPeers`)."""
+    check = getattr(_watch, "check", None)
+    return check is not None and check(waited)
+
+
 @contextmanager
 def watching(check: Callable[[float], bool]) -> Iterator[None]:
     """:func:`watch_waits` with ``check`` inside the block, and this thread's watch as it was after."""
@@ -917,6 +926,32 @@ def _waiter() -> _Waiter:
         if _WAITER is None:
             _WAITER = _Waiter()
         return _WAITER
+
+
+_LET_GO = threading.Event()
+
+
+def letting_go() -> bool:
+    """Whether this process let go of its groups (:func:`let_go_of_groups`): the failures of
+    its operations that follow are that, not news."""
+    return _LET_GO.is_set()
+
+
+def let_go_of_groups() -> None:
+    """A process about to fail because a peer stopped answering: close its connections in every
+    process group, so that its pending operations (waiting for that peer until ``--timeout``) and
+    the peers' waits on it fail now, and keep the groups from being freed at exit (freeing a gloo
+    group joins its threads, which may still be in an operation with the silent peer)."""
+    _LET_GO.set()
+    groups = list(dist.distributed_c10d._world.pg_names)
+    for group in groups:
+        try:
+            close_connections(group)
+        except Exception as exc:  # noqa: BLE001 - best effort: the process is about to fail anyway
+            log.debug("could not close a group's connections: %s", exc)
+    atexit.unregister(_never_free_kept)
+    atexit.register(_never_free_kept)
+    _KEPT.append((float("inf"), groups))
 
 
 #: The tag of the receive that :func:`close_connections` times out (no message ever carries it).
