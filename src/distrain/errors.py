@@ -38,6 +38,12 @@ class WorkerFailure(DistrainError, RuntimeError):
     """A peer stopped answering or a worker process failed."""
 
 
+class PeerTimeout(RuntimeError):
+    """A peer did not answer: its heartbeat stopped while we waited for it, or it stayed silent
+    past the ceiling. A communication error (:func:`distrain.runtime.faults.is_comm_error`),
+    whatever its message says."""
+
+
 class Interrupted(Exception):
     """The run was asked to stop (SIGTERM / Ctrl-C); a checkpoint was written at ``step``
     (-1: unknown) in ``run_dir``."""

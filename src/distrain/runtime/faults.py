@@ -66,7 +66,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from distrain.errors import WorkerFailure
+from distrain.errors import PeerTimeout, WorkerFailure
 from distrain.runtime.files import atomic_write
 from distrain.runtime.health import Heartbeat
 
@@ -83,11 +83,6 @@ FAILURE_KEY = f"distrain/{_ATTEMPT}/failure"
 REPEAT_WINDOW_S = 3.0
 #: Words in the errors gloo raises when a peer is gone or silent.
 COMM_ERROR_WORDS = ("connection", "closed", "reset", "timed out", "timeout", "broken pipe", "gloo", "peer", "socket")
-
-
-class PeerTimeout(RuntimeError):
-    """A peer did not answer: its heartbeat stopped while we waited for it, or it stayed silent
-    past the ceiling. A communication error (:func:`is_comm_error`), whatever its message says."""
 
 
 class NonFinite(Exception):

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distrain.errors import WorkerFailure
+from distrain.errors import PeerTimeout, WorkerFailure
 
 log = logging.getLogger(__name__)
 
@@ -537,8 +537,6 @@ class HungPeers:
             self._live = self._live.another()
             return False
         if hung:
-            from distrain.runtime.faults import PeerTimeout
-
             peer, age = hung[0]
             if self.on_hung is not None:
                 self.on_hung()
