@@ -353,13 +353,15 @@ def test_a_member_lost_while_a_worker_joins_leaves_the_others_and_the_joiner_goi
     assert not torch.allclose(absent_reference({0: (at, back)}, steps), expected)  # worker 2's loss counts
 
 
-@pytest.mark.slow  # CI: the kill and join tests above
-@pytest.mark.parametrize("phase", ["recovery", "meet"])
+# CI: the rendezvous case; `make test-all`: the agreement's too
+@pytest.mark.parametrize("phase", [pytest.param("recovery", marks=pytest.mark.slow), "meet"])
 def test_a_survivor_lost_as_the_survivors_regroup_leaves_the_others_going(tmp_path: Path, phase: str):
     """Worker 0 killed as step 3 begins; worker 2 dies once the survivors agreed on [1, 2, 3],
-    before their group opened (``recovery``), or once all three were ready to open it
-    (``meet``): the other two see it gone instead of waiting in the group's rendezvous for the
-    run's timeout (60 s), agree again on [1, 3] and redo step 3 between themselves."""
+    before their group opened (``recovery``), or once all three were ready to open it, before
+    its rendezvous (``meet``): the other two see it gone instead of waiting in the group's
+    rendezvous (for the run's timeout, 60 s, or the opening's bound, 13 s, which ``meet`` took
+    before the rendezvous's waits looked for the lost), agree again on [1, 3] and redo step 3
+    between themselves."""
     at = 3
     done = launch(tmp_path, 0, at, "start", env=kill_in(tmp_path, phase, 2))
     assert done.returncode == 0, done.stderr
@@ -369,7 +371,7 @@ def test_a_survivor_lost_as_the_survivors_regroup_leaves_the_others_going(tmp_pa
     for r, result in results.items():
         first, second = result["changes"]
         assert (first["workers"], first["members"], second["workers"], second["members"]) == ([0], [1, 2, 3], [2], [1, 3])
-        assert second["unix_time"] - first["unix_time"] < 30, (first, second)  # not the rendezvous's 60 s
+        assert second["unix_time"] - first["unix_time"] < 6, (first, second)  # not the rendezvous's 13 or 60 s
         assert result["workers"] == 2 and result["steps"] == STEPS, r
         torch.testing.assert_close(result["weight"].reshape(-1), expected, rtol=0, atol=1e-12)
 

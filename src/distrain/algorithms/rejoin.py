@@ -163,7 +163,7 @@ def open_pair(membership: Membership, epoch: int, peers: tuple[int, int], me: in
             return declared_dead(client, r)
     await_ready(prefix, [a, b], me, timeout, lambda r: r == other and gone(r),
                 f"worker {me}: worker {other} never came to open the link {name}")
-    return open_link(prefix, [a, b], me, world, timeout, link_model, host=host)
+    return open_link(prefix, [a, b], me, world, timeout, link_model, host=host, gone=lambda r: r == other and gone(r))
 
 
 __all__ = ["POLL_S", "Admissions", "await_entry", "open_pair"]

@@ -18,12 +18,14 @@ Example::
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from distrain.comm.transport import Handle, Transport
 from distrain.emulation.link import LinkModel
+from distrain.runtime.membership import LinkMissed, WatchfulStore
 
 
 class LinkTransport(Transport):
@@ -55,13 +57,29 @@ class LinkTransport(Transport):
 
 
 def open_link(store: dist.Store, ranks: list[int], me: int, world_size: int, timeout: float,
-              link_model: LinkModel | None = None, host: str = "127.0.0.1") -> LinkTransport:
+              link_model: LinkModel | None = None, host: str = "127.0.0.1",
+              gone: Callable[[int], bool] | None = None) -> LinkTransport:
     """Open a link between the processes ``ranks`` (their ranks in the run, in the same order
     everywhere), meeting in ``store`` (a prefix of the launcher's store that every one of them
     names); this process is ``me`` and listens on ``host`` only (the processes of a local run
-    meet on loopback). Blocks until all of them have opened it, at most ``timeout`` seconds."""
+    meet on loopback). Blocks until all of them have opened it, at most ``timeout`` seconds.
+    ``gone(rank)``: whether a process is lost; one lost in the link's rendezvous then raises
+    :class:`~distrain.runtime.membership.LinkMissed` within a poll (the rendezvous would wait
+    for it until ``timeout``)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    group = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), options)
+    if gone is None:
+        group = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), options)
+        return LinkTransport(group, ranks, me, world_size, link_model)
+
+    def lost() -> list[int]:
+        return [r for r in ranks if r != me and gone(r)]
+
+    try:
+        group = dist.ProcessGroupGloo(WatchfulStore(store, lost, timeout), ranks.index(me), len(ranks), options)
+    except Exception as exc:
+        if missing := lost():
+            raise LinkMissed(missing, f"rank {me}: rank(s) {missing} lost as the link opened") from exc
+        raise
     return LinkTransport(group, ranks, me, world_size, link_model)

@@ -18,7 +18,8 @@ sees that another survivor has flagged the change. Every survivor then:
    which every survivor reads back, so all of them hold the same member list;
 5. marks itself ready for the new epoch's group and, once every member has, opens it over the
    store under the new epoch's prefix, with ranks in member order (the opening bounded by
-   ``stale_after`` plus :data:`OPEN_GRACE_S`, not the run's timeout). A member lost meanwhile (or
+   ``stale_after`` plus :data:`OPEN_GRACE_S`, not the run's timeout; a member gone in the
+   rendezvous itself ends it within a poll, see :class:`WatchfulStore`). A member lost meanwhile (or
    while the state moves to who needs it) makes them agree again from step 1 over whoever is
    left; so does a loss while the members admit a joiner, which then takes a member's state in
    that agreement (:meth:`Membership.settle`).
@@ -542,9 +543,10 @@ class Membership:
         # a member that dies between its ready mark and the group's rendezvous would hold the
         # others there for the run's whole timeout: the opening gets its own, shorter bound
         opening = min(self.timeout, self.stale_after + OPEN_GRACE_S)
+        others = [m for m in self.members if m != self.me]
+        store = WatchfulStore(dist.PrefixStore(self._key("group"), self.store), lambda: self._gone(others), opening)
         try:
-            dist.init_process_group(self.backend, store=dist.PrefixStore(self._key("group"), self.store),
-                                    rank=self.rank, world_size=len(self.members),
+            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=len(self.members),
                                     timeout=datetime.timedelta(seconds=opening))
         except Exception as exc:
             if gone := self._gone([m for m in self.members if m != self.me]):
@@ -593,6 +595,64 @@ class Membership:
                 raise WorkerFailure(f"worker {self.me}: workers {waiting} did not {what} in epoch {self.epoch} "
                                     f"within {self.timeout:g} s")
             time.sleep(POLL_S / 2)
+
+
+class WatchfulStore(dist.Store):
+    """A store whose waits for a key end as soon as ``gone()`` names someone, for a group's
+    rendezvous: a member that died after its ready mark (:meth:`Membership.meet`) never writes
+    its address, and the rendezvous would wait for it until ``timeout`` (the members' opening
+    bound, 13 s). ``gone()`` is asked at most every ``GONE_POLL_S``; a wait polls the key with
+    a back-off from 1 to 20 ms (a rendezvous waits for a few keys once)."""
+
+    def __init__(self, inner: dist.Store, gone: Callable[[], list[int]], timeout: float) -> None:
+        super().__init__()
+        self._inner, self._gone_now, self._timeout = inner, gone, timeout
+
+    def _await(self, keys: list[str], timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        pause, looked = 0.001, time.monotonic()
+        while not self._inner.check(keys):
+            now = time.monotonic()
+            if now - looked >= GONE_POLL_S:
+                looked = now
+                if lost := self._gone_now():
+                    raise RuntimeError(f"worker(s) {lost} gone during the group's rendezvous")
+            if now > deadline:
+                raise RuntimeError(f"timed out after {self._timeout:g} s waiting for {keys} in the group's rendezvous")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+
+    def get(self, key: str) -> bytes:
+        self._await([key])
+        return self._inner.get(key)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._await(list(keys), None if timeout is None else timeout.total_seconds())
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._inner.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self._inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout.total_seconds()
+
+
+#: How often a rendezvous's wait asks whether a member is gone (seconds).
+GONE_POLL_S = 0.1
 
 
 class LinkMissed(WorkerFailure):

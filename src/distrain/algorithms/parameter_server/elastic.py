@@ -135,7 +135,7 @@ def _meet(membership: Membership, name: str, ranks: list[int] | None, me: int, s
         ranks = [int(r) for r in plan.get("ranks").decode().split(",")]
     await_ready(membership.store_prefix(f"{name}/ready"), ranks, me, settings.run.timeout, gone, missed)
     link = open_link(membership.store_prefix(name), ranks, me, settings.run.workers + settings.servers,
-                     settings.run.timeout, link_model, host=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+                     settings.run.timeout, link_model, host=os.environ.get("MASTER_ADDR", "127.0.0.1"), gone=gone)
     return link, ranks
 
 
