@@ -47,7 +47,7 @@ from distrain.launch.common import (
     stop_requests,
 )
 from distrain.runtime.forkserver import worker_context
-from distrain.runtime.health import HungPeers, declare_dead, declared_dead
+from distrain.runtime.health import declare_dead, declared_dead, stopped_stamping
 from distrain.runtime.membership import JOIN_ENV, RESTARTS_KEY, LeftOut
 from distrain.runtime.process import EXIT_BAD_INPUT, EXIT_LEFT_OUT
 
@@ -281,7 +281,7 @@ def _silent(store: dist.Store, pending: list[mp.Process], ranks: dict[mp.Process
     staleness (a stopped process, a stuck training thread), which will not leave by themselves
     once the run is stopping (best effort: none when the store cannot say)."""
     try:
-        return [p for p in pending if p.is_alive() and HungPeers.stopped_stamping(store, ranks[p])]
+        return [p for p in pending if p.is_alive() and stopped_stamping(store, ranks[p])]
     except Exception:  # noqa: BLE001 - the store may be closing: the others' grace ends it
         return []
 

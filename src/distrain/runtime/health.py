@@ -329,11 +329,24 @@ def dead_since(store: dist.Store, rank: int) -> float | None:
     return None if value == _MISSING.encode() else float(value.decode())
 
 
+def heartbeat_age(store: dist.Store, rank: int) -> float | None:
+    """Seconds since ``rank``'s last heartbeat; None when it has stamped none."""
+    beat = KEY.format(rank)
+    return time.time() - float(store.get(beat).decode()) if store.check([beat]) else None
+
+
 def heartbeat_stale(store: dist.Store, rank: int, stale_after: float) -> bool:
     """Whether ``rank``'s heartbeat is missing or older than ``stale_after`` seconds (its dead
     mark aside: a process started again may still carry its last life's)."""
-    beat = KEY.format(rank)
-    return not store.check([beat]) or time.time() - float(store.get(beat).decode()) > stale_after
+    age = heartbeat_age(store, rank)
+    return age is None or age > stale_after
+
+
+def stopped_stamping(store: dist.Store, rank: int, stale_after: float = 3.0) -> bool:
+    """Whether ``rank``'s heartbeat stamped and then stopped for longer than ``stale_after``
+    seconds (one that has stamped none yet, still importing, has not stopped)."""
+    age = heartbeat_age(store, rank)
+    return age is not None and age > stale_after
 
 
 def silent(store: dist.Store, ranks: list[int] | set[int], stale_after: float) -> list[int]:
@@ -500,7 +513,7 @@ class HungPeers:
     wait of this thread has lasted ``stale_after`` seconds, the watch looks in the store, every
     ``every`` seconds, for a peer whose heartbeat stamped and then stopped for ``stale_after``
     seconds (or which was declared dead), and ends the wait with
-    :class:`~distrain.runtime.faults.PeerTimeout` naming it: the run stops in one line a few
+    :class:`~distrain.errors.PeerTimeout` naming it: the run stops in one line a few
     seconds after the peer did. A peer that has not stamped yet (still importing) is not
     suspected; its wait keeps the ``--timeout`` ceiling.
 
@@ -552,19 +565,7 @@ class HungPeers:
         for peer in self.peers:
             if dead_since(store, peer) is not None:
                 out.append((peer, None))
-            elif (age := self.silent_for(store, peer)) is not None and age > self.stale_after \
+            elif (age := heartbeat_age(store, peer)) is not None and age > self.stale_after \
                     and not store.check([FINISHED_KEY.format(peer)]):  # (a finished one's heartbeat ended with it)
                 out.append((peer, age))
         return out
-
-    @staticmethod
-    def silent_for(store: dist.Store, rank: int) -> float | None:
-        """Seconds since ``rank``'s last heartbeat; None when it has stamped none."""
-        key = KEY.format(rank)
-        return time.time() - float(store.get(key).decode()) if store.check([key]) else None
-
-    @staticmethod
-    def stopped_stamping(store: dist.Store, rank: int, stale_after: float = 3.0) -> bool:
-        """Whether ``rank``'s heartbeat stamped and then stopped for longer than ``stale_after``."""
-        age = HungPeers.silent_for(store, rank)
-        return age is not None and age > stale_after

@@ -549,7 +549,7 @@ class Membership:
             dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=len(self.members),
                                     timeout=datetime.timedelta(seconds=opening))
         except Exception as exc:
-            if gone := self._gone([m for m in self.members if m != self.me]):
+            if gone := self._gone(others):
                 self.flag()
                 raise MembershipChanged(f"worker(s) {gone} gone as the group of epoch {self.epoch} "
                                         "opened") from exc
@@ -823,9 +823,14 @@ def _keep_groups_alive(timeout: float) -> None:
     process exits is never freed: its threads end with the process."""
     now = time.monotonic()
     _KEPT[:] = [(until, groups) for until, groups in _KEPT if until > now]  # the others are freed here
+    _keep(now + 2 * timeout, list(dist.distributed_c10d._world.pg_names))
+
+
+def _keep(until: float, groups: list[dist.ProcessGroup]) -> None:
+    """Keep ``groups`` from being freed until ``until`` (monotonic), and at exit for good."""
     atexit.unregister(_never_free_kept)
     atexit.register(_never_free_kept)  # (once)
-    _KEPT.append((now + 2 * timeout, list(dist.distributed_c10d._world.pg_names)))
+    _KEPT.append((until, groups))
 
 
 def _never_free_kept() -> None:
@@ -1009,9 +1014,7 @@ def let_go_of_groups() -> None:
             close_connections(group)
         except Exception as exc:  # noqa: BLE001 - best effort: the process is about to fail anyway
             log.debug("could not close a group's connections: %s", exc)
-    atexit.unregister(_never_free_kept)
-    atexit.register(_never_free_kept)
-    _KEPT.append((float("inf"), groups))
+    _keep(float("inf"), groups)
 
 
 #: The tag of the receive that :func:`close_connections` times out (no message ever carries it).
