@@ -51,3 +51,17 @@ def test_empty_and_sparse_gradients():
     assert grads_finite(params)
     params[2].grad[1] = float("-inf")
     assert not grads_finite(params)
+
+
+def test_sums_that_overflow_only_together_or_in_half_precision_are_still_finite():
+    params = [torch.nn.Parameter(torch.ones(1, dtype=torch.float64)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.full((1,), 1e308, dtype=torch.float64)  # each sum finite, their total not
+    assert grads_finite(params)
+    half = torch.full((4,), 60000.0, dtype=torch.float16)  # its float16 sum overflows
+    assert not torch.isfinite(half.sum()) and all_finite(half)
+    params.append(torch.nn.Parameter(torch.ones(4, dtype=torch.float16)))
+    params[2].grad = half.clone()
+    assert grads_finite(params)
+    params[2].grad[2] = float("nan")
+    assert not all_finite(params[2].grad) and not grads_finite(params)
