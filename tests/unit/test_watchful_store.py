@@ -4,6 +4,8 @@ its timeout), and everything else is the inner store's."""
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
 import threading
 import time
 
@@ -52,3 +54,16 @@ def test_a_link_whose_peer_is_lost_in_its_rendezvous_fails_naming_it_within_a_po
                   gone=lambda r: r == 3 and time.monotonic() > dead_after)
     assert missed.value.ranks == [3]
     assert time.monotonic() - began < 10
+
+
+def test_a_group_made_after_an_elastic_default_group_reaches_that_groups_store(store):
+    # The default group holds only the C++ side of the store it met in; a group made from it
+    # later (hierarchical all-reduce's node groups) calls the Python side, which must still live.
+    code = ("import gc, torch.distributed as dist\n"
+            "from distrain.runtime.membership import open_first_group\n"
+            "membership = open_first_group(0, 1, min_workers=1, backend='gloo', timeout=30)\n"
+            "gc.collect()\n"
+            "dist.new_group([0])\n"
+            "print('made', dist.get_world_size(), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "made 1", done.stderr[-2000:]

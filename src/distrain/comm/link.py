@@ -39,6 +39,8 @@ class LinkTransport(Transport):
         self._open(group, me, world_size, link_model, list(range(world_size)))
         self._place = {r: i for i, r in enumerate(ranks)}  # run rank -> rank in the group
         self.ranks = list(ranks)  # the processes it links, by their ranks in the run
+        #: the store the group met in, where its Python side must outlive the group (open_link)
+        self.store: dist.Store | None = None
 
     def _global(self, group_rank: int) -> int:
         return group_rank  # peers are named by their ranks in the run
@@ -76,10 +78,13 @@ def open_link(store: dist.Store, ranks: list[int], me: int, world_size: int, tim
     def lost() -> list[int]:
         return [r for r in ranks if r != me and gone(r)]
 
+    watchful = WatchfulStore(store, lost, timeout)
     try:
-        group = dist.ProcessGroupGloo(WatchfulStore(store, lost, timeout), ranks.index(me), len(ranks), options)
+        group = dist.ProcessGroupGloo(watchful, ranks.index(me), len(ranks), options)
     except Exception as exc:
         if missing := lost():
             raise LinkMissed(missing, f"rank {me}: rank(s) {missing} lost as the link opened") from exc
         raise
-    return LinkTransport(group, ranks, me, world_size, link_model)
+    link = LinkTransport(group, ranks, me, world_size, link_model)
+    link.store = watchful  # the group calls its Python side while the group lives (see Membership._reopen)
+    return link

@@ -203,6 +203,8 @@ class Membership:
     opened: bool = True
     #: the members of this worker's open default group, in its rank order (None: none open yet)
     group_members: list[int] | None = None
+    #: the store the open default group met in (kept alive with it: see :meth:`_reopen`)
+    _group_store: dist.Store | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.opened and self.group_members is None and dist.is_initialized() \
@@ -554,6 +556,10 @@ class Membership:
                 raise MembershipChanged(f"worker(s) {gone} gone as the group of epoch {self.epoch} "
                                         "opened") from exc
             raise
+        # The group holds the store's C++ side only; its Python side (the overrides) must live as
+        # long as the group: groups made later from the default store (hierarchical all-reduce's
+        # node groups) call it, and met "Not implemented" once it was freed.
+        self._group_store = store
         self.group_members = list(self.members)
         if opening < self.timeout:  # the group's operations get the run's timeout
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout))
