@@ -330,7 +330,10 @@ class AlgoConfig:
     first_bucket_mb: float = _opt(0.0, "allreduce: size in MB of the first bucket (the last layers, whose gradients "
                                   "come first), so that its all-reduce starts early in backward; 0 = --bucket-mb "
                                   "(DDP's rule when bucket_cap_mb is given; DDP's default uses 1)")
-    ring: str = _opt("gloo", "all-reduce implementation: gloo's native collective or our ring over point-to-point", ("gloo", "own"))
+    ring: str = _opt("auto", "all-reduce implementation: auto = the backend's collective, and on the CPU recursive "
+                     "doubling over point-to-point for buckets of at most 256 kB (log2(n) rounds instead of 2(n-1)); "
+                     "gloo = the backend's collective only; own = our ring over point-to-point",
+                     ("auto", "gloo", "own"))
     workers_per_node: int = _opt(0, "hierarchical aggregation (allreduce, ps): ranks per node (reduce inside a node, "
                                  "all-reduce among node leaders or push to the servers, broadcast inside the node; "
                                  "links inside a node are not emulated); 0 = flat")

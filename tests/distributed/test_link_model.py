@@ -156,10 +156,11 @@ def test_training_on_an_emulated_edge_network_with_a_straggler(tmp_path):
     cfg = small_config(str(tmp_path / "run"), workers=2, network="edge", slow_worker="1:4x")
     summary = launch_local(cfg)
     steps = summary["steps"]
-    # every step's all-reduce over 2 workers is 2 rounds of at least 10 ms each
+    # every step's all-reduce of the small model's one bucket over 2 workers is one round of
+    # recursive doubling (--ring auto), a swap over the emulated link: at least its 10 ms latency
     for rank in range(2):
         lines = [json.loads(x) for x in (tmp_path / "run" / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]
-        assert sum(m["comm_busy_s"] for m in lines) >= steps * 2 * 0.010
+        assert sum(m["comm_busy_s"] for m in lines) >= steps * 0.010
     # worker 0 waits for the straggler: its exposed communication holds worker 1's extra compute
     assert summary["exposed_comm_s_per_worker"][0] >= 0.5 * (summary["compute_s_per_worker"][1] - summary["compute_s_per_worker"][0])
     compute = summary["compute_s_per_worker"]

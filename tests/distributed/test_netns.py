@@ -146,10 +146,11 @@ def test_train_in_namespaces_counts_the_same_bytes_and_cleans_up(tmp_path):
         assert last["bytes_sent"] == summary["bytes_sent_per_worker"][rank] > 0
         assert last["bytes_received"] == summary["bytes_received_per_worker"][rank]
     assert sum(summary["bytes_sent_per_worker"]) == sum(summary["bytes_received_per_worker"])
-    # edge: 10 ms per message; an all-reduce over 2 workers is 2 rounds, so at least 20 ms a step
+    # edge: 10 ms per message; the small model's one bucket over 2 workers is one round of
+    # recursive doubling (--ring auto), so at least 10 ms a step
     for rank in range(2):
         lines = [json.loads(x) for x in (run / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]
-        assert sum(m["comm_busy_s"] for m in lines) >= 30 * 0.020
+        assert sum(m["comm_busy_s"] for m in lines) >= 30 * 0.010
     assert ours(proc.pid) == []
 
 

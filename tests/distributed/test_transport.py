@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distrain.comm import Transport, ring_all_reduce
+from distrain.comm import Transport, doubling_all_reduce, ring_all_reduce
 from tests.harness import run_group
 
 
@@ -17,6 +17,35 @@ def _ring_body(rank: int, world: int, numel: int) -> dict:
     ring_all_reduce(transport, data)
     return {"input": mine, "output": data, "sent": torch.tensor(transport.stats.sent),
             "received": torch.tensor(transport.stats.received)}
+
+
+def _doubling_body(rank: int, world: int, numel: int) -> dict:
+    transport = Transport()
+    data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    mine = data.clone()
+    doubling_all_reduce(transport, data)
+    return {"input": mine, "output": data, "sent": torch.tensor(transport.stats.sent)}
+
+
+def _doubling_bytes(rank: int, world: int, nbytes: int) -> int:
+    """What recursive doubling sends from ``rank``: a whole copy per round it takes part in."""
+    power = 1 << (world.bit_length() - 1)
+    extra = world - power
+    rounds = power.bit_length() - 1
+    if rank < 2 * extra:
+        return nbytes if rank % 2 == 0 else (rounds + 1) * nbytes  # (the odd one hands the sum back)
+    return rounds * nbytes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4, pytest.param(5, marks=pytest.mark.slow), 6])
+def test_recursive_doubling_sums_to_the_same_bits_on_every_rank_and_counts_its_bytes(world):
+    results = run_group(_doubling_body, world, args=(1001,))
+    expected = torch.stack([r["input"].double() for r in results]).sum(0)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["output"].double(), expected, rtol=1e-6, atol=1e-5)
+        assert torch.equal(r["output"], results[0]["output"])  # the same bits: the replicas stay equal
+        assert int(r["sent"].sum()) == _doubling_bytes(rank, world, 1001 * 4)
 
 
 @pytest.mark.timeout(120)
