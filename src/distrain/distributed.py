@@ -488,7 +488,7 @@ class DistributedOptimizer:
         self.joins = self._server_admissions(joined)
         self._joins_looked = time.monotonic()  # asynchronous parameter servers: the last look for joiners
         if self.membership is not None:
-            self.algorithm.keep_local = True
+            self._make_elastic()
         self.steps = 0
         self.compute_seconds = self.exposed_seconds = 0.0  # summed over this worker's steps
         #: compute seconds of the last step (forward and backward, without network waits, with
@@ -596,6 +596,15 @@ class DistributedOptimizer:
         if watch is not None:
             watch_waits(watch)
         return watch
+
+    def _make_elastic(self) -> None:
+        """The algorithm of an elastic run keeps its own gradients of the step in flight (a redo
+        starts from them). Where workers may join, all-reduce sums every bucket through gloo's
+        collective: recursive doubling's point-to-point rounds met an admission in a loop of
+        recoveries that lost nobody (2 of 20 restart runs of bench_churn, seed 5 by hand)."""
+        self.algorithm.keep_local = True
+        if self.membership is not None and self.membership.accepts_joins and hasattr(self.algorithm, "doubling_bytes"):
+            self.algorithm.doubling_bytes = 0
 
     def _elastic_membership(self) -> Membership | None:
         """The run's membership when the survivors of a lost worker go on: an elastic algorithm,
@@ -968,7 +977,7 @@ class DistributedOptimizer:
             self._start_from_rank0()
         self.algorithm = build_algorithm(self.config.algo.algorithm, self.config)
         self.algorithm.setup(self.model, self.optimizer, self.transport)
-        self.algorithm.keep_local = True
+        self._make_elastic()
         if start:
             self.algorithm.start(self.total_steps or UNBOUNDED_STEPS, self.steps_per_epoch or 1)
 
