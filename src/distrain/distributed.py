@@ -599,12 +599,9 @@ class DistributedOptimizer:
 
     def _make_elastic(self) -> None:
         """The algorithm of an elastic run keeps its own gradients of the step in flight (a redo
-        starts from them). Where workers may join, all-reduce sums every bucket through gloo's
-        collective: recursive doubling's point-to-point rounds met an admission in a loop of
-        recoveries that lost nobody (2 of 20 restart runs of bench_churn, seed 5 by hand)."""
+        starts from them), and knows whether workers may join."""
         self.algorithm.keep_local = True
-        if self.membership is not None and self.membership.accepts_joins and hasattr(self.algorithm, "doubling_bytes"):
-            self.algorithm.doubling_bytes = 0
+        self.algorithm.admits_joiners = self.membership is not None and self.membership.accepts_joins
 
     def _elastic_membership(self) -> Membership | None:
         """The run's membership when the survivors of a lost worker go on: an elastic algorithm,

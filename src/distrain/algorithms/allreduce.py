@@ -331,7 +331,9 @@ class AllReduce(Algorithm):
                 bucket.local.copy_(bucket.flat)
             else:  # flat holds a copy of them; the tensors themselves stay as they are until scattered
                 bucket.own = [p.grad for p in bucket.params]
-        if bucket.flat.numel() * bucket.flat.element_size() <= self.doubling_bytes:
+        # (not where workers join: doubling's rounds met an admission in a loop of recoveries
+        # that lost nobody, 2 of 20 restart runs of bench_churn)
+        if not self.admits_joiners and bucket.flat.numel() * bucket.flat.element_size() <= self.doubling_bytes:
             bucket.doubling = True  # after backward (the rounds wait on each other)
             return
         bucket.handle = (self.hierarchy or self.transport).all_reduce(bucket.flat)

@@ -35,12 +35,12 @@ class LinkTransport(Transport):
     Transport's. Sends and receives only."""
 
     def __init__(self, group: dist.ProcessGroup, ranks: list[int], me: int, world_size: int,
-                 link_model: LinkModel | None = None) -> None:
+                 link_model: LinkModel | None = None, store: dist.Store | None = None) -> None:
         self._open(group, me, world_size, link_model, list(range(world_size)))
         self._place = {r: i for i, r in enumerate(ranks)}  # run rank -> rank in the group
         self.ranks = list(ranks)  # the processes it links, by their ranks in the run
         #: the store the group met in, where its Python side must outlive the group (open_link)
-        self.store: dist.Store | None = None
+        self.store = store
 
     def _global(self, group_rank: int) -> int:
         return group_rank  # peers are named by their ranks in the run
@@ -85,6 +85,4 @@ def open_link(store: dist.Store, ranks: list[int], me: int, world_size: int, tim
         if missing := lost():
             raise LinkMissed(missing, f"rank {me}: rank(s) {missing} lost as the link opened") from exc
         raise
-    link = LinkTransport(group, ranks, me, world_size, link_model)
-    link.store = watchful  # the group calls its Python side while the group lives (see Membership._reopen)
-    return link
+    return LinkTransport(group, ranks, me, world_size, link_model, store=watchful)

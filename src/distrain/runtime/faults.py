@@ -231,7 +231,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     against 245 us on a million floats; ``isfinite(t).all()``, which writes a boolean copy,
     took 2.5 ms.
     """
-    values = tensor.coalesce().values() if tensor.is_sparse else tensor
+    values = _stored(tensor)
     if not values.numel() or math.isfinite(float(values.sum())):
         return True
     return bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
@@ -243,10 +243,15 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
     grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
     if not grads:
         return True
-    sums = torch.stack([(g.coalesce().values() if g.is_sparse else g).sum().double() for g in grads])
+    sums = torch.stack([_stored(g).sum().double() for g in grads])
     if math.isfinite(float(sums.sum())):
         return True
     return all(all_finite(g) for g, s in zip(grads, sums.tolist(), strict=True) if not math.isfinite(s))
+
+
+def _stored(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values, a sparse tensor's stored ones."""
+    return tensor.coalesce().values() if tensor.is_sparse else tensor
 
 
 def nonfinite_error(rank: int, step: int, what: str = "loss") -> WorkerFailure:
