@@ -599,9 +599,8 @@ class DistributedOptimizer:
 
     def _make_elastic(self) -> None:
         """The algorithm of an elastic run keeps its own gradients of the step in flight (a redo
-        starts from them), and knows whether workers may join."""
+        starts from them)."""
         self.algorithm.keep_local = True
-        self.algorithm.admits_joiners = self.membership is not None and self.membership.accepts_joins
 
     def _elastic_membership(self) -> Membership | None:
         """The run's membership when the survivors of a lost worker go on: an elastic algorithm,

@@ -331,9 +331,7 @@ class AllReduce(Algorithm):
                 bucket.local.copy_(bucket.flat)
             else:  # flat holds a copy of them; the tensors themselves stay as they are until scattered
                 bucket.own = [p.grad for p in bucket.params]
-        # (not where workers join: doubling's rounds met an admission in a loop of recoveries
-        # that lost nobody, 2 of 20 restart runs of bench_churn)
-        if not self.admits_joiners and bucket.flat.numel() * bucket.flat.element_size() <= self.doubling_bytes:
+        if bucket.flat.numel() * bucket.flat.element_size() <= self.doubling_bytes:
             bucket.doubling = True  # after backward (the rounds wait on each other)
             return
         bucket.handle = (self.hierarchy or self.transport).all_reduce(bucket.flat)

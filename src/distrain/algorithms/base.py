@@ -146,8 +146,6 @@ class Algorithm:
     #: Set by the driver of an elastic run: keep this worker's own gradients of the step in
     #: flight where averaging overwrites them before ``after_backward`` (see ``local_gradients``).
     keep_local: bool = False
-    #: Set by the driver of an elastic run where workers may join (``--max-restarts``).
-    admits_joiners: bool = False
     #: Keys of :meth:`state_dict` that are this worker's alone (error-feedback residuals): a
     #: worker that resumes from another's checkpoint (it was lost before that one was saved)
     #: starts them afresh, as one that joins a running job does.

@@ -952,11 +952,17 @@ def wait_polling(wait: Callable[[], None], poll: Callable[[float], None], every:
     """Run ``wait`` (blocking calls that gloo cannot interrupt) on this process's waiter thread
     and call ``poll(seconds waited)`` here every ``every`` seconds while it lasts; an exception
     that ``wait`` or ``poll`` raises is raised here (``poll``'s at once, the wait left to its
-    thread)."""
-    done, failed = _waiter().submit(wait)
+    thread, which this process's later waits then no longer queue behind: see :func:`_abandon`)."""
+    waiter = _waiter()
+    done, failed = waiter.submit(wait)
     began = time.monotonic()
-    while not done.wait(every):
-        poll(time.monotonic() - began)
+    try:
+        while not done.wait(every):
+            poll(time.monotonic() - began)
+    except BaseException:
+        if not done.is_set():
+            _abandon(waiter)
+        raise
     if failed:
         raise failed[0]
 
@@ -966,24 +972,39 @@ class _Waiter:
     started per wait cost D-PSGD's default job about 9% of its wall time)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event, list[BaseException]]] = \
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event, list[BaseException]] | None] = \
             queue.SimpleQueue()
-        threading.Thread(target=self._run, name="distrain-p2p-wait", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="distrain-p2p-wait", daemon=True)
+        self.thread.start()
 
     def submit(self, wait: Callable[[], None]) -> tuple[threading.Event, list[BaseException]]:
         done, failed = threading.Event(), []
         self._jobs.put((wait, done, failed))
         return done, failed
 
+    def hand_over(self, to: _Waiter) -> None:
+        """Give the waits queued here to ``to``, and end this thread after the one it is in."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                to._jobs.put(job)
+        self._jobs.put(None)
+
     def _run(self) -> None:
         while True:
-            wait, done, failed = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            wait, done, failed = job
             try:
                 wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 failed.append(exc)
             finally:
-                del wait  # nothing may keep an old group's work alive
+                del wait, job  # nothing may keep an old group's work alive
                 done.set()
 
 
@@ -997,6 +1018,20 @@ def _waiter() -> _Waiter:
         if _WAITER is None:
             _WAITER = _Waiter()
         return _WAITER
+
+
+def _abandon(waiter: _Waiter) -> None:
+    """A wait its caller left (a peer was lost) goes on in ``waiter``'s thread until the backend
+    ends it, which may be never: a connection to a live member that nobody closed stays open. The
+    process's later waits, and those queued behind it, go to a new waiter thread, so that a wait
+    left in an old group never holds the new group's (it held a survivor's first wait after a
+    loss until the old group's timeout, and the others recovered again and again meanwhile)."""
+    global _WAITER  # noqa: PLW0603
+    with _WAITER_LOCK:
+        if _WAITER is not waiter:
+            return
+        _WAITER = _Waiter()
+        waiter.hand_over(_WAITER)
 
 
 _LET_GO = threading.Event()
@@ -1029,17 +1064,23 @@ _NEVER_SENT_TAG = 0x5EA1
 
 def close_connections(group: dist.ProcessGroup | None = None, peer: int | None = None) -> None:
     """Close this worker's connections in ``group``: its pending sends and receives fail now,
-    here and at its peers (see :func:`_wait_p2p`). ``peer``: the rank in ``group`` whose
-    connection times out (one that is alive; default: the next rank)."""
+    here and at its peers (see :func:`_wait_p2p`). A receive that times out makes gloo close
+    every connection of the group; a receive from a peer whose connection has failed already
+    (a lost peer) fails at once and closes nothing else, so the peers are tried in turn, from
+    ``peer`` (a rank in ``group``; default: the next rank), until one times out. Where every
+    connection has failed, none is left open."""
     import torch
 
     world = dist.get_world_size(group)
     if world < 2:
         return
-    peer = (dist.get_rank(group) + 1) % world if peer is None else peer
-    peer = dist.get_global_rank(group, peer) if group is not None else peer
-    try:
-        dist.irecv(torch.zeros(1), src=peer, group=group, tag=_NEVER_SENT_TAG).wait(
-            timeout=datetime.timedelta(milliseconds=1))
-    except RuntimeError:
-        pass
+    me = dist.get_rank(group)
+    first = (me + 1) % world if peer is None else peer
+    for rank in [first, *(r for r in range(world) if r not in (me, first))]:
+        src = dist.get_global_rank(group, rank) if group is not None else rank
+        try:
+            dist.irecv(torch.zeros(1), src=src, group=group, tag=_NEVER_SENT_TAG).wait(
+                timeout=datetime.timedelta(milliseconds=1))
+        except RuntimeError as exc:
+            if any(text in str(exc) for text in _WAIT_TIMED_OUT):
+                return
