@@ -49,6 +49,10 @@ Reported: median, min and max over the runs. Also ``rebuild_s``, from the failur
 to the new group (the change's ``recovery_s``): DiLoCo's workers exchange nothing within a round,
 so they see a loss at the round's sync, up to a round after the kill, training on meanwhile.
 
+A run passes only without false recoveries (``false_recoveries``: the members agreed again
+with nobody lost, which costs a wait each). ``slowdown_s``: the run's wall time minus its
+fault-free twin's (median, min, max): what the fault cost, recoveries that came later included.
+
 Accuracy: final test accuracy of the kill run minus the no-fault run of the same seed; median,
 min and max, and how many are within 1 point.
 
@@ -233,7 +237,7 @@ def useful_samples(summary: dict, batch: int) -> float:
 
 
 def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps: int, reference: float,
-               training_s: float) -> dict:
+               training_s: float, clean_wall_s: float) -> dict:
     rng = random.Random(1000 * seed + restart)
     victim = rng.randrange(WORKERS)
     if algorithm in SERVER_VICTIM:  # one of the two servers (global ranks after the workers')
@@ -265,6 +269,10 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
            # from the failure a survivor saw to the new group (DiLoCo sees it at its round's sync)
            "rebuild_s": lost[0].get("recovery_s") if lost else None,
            "lost": lost[0]["workers"] if lost else None,
+           # recoveries in which nobody was lost (a false alarm: each costs a wait of its own)
+           "false_recoveries": sum(1 for c in lost if not c["workers"]),
+           # what the fault cost the run in wall time, against its fault-free twin
+           "slowdown_s": out["command_wall_s"] - clean_wall_s,
            # ps: workers that took a lost server's answer of a step from one it had answered
            "answer_taken": stderr.count("its answer taken from a worker"),
            "returned": sorted(WORKERS + int(s) for s in (summary or {}).get("returned_servers", {})),
@@ -276,7 +284,8 @@ def churn_case(tmp: Path, algorithm: str, seed: int, restart: bool, total_steps:
     want = WORKERS if restart or algorithm in SERVER_VICTIM else WORKERS - 1
     back = [victim] if restart and algorithm in SERVER_VICTIM else []  # a server started again takes its range back
     row["passed"] = (out["returncode"] == 0 and not out["hung"] and not out["left_running"]
-                     and row["lost"] == [victim] and row["workers_at_end"] == want and row["returned"] == back)
+                     and row["lost"] == [victim] and row["workers_at_end"] == want and row["returned"] == back
+                     and row["false_recoveries"] == 0)
     if not row["passed"]:  # the whole story of a failure (its warnings, every worker's last word)
         row["stderr_lines"] = [line.replace(str(tmp), "<tmp>") for line in stderr.strip().splitlines()[-STDERR_LINES:]]
     return row
@@ -348,7 +357,7 @@ def kill_part(tmp: Path, algorithm: str, seeds: int, result: dict) -> None:
         assert clean["returncode"] == 0 and summary is not None, clean["stderr_tail"]
         for restart in (False,) if algorithm in NO_RESTARTS else (False, True):
             row = churn_case(tmp, algorithm, seed, restart, summary["steps"], summary["final_test_accuracy"],
-                             summary["wall_time_s"])
+                             summary["wall_time_s"], clean["command_wall_s"])
             row["no_fault_accuracy"] = summary["final_test_accuracy"]
             rows.append(row)
             at = f"step {row['step']}" if row["step"] is not None else f"{row['after_s']} s"
@@ -366,6 +375,8 @@ def kill_part(tmp: Path, algorithm: str, seeds: int, result: dict) -> None:
         "restart_passed": sum(r["passed"] for r in restarts), "restart_runs": len(restarts),
         "hung": sum(r["hung"] for r in rows), "left_running": sum(bool(r["left_running"]) for r in rows),
         "recovery_s": spread(recoveries),
+        "slowdown_s": spread([r["slowdown_s"] for r in rows]),
+        "false_recoveries": sum(r["false_recoveries"] for r in rows),
         "rebuild_s": spread([r["rebuild_s"] for r in rows if r.get("rebuild_s") is not None]),
         "accuracy_minus_no_fault": spread(gaps),
         "within_1_point": sum(abs(g) <= 0.01 for g in gaps),
