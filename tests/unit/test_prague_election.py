@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import pytest
+import torch
 import torch.distributed as dist
 
 from distrain.algorithms.prague import GROUP, NO_GROUP, GroupBoard, GroupGenerator, GroupGossip
@@ -62,4 +64,36 @@ def test_a_successor_hands_out_a_lost_generators_group_only_to_the_lives_it_was_
             assert missed is None
         else:
             assert missed is not None and missed[2:4].tolist() == [0, 1]
+    del store
+
+
+class _Route:
+    """The generator's Transport to each worker: worker 2's connection has failed (a send to it
+    raises as it is issued, as gloo's does on a failed connection); the others' take the message."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def send(self, tensor: torch.Tensor, dst: int) -> SimpleNamespace:
+        if dst == 2:
+            raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:21916")
+        self.sent.append(dst)
+        return SimpleNamespace(wait=lambda: None)
+
+
+def test_the_generator_answers_the_others_when_a_send_to_a_lost_worker_fails_as_it_is_issued():
+    """The generator's listening thread saw worker 2's connection close before the generator
+    answered a group with it: the send failed at once, and the generator's thread died with it
+    (worker 0 then stopped, 1 of 20 restart runs of bench_churn's prague). It is the worker's loss."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    live = Liveness("127.0.0.1", port, world_size=4)
+    route = _Route()
+    answer = torch.zeros(4, dtype=torch.int64)
+    generator = GroupGenerator(4, 2, control=None, liveness=live, rank=0, route=lambda _w: route)  # type: ignore[arg-type]
+    generator.deliver([(2, answer), (1, answer), (0, answer)])
+    assert route.sent == [1] and generator.local.get_nowait() is answer
+    strict = GroupGenerator(4, 2, control=None, rank=0, route=lambda _w: route)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="Connection closed"):  # no liveness: a lost worker fails the run
+        strict.deliver([(2, answer)])
     del store

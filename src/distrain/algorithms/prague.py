@@ -433,20 +433,28 @@ class GroupGenerator:
 
     def deliver(self, answers: list[tuple[int, torch.Tensor]]) -> None:
         """Send the answers; a worker whose connection closed is left to its group partners,
-        whose ring with it fails (they find out who is gone)."""
+        whose ring with it fails (they find out who is gone). A connection that failed already
+        (its listening thread saw the worker die first) fails the send as it is issued, not at
+        its wait: that, too, is the worker's loss, not the generator's."""
         handles = []
         for worker, answer in answers:
             if worker == self.rank:
                 self.local.put(answer)
-            else:
+                continue
+            try:
                 handles.append((worker, self.route(worker).send(answer, worker)))
+            except Exception as exc:
+                self._not_answered(worker, exc)
         for worker, handle in handles:
             try:
                 handle.wait()
             except Exception as exc:
-                if self.liveness is None or not is_comm_error(exc):
-                    raise
-                log.warning("group generator: could not answer worker %d (%s)", worker, str(exc).strip()[:120])
+                self._not_answered(worker, exc)
+
+    def _not_answered(self, worker: int, exc: Exception) -> None:
+        if self.liveness is None or not is_comm_error(exc):
+            raise exc
+        log.warning("group generator: could not answer worker %d (%s)", worker, str(exc).strip()[:120])
 
     def ask_local(self, message: torch.Tensor) -> torch.Tensor:
         """This worker's own worker thread is ready: wait for its answer."""
