@@ -376,3 +376,19 @@ def test_a_worker_lost_while_the_others_load_their_data_is_started_again_and_joi
     end = summary["steps"]
     assert summary["steps_per_worker"] == [end, end - joined["joined_at_step"], end, end]
     assert_same_checkpoints(run_dir, end, range(4))
+
+
+def test_a_gossip_worker_started_again_takes_part_in_the_evaluation_after_its_admission(tmp_path):
+    """--algorithm dpsgd with an evaluation after every step (the consensus: collective): worker 2,
+    killed at step 12, starts again and is admitted after a step the members evaluate at, over the
+    group with it in it. It takes part in that evaluation; before, the members waited for it there
+    while it waited for them in its first exchange, until the group's timeout, and they recovered
+    with nobody lost (bench_churn's dpsgd, seed 5: 13.7 s)."""
+    run_dir = tmp_path / "run"
+    run = run_cli([*QUICK, "--workers", "4", "--epochs", "8", "--algorithm", "dpsgd", "--eval-every", "0.02",
+                   "--latency", "10ms", "--max-restarts", "1", "--run-dir", str(run_dir)], DISTRAIN_INJECT_KILL="2:12")
+    assert run.returncode == 0, run.stderr
+    assert run.orphans == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(c["event"], c["workers"]) for c in summary["membership"]] == [("lost", [2]), ("joined", [2])]
+    assert summary["workers_at_end"] == 4

@@ -480,12 +480,20 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     opt.start()  # together: emulated bandwidth traces and asynchronous algorithms' clocks start now
     start, cpu_start = time.perf_counter(), time.process_time()
     eval_time = EvalTime(opt.membership.store if opt.membership is not None else None, algorithm.synchronous)
-    if joined is not None and cfg.run.checkpoint_every and start_step % cfg.run.checkpoint_every == 0:
-        save(start_step, 0.0, 0.0)  # the members saved this step with this worker among them
     # Asynchronous algorithms (AD-PSGD, Prague) decide when a worker stops (its own budget; faster
     # workers take more steps), evaluate only at the end, and give the consensus over time after it.
     step = start_step
     running = algorithm.keep_going(step, total_steps)
+    if joined is not None and running and algorithm.synchronous and start_step % eval_interval == 0:
+        # The members evaluate after the step they admitted this worker at, over the group with it
+        # in it: the consensus (decentralized algorithms) and the target's flags are collective, so
+        # it takes part (else each waited for the other, the members there, this worker in its
+        # first exchange, until the group's timeout, and they recovered with nobody lost).
+        opt.eval_model()
+        if cfg.run.stop_at_target and reached_anywhere(opt, False):
+            running, stopped_at_target = False, True
+    if joined is not None and cfg.run.checkpoint_every and start_step % cfg.run.checkpoint_every == 0:
+        save(start_step, 0.0, 0.0)  # the members saved this step with this worker among them
     while running:
         watch.step = step
         maybe_injected_kill(rank, step)  # fault injection for tests (environment variables)
