@@ -444,6 +444,12 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # a joiner keeps its earlier life's lines up to where it comes back
     metrics = MetricsWriter(run_dir, rank, resume_step=resume_step if joined is None else start_step)
     eval_interval = max(1, round(cfg.run.eval_every * steps_per_epoch))
+
+    def evaluates_after(done: int) -> bool:
+        """Whether the workers evaluate together after ``done`` steps of a run that goes on
+        (synchronous algorithms; asynchronous ones evaluate only at their end)."""
+        return algorithm.synchronous and done % eval_interval == 0
+
     evals = Evaluations(task, test_set, cfg.run.eval_samples, cfg.run.target_accuracy, cfg.run.target_loss, device)
     totals = retarget(totals, cfg, run_dir, evals, resume_step)
     progress = _progress_bar(cfg, rank, total_steps, start_step)
@@ -484,7 +490,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
     # workers take more steps), evaluate only at the end, and give the consensus over time after it.
     step = start_step
     running = algorithm.keep_going(step, total_steps)
-    if joined is not None and running and algorithm.synchronous and start_step % eval_interval == 0:
+    if joined is not None and running and evaluates_after(start_step):
         # The members evaluate after the step they admitted this worker at, over the group with it
         # in it: the consensus (decentralized algorithms) and the target's flags are collective, so
         # it takes part (else each waited for the other, the members there, this worker in its
@@ -548,7 +554,7 @@ def _train(cfg: TrainConfig, run_dir: Path, watch: FaultWatch, model_fn: ModelFa
             "loss_quantiles": loss_quantiles(losses),
         }
         busy_before = busy
-        if not running or (algorithm.synchronous and (step + 1) % eval_interval == 0):
+        if not running or evaluates_after(step + 1):
             t_eval, during, measured = time.perf_counter(), running, False
             eval_model = opt.eval_model()  # collective for decentralized algorithms
             follow_changes()  # a loss found there: the survivors' average is what is evaluated
